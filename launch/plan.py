@@ -1,0 +1,80 @@
+"""Dry-run planner: build the model on the meta device (no memory) and report its shape.
+
+    python launch/plan.py +exp=flash            # human-readable
+    python launch/plan.py +exp=flash --json     # one JSON object
+
+Any Hydra override works (`model.dim=1024`). Reports parameter totals (text backbone, Engram tables,
+total), activated parameters per token, the per-layer role table and per-layer parameter counts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from model import Transformer  # noqa: E402
+from model.config import ConfigError  # noqa: E402
+from model.inspect import inspect_model  # noqa: E402
+from model.layer_plan import format_plan  # noqa: E402
+from train.config import compose, model_config  # noqa: E402
+
+
+def build_report(overrides: list[str]) -> dict:
+    cfg = model_config(compose(overrides))
+    with torch.device("meta"):
+        model = Transformer(cfg, init=False)
+    report = inspect_model(model, cfg)
+    report["overrides"] = overrides
+    return report
+
+
+def _b(n: int) -> str:
+    return f"{n / 1e9:,.3f}B" if n >= 1e8 else f"{n / 1e6:,.3f}M"
+
+
+def format_report(report: dict) -> str:
+    lines = [
+        f"plan for {' '.join(report['overrides']) or '(defaults)'}",
+        f"  text backbone          {_b(report['params_backbone']):>12}  ({report['params_backbone']:,})",
+        f"  Engram tables          {_b(report['params_engram']):>12}  ({report['params_engram']:,})",
+        f"  total                  {_b(report['params_total']):>12}  ({report['params_total']:,})",
+        f"  activated per token    {_b(report['params_activated_per_token']):>12}",
+        "",
+        f"{'layer':>5} {'role':<8} {'ratio':>5} {'kv_src':>6} {'idx_src':>7} {'cand':<6} {'engram':<6}"
+        f" {'params':>12} {'attn':>10} {'ffn':>10} {'engram':>10}",
+    ]
+    for l in report["layers"]:
+        cand = "source" if l["candidate_source"] else ("uses" if l["uses_candidates"] else "")
+        kv = "" if l["kv_source"] is None else l["kv_source"]
+        ix = "" if l["index_source"] is None else l["index_source"]
+        lines.append(
+            f"{l['id']:>5} {l['role']:<8} {l['compress_ratio']:>5} {kv:>6} {ix:>7} {cand:<6} "
+            f"{'yes' if l['engram'] else '':<6} {_b(l['params']):>12} {_b(l['params_attn']):>10} "
+            f"{_b(l['params_ffn']):>10} {_b(l['params_engram']) if l['params_engram'] else '':>10}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    as_json = "--json" in argv
+    overrides = [a for a in argv if a != "--json"]
+    unknown = [a for a in overrides if a.startswith("--")]
+    if unknown:
+        print(f"plan.py: unknown option(s) {unknown}; usage: python launch/plan.py [+exp=NAME] "
+              f"[hydra overrides...] [--json]", file=sys.stderr)
+        return 2
+    try:
+        report = build_report(overrides)
+    except ConfigError as e:
+        print(f"plan.py: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report) if as_json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

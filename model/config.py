@@ -1,0 +1,188 @@
+"""Typed configuration of the V4.1-Flash text backbone (V41_SPEC §1).
+
+Field names follow DeepSeek's public V4.1 config / inference `ModelArgs` (`dim`, `compress_ratios`,
+`kv_source_layers`, ...). Hydra fills this from `conf/model/*.yaml`; `validate()` runs before any
+model is built and every error names the field, the bad value and what would fix it.
+
+Choices the report leaves open are fields too (documented where they are used):
+`balance_loss_alpha`, `indexer_loss_weight`, `init_std`, `hc_fn_init_scale`, `hc_comb_init_logit`,
+`attn_chunk_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    # vocabulary and width
+    vocab_size: int = 129280
+    dim: int = 5120
+    n_layers: int = 40
+    # attention (§1): MQA-like, one shared K=V latent of head_dim
+    n_heads: int = 64
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    norm_eps: float = 1e-20
+    window_size: int = 128
+    # CSA2 layer roles (§2)
+    compress_ratios: list[int] = field(default_factory=lambda: [0] * 2 + [2] * 18 + [1] * 20)
+    kv_source_layers: list[int] = field(default_factory=lambda: [2, 8, 14, 20])
+    index_source_layers: list[int] = field(default_factory=lambda: [2, 8, 14, 20, 24, 28, 32, 36])
+    candidate_source_layer: int = 20  # -1 disables the candidate pool
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    candidate_restriction: bool = True  # Reindex layers score only inside the pool (§2, last line)
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    # RoPE (§1): ratio-0 layers plain theta; others compress_rope_theta with YaRN
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    original_seq_len: int = 65536
+    rope_factor: float = 16.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # DeepSeekMoE (§4)
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    n_activated_experts: int = 6
+    moe_inter_dim: int = 2304
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    balance_loss_alpha: float = 1e-4
+    # mHC (§3)
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # Engram (§5)
+    engram_layer_ids: list[int] = field(default_factory=lambda: [1, 14])
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 16000000
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_id: int = 2
+    # None: taken from the token map handed to the model (identity map -> vocab_size)
+    engram_compressed_vocab_size: int | None = 99092
+    # special ids
+    bos_id: int = 0
+    eos_id: int = 1
+    pad_id: int = 2
+    image_token_id: int = 129264
+    # indexer KL auxiliary loss weight (not published; Megatron-LM's DSA form, §2)
+    indexer_loss_weight: float = 1.0
+    # initialisation (not published; see model/init.py)
+    init_std: float = 0.006
+    hc_fn_init_scale: float = 0.1
+    hc_comb_init_logit: float = 4.0
+    # runtime: queries processed per attention chunk (memory, not math)
+    attn_chunk_size: int = 1024
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a plain mapping (e.g. `OmegaConf.to_container(cfg.model)`), rejecting unknown keys."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"model config has unknown field(s) {unknown}; known fields are listed in "
+                f"model/config.py (check the spelling in conf/model/*.yaml)"
+            )
+        cfg = cls(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in values.items()})
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"model.{name}={getattr(self, name)!r}: {why}")
+
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
+                     "o_lora_rank", "window_size", "index_n_heads", "index_head_dim", "index_topk",
+                     "n_routed_experts", "n_activated_experts", "moe_inter_dim", "hc_mult",
+                     "hc_sinkhorn_iters", "attn_chunk_size"):
+            if int(getattr(self, name)) <= 0:
+                raise bad(name, "must be a positive integer")
+        if self.rope_head_dim <= 0 or self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
+            raise bad("rope_head_dim", f"must be even, positive and <= head_dim={self.head_dim}")
+        if self.index_head_dim < self.rope_head_dim:
+            raise bad("index_head_dim", f"must be >= rope_head_dim={self.rope_head_dim} (RoPE on its tail)")
+        if (self.n_heads * self.head_dim) % self.o_groups:
+            raise bad("o_groups", f"must divide n_heads*head_dim={self.n_heads * self.head_dim}")
+        if self.n_heads % self.o_groups:
+            raise bad("o_groups", f"must divide n_heads={self.n_heads} (a group owns whole heads)")
+        if self.n_activated_experts > self.n_routed_experts:
+            raise bad("n_activated_experts", f"cannot exceed n_routed_experts={self.n_routed_experts}")
+        if self.n_shared_experts not in (0, 1):
+            raise bad("n_shared_experts", "V4.1 has exactly one shared expert (0 disables it)")
+        if self.hc_mult != 4:
+            raise bad("hc_mult", "the single-pass mHC layout (24 mixes per site) is defined for 4 streams")
+        if len(self.compress_ratios) != self.n_layers:
+            raise bad("compress_ratios", f"needs one entry per layer: {len(self.compress_ratios)} given, "
+                                         f"n_layers={self.n_layers}")
+        if any(r < 0 for r in self.compress_ratios):
+            raise bad("compress_ratios", "entries must be 0 (SWA only), 1, or a pooling ratio m > 1")
+        L = self.n_layers
+        for name in ("kv_source_layers", "index_source_layers", "engram_layer_ids"):
+            ids = list(getattr(self, name))
+            if any(not 0 <= i < L for i in ids):
+                raise bad(name, f"layer ids must lie in [0, {L - 1}]")
+            if ids != sorted(set(ids)):
+                raise bad(name, "layer ids must be strictly increasing, without repeats")
+        for l in self.kv_source_layers:
+            if self.compress_ratios[l] == 0:
+                raise bad("kv_source_layers", f"layer {l} has compress ratio 0; a kv source must compress")
+        for l in self.index_source_layers:
+            if self.compress_ratios[l] == 0:
+                raise bad("index_source_layers", f"layer {l} has compress ratio 0; it has no compressed KV to index")
+        for l in range(L):
+            r = self.compress_ratios[l]
+            if r == 0:
+                continue
+            srcs = [s for s in self.kv_source_layers if s <= l]
+            if not srcs:
+                raise bad("kv_source_layers", f"layer {l} has compress ratio {r} but no kv source at or before it")
+            if self.compress_ratios[srcs[-1]] != r:
+                raise bad("compress_ratios", f"layer {l} has ratio {r} but its kv source {srcs[-1]} has ratio "
+                                             f"{self.compress_ratios[srcs[-1]]}; a reader must share its source's ratio")
+            isrcs = [s for s in self.index_source_layers if s <= l]
+            if not isrcs:
+                raise bad("index_source_layers", f"layer {l} compresses but has no index source at or before it")
+            if isrcs[-1] < srcs[-1]:
+                raise bad("index_source_layers", f"layer {l}: its kv source {srcs[-1]} is newer than its index "
+                                                 f"source {isrcs[-1]}; every kv source must also be an index source")
+        c = self.candidate_source_layer
+        if c >= 0:
+            if c >= L or c not in self.kv_source_layers:
+                raise bad("candidate_source_layer", "must be a kv source layer (or -1 to disable)")
+            if self.candidate_topk_blocks <= 0 or self.candidate_block_size <= 0:
+                raise bad("candidate_topk_blocks", "candidate_topk_blocks and candidate_block_size must be > 0")
+        if self.engram_layer_ids:
+            if self.engram_max_ngram_size < 2:
+                raise bad("engram_max_ngram_size", "n-gram orders start at 2, so it must be >= 2")
+            for name in ("engram_n_heads", "engram_head_dim", "engram_vocab_size"):
+                if getattr(self, name) <= 0:
+                    raise bad(name, "must be positive when engram_layer_ids is non-empty")
+            if not 0 <= self.engram_pad_id < self.vocab_size:
+                raise bad("engram_pad_id", f"must be a token id in [0, {self.vocab_size})")
+            if self.engram_compressed_vocab_size is not None and self.engram_compressed_vocab_size <= 0:
+                raise bad("engram_compressed_vocab_size", "must be positive, or null to take it from the token map")
+        for name in ("bos_id", "eos_id", "pad_id", "image_token_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise bad(name, f"must be a token id in [0, {self.vocab_size})")
+        if self.norm_eps <= 0 or self.hc_eps <= 0:
+            raise bad("norm_eps", "norm_eps and hc_eps must be > 0")

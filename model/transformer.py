@@ -1,0 +1,141 @@
+"""The V4.1-Flash text model: embedding -> 4 mHC streams -> 40 blocks -> collapse -> norm -> head.
+
+The block stack passes an explicit carry (DESIGN.md "The model"), so any contiguous range of blocks
+is a pipeline stage:
+
+  Carry.h        [B, S, 4, D]   residual streams          (every block)
+  Carry.pre_mix  [B, S, 4]      pending single-pass `pre`  (every sublayer writes the next one's)
+  Carry.shared   SharedKV       compressed KV, index-K, top-k, candidate pool (CSA2 sharing)
+
+`ForwardContext` is computed once per batch from the batch alone: token types, image mask, Engram
+hash ids, and the side channel for aux-loss values and expert loads.
+
+Parameter names follow the public V4.1 checkpoint (`embed.weight`, `layers.{i}.attn.wq_a.weight`,
+`layers.{i}.ffn.gate.bias_vl`, `layers.{i}.hc_attn_fn`, `layers.{i}.engram.embed.weight`,
+`norm.weight`, `head.weight`); routed experts are stacked (`layers.{i}.ffn.experts.w1` [E, ...]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from model.attention import Attention, SharedKV
+from model.aux import StepStats
+from model.config import ModelConfig
+from model.engram import Engram, NgramHasher, engram_table_rows
+from model.init import init_weights
+from model.layer_plan import LayerRole, layer_plan
+from model.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
+from model.moe import MoE
+from model.norm import RMSNorm
+
+# token_types values (V41_SPEC §6)
+TEXT, IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = -1, 0, 1, 2, 3
+
+
+@dataclass
+class ForwardContext:
+    token_types: torch.Tensor | None  # [B, S] int, TEXT(-1) / START / IMAGE / NEWLINE / END
+    image_mask: torch.Tensor | None  # [B, S] bool = token_types >= 0
+    engram_ids: torch.Tensor | None  # [B, S, n_engram_layers, n_cols]
+    stats: StepStats = field(default_factory=StepStats)
+    aux_grad_scale: float = 1.0
+
+
+@dataclass
+class Carry:
+    h: torch.Tensor
+    pre_mix: torch.Tensor
+    shared: SharedKV = field(default_factory=SharedKV)
+
+
+class Block(nn.Module):
+    """Engram (if any) -> attention site -> FFN site, each with single-pass mHC (V41_SPEC §3)."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, engram_rows: int | None):
+        super().__init__()
+        self.layer_id = role.id
+        self.role = role
+        self.norm_eps, self.hc_eps, self.iters = cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
+        n, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
+        self.engram = Engram(cfg, role.id, engram_rows) if role.engram else None
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, role)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = MoE(cfg, role.id)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nn.Parameter(torch.empty(mix, n * cfg.dim, dtype=torch.float32)))
+            setattr(self, f"hc_{site}_base", nn.Parameter(torch.empty(mix, dtype=torch.float32)))
+            setattr(self, f"hc_{site}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
+
+    def _mixes(self, h, site: str):
+        return hc_mixes(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+                        getattr(self, f"hc_{site}_base"), self.norm_eps, self.hc_eps, self.iters)
+
+    def forward(self, carry: Carry, ctx: ForwardContext) -> Carry:
+        h = carry.h
+        if self.engram is not None:
+            h = self.engram(h, ctx.engram_ids[:, :, self.engram.index], ctx.image_mask)
+        attn_pre, attn_post, attn_comb = self._mixes(h, "attn")
+        x = self.attn_norm(hc_collapse(h, carry.pre_mix))
+        x = self.attn(x, carry.shared, ctx.stats, ctx.aux_grad_scale)
+        h = hc_expand(x, h, attn_post, attn_comb)
+
+        ffn_pre, ffn_post, ffn_comb = self._mixes(h, "ffn")
+        x = self.ffn_norm(hc_collapse(h, attn_pre))
+        x = self.ffn(x, ctx.image_mask, ctx.stats, ctx.aux_grad_scale)
+        h = hc_expand(x, h, ffn_post, ffn_comb)
+        return Carry(h, ffn_pre, carry.shared)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, token_map: list[int] | torch.Tensor | None = None,
+                 init: bool = True):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.plan = layer_plan(cfg)
+        rows = engram_table_rows(cfg) if cfg.engram_layer_ids else []
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(
+            Block(cfg, role, rows[cfg.engram_layer_ids.index(role.id)] if role.engram else None)
+            for role in self.plan
+        )
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.engram_hasher = NgramHasher(cfg, token_map) if cfg.engram_layer_ids else None
+        if init:
+            init_weights(self, cfg)
+
+    # --- the three stage pieces --------------------------------------------------------------
+    def context(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,
+                stats: StepStats | None = None, aux_grad_scale: float = 1.0) -> ForwardContext:
+        image_mask = None if token_types is None else token_types >= 0
+        engram_ids = None if self.engram_hasher is None else self.engram_hasher(tokens, image_mask)
+        return ForwardContext(token_types, image_mask, engram_ids, stats or StepStats(), aux_grad_scale)
+
+    def embed_tokens(self, tokens: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> Carry:
+        """Embedding copied to all streams; the first block's pending pre is one-hot on stream 0.
+        `inputs_embeds` [B, S, D] (e.g. with vision features merged in) replaces the lookup."""
+        e = self.embed(tokens) if inputs_embeds is None else inputs_embeds
+        h = e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+        return Carry(h, one_hot_pre(h))
+
+    def run_blocks(self, carry: Carry, ctx: ForwardContext, start: int = 0, end: int | None = None) -> Carry:
+        for block in self.layers[start:end]:
+            carry = block(carry, ctx)
+        return carry
+
+    def logits(self, carry: Carry) -> torch.Tensor:
+        """Collapse with the last pending pre, final RMSNorm, head (fp32 logits)."""
+        return self.head(self.norm(hc_collapse(carry.h, carry.pre_mix))).float()
+
+    def forward(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,
+                stats: StepStats | None = None, aux_grad_scale: float = 1.0) -> torch.Tensor:
+        """tokens [B, S] -> logits [B, S, vocab]. Aux losses ride on the backward pass; their values
+        and the expert loads land in `stats`."""
+        ctx = self.context(tokens, token_types, stats, aux_grad_scale)
+        return self.logits(self.run_blocks(self.embed_tokens(tokens), ctx))

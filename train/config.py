@@ -1,0 +1,28 @@
+"""Loading the Hydra configuration tree into typed config objects.
+
+`compose(overrides)` gives the resolved DictConfig for command-line style overrides
+(`["+exp=flash_tiny", "model.dim=128"]`); `model_config(cfg)` turns its `model` group into a validated
+`ModelConfig`. Code below `launch/` only ever sees the typed objects.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from model.config import ModelConfig
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def model_config(cfg: DictConfig) -> ModelConfig:
+    return ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
