@@ -84,7 +84,7 @@ class ModelConfig:
     # initialisation (not published; see model/init.py)
     init_std: float = 0.006
     hc_fn_init_scale: float = 0.1
-    hc_comb_init_logit: float = 4.0
+    hc_comb_init_logit: float = 1.0
     # runtime: queries processed per attention chunk (memory, not math)
     attn_chunk_size: int = 1024
 

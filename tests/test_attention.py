@@ -1,0 +1,171 @@
+"""CSA2 attention (V41_SPEC §1-2): visibility, sharing, candidate pool, causality, reference math."""
+
+import dataclasses
+import math
+
+import torch
+
+from model.attention import Attention, Compressor, SharedKV, select_candidate_blocks, sparse_attention
+from model.layer_plan import Role, layer_plan
+
+
+def _role(cfg, layer):
+    return layer_plan(cfg)[layer]
+
+
+def _randomize(module, std=0.3):
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, std)
+
+
+def test_compressed_groups_become_visible_exactly_when_complete(tiny_cfg):
+    """Window 1 (a query sees only itself) and top-k >= groups (every visible group is selected): a
+    query t then depends on an earlier position p iff p's group j = p // m is complete at t,
+    i.e. t >= (j + 1) m - 1. Checked for m = 2 (layer 2) and m = 4."""
+    for ratio in (2, 4):
+        cfg = dataclasses.replace(tiny_cfg, window_size=1, index_topk=64,
+                                  compress_ratios=[0, 0] + [ratio] * 18 + [1] * 20)
+        torch.manual_seed(0)
+        attn = Attention(cfg, _role(cfg, 2))
+        _randomize(attn)
+        S = 16
+        x = torch.randn(1, S, cfg.dim)
+        base = attn(x, SharedKV())
+        for p in range(S):
+            x2 = x.clone()
+            x2[0, p] += 1.0
+            out = attn(x2, SharedKV())
+            changed = (out - base).abs().amax(-1)[0] > 1e-6
+            for t in range(S):
+                if t == p:
+                    assert changed[t]  # its own window slot
+                    continue
+                expect = t >= (p // ratio + 1) * ratio - 1 and t > p
+                assert bool(changed[t]) == expect, (ratio, p, t)
+
+
+def test_compressor_pools_groups_by_hand(tiny_cfg):
+    cfg = dataclasses.replace(tiny_cfg, dim=2, head_dim=2, rope_head_dim=2)
+    comp = Compressor(cfg, 2)
+    with torch.no_grad():
+        comp.wkv.weight.copy_(torch.eye(2))
+        comp.wgate.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+    x = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]])  # last token: incomplete group, dropped
+    out = comp(x)
+    assert out.shape == (1, 1, 2)
+    w0 = [math.exp(1) / (math.exp(1) + math.exp(3)), math.exp(3) / (math.exp(1) + math.exp(3))]
+    pooled = [w0[0] * 1 + w0[1] * 3, 0.5 * 2 + 0.5 * 4]
+    rms = math.sqrt((pooled[0] ** 2 + pooled[1] ** 2) / 2)
+    torch.testing.assert_close(out[0, 0], torch.tensor([pooled[0] / rms, pooled[1] / rms]))
+
+
+def test_sparse_attention_matches_literal_softmax_with_sink():
+    torch.manual_seed(0)
+    B, S, H, D, W = 1, 6, 2, 4, 3
+    q = torch.randn(B, S, H, D)
+    kv = torch.randn(B, S, D)
+    comp = torch.randn(B, 3, D)
+    idx = torch.tensor([[[-1, -1], [0, -1], [0, 2], [1, -1], [2, 0], [1, 2]]])
+    sink = torch.tensor([0.3, -1.0])
+    out, _ = sparse_attention(q, kv, 0, W, comp, idx, sink, 0.5)
+    for t in range(S):
+        ents = [kv[0, p] for p in range(max(0, t - W + 1), t + 1)] + [comp[0, j] for j in idx[0, t].tolist() if j >= 0]
+        E = torch.stack(ents)
+        for h in range(H):
+            logits = (E @ q[0, t, h]) * 0.5
+            w = torch.exp(logits)
+            want = (w.unsqueeze(-1) * E).sum(0) / (w.sum() + torch.exp(sink[h]))
+            torch.testing.assert_close(out[0, t, h], want, atol=1e-5, rtol=1e-5)
+
+
+def test_reuse_layers_have_no_indexer_and_backprop_into_owner_compressor(tiny_cfg):
+    plan = layer_plan(tiny_cfg)
+    from model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(tiny_cfg, init=False)
+    for role, block in zip(plan, model.layers):
+        names = [n for n, _ in block.attn.named_parameters()]
+        assert any(n.startswith("indexer.") for n in names) == (role.role in (Role.FULL, Role.REINDEX)), role
+        assert any(n.startswith("compressor.") for n in names) == (role.role is Role.FULL), role
+        assert any(n.startswith("indexer.wk") for n in names) == (role.role is Role.FULL), role
+
+    torch.manual_seed(0)
+    full, reuse = Attention(tiny_cfg, plan[2]), Attention(tiny_cfg, plan[3])
+    assert plan[3].role is Role.REUSE and plan[3].kv_source == 2
+    _randomize(full)
+    _randomize(reuse)
+    S = 48
+    shared = SharedKV()
+    full(torch.randn(1, S, tiny_cfg.dim), shared)
+    out = reuse(torch.randn(1, S, tiny_cfg.dim), shared)
+    out.pow(2).sum().backward()
+    g = full.compressor.wkv.weight.grad
+    assert g is not None and g.abs().sum() > 0
+    assert full.compressor.wgate.weight.grad.abs().sum() > 0
+    # ... and only through the shared KV: the owner's query path is untouched by the reader's loss
+    assert full.wq_a.weight.grad is None
+
+
+def test_reindex_layers_select_only_inside_candidate_pool(tiny_cfg, tiny_model):
+    plan = tiny_model.plan
+    cand_layer = tiny_cfg.candidate_source_layer
+    reindex = [r.id for r in plan if r.role is Role.REINDEX]
+    assert reindex == [24, 28, 32, 36] and all(plan[l].uses_candidates for l in reindex)
+    seen = {}
+    for l in [cand_layer] + reindex:
+        tiny_model.layers[l].register_forward_hook(
+            lambda mod, args, out, l=l: seen.__setitem__(l, (out.shared.topk, out.shared.candidates)))
+    S, bs = 128, tiny_cfg.candidate_block_size
+    with torch.no_grad():
+        tiny_model(torch.randint(0, tiny_cfg.vocab_size, (2, S)))
+    cands = seen[cand_layer][1]
+    assert cands.shape == (2, S, S // bs)
+    kept = cands.sum(-1)
+    assert (kept <= tiny_cfg.candidate_topk_blocks).all() and (kept >= 1).all()
+    # the block holding the newest visible position (t itself at ratio 1) is always in the pool
+    t = torch.arange(S)
+    assert cands[:, t, t // bs].all()
+    restricted = 0
+    for l in reindex:
+        topk = seen[l][0]
+        valid = topk >= 0
+        block = topk.clamp_min(0) // bs
+        inside = torch.gather(cands, 2, block)
+        assert inside[valid].all(), l
+        assert (topk[valid] <= t.view(1, S, 1).expand_as(topk)[valid]).all()  # causal
+        restricted += int((valid.sum(-1) < topk.shape[-1]).sum())
+    # the pool (4 blocks of 4) is what limits selection once t is large: some queries have empty slots
+    assert restricted > 0
+
+
+def test_select_candidate_blocks_by_hand():
+    scores = torch.tensor([[[5.0, 1.0, 0.0, 0.0, 9.0, 2.0, 3.0, float("-inf")]]])
+    n_vis = torch.tensor([7])
+    keep = select_candidate_blocks(scores, n_vis, topk_blocks=2, block=2)
+    # block maxima: [5, 0, 9, 3]; newest visible position 6 lies in block 3 (pinned); best other: block 2
+    assert keep[0, 0].tolist() == [False, False, True, True]
+
+
+def test_causality_every_layer(tiny_cfg, tiny_model):
+    """Changing tokens after t leaves every block's output (and the logits) up to t unchanged."""
+    outs = {}
+    for block in tiny_model.layers:
+        block.register_forward_hook(lambda mod, args, out: outs.__setitem__(mod.layer_id, out.h))
+    torch.manual_seed(1)
+    S = 128
+    tokens = torch.randint(3, tiny_cfg.vocab_size, (1, S))
+    with torch.no_grad():
+        base_logits = tiny_model(tokens)
+        base = dict(outs)
+        for t in (0, 16, 47, 64, 100):
+            changed = tokens.clone()
+            changed[0, t + 1:] = torch.randint(3, tiny_cfg.vocab_size, (S - t - 1,))
+            logits = tiny_model(changed)
+            torch.testing.assert_close(logits[0, :t + 1], base_logits[0, :t + 1], atol=1e-5, rtol=1e-5)
+            for l in range(tiny_cfg.n_layers):
+                torch.testing.assert_close(outs[l][0, :t + 1], base[l][0, :t + 1], atol=1e-5, rtol=1e-5,
+                                           msg=lambda m, l=l, t=t: f"layer {l} ({tiny_model.plan[l].role.value}) t={t}: {m}")
+            assert not torch.allclose(logits[0, t + 1:], base_logits[0, t + 1:])
