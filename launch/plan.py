@@ -20,7 +20,6 @@ import torch  # noqa: E402
 from model import Transformer  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 from model.inspect import inspect_model  # noqa: E402
-from model.layer_plan import format_plan  # noqa: E402
 from train.config import compose, model_config  # noqa: E402
 
 

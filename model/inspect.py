@@ -34,7 +34,6 @@ def inspect_model(model: nn.Module, cfg: ModelConfig) -> dict:
         engram = 0 if block.engram is None else _numel(block.engram)
         layers.append({
             **role.as_dict(),
-            "role": role.role.value,
             "params": _numel(block),
             "params_attn": _numel(block.attn),
             "params_ffn": _numel(block.ffn),

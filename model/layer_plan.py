@@ -87,16 +87,3 @@ def layer_plan(cfg: ModelConfig) -> tuple[LayerRole, ...]:
         )
         roles.append(LayerRole(l, role, ratio, kv_src, idx_src, l == cand, uses_candidates, engram))
     return tuple(roles)
-
-
-def format_plan(plan: tuple[LayerRole, ...]) -> str:
-    """A fixed-width table of the roles, as `launch/plan.py` prints it."""
-    head = f"{'layer':>5} {'role':<8} {'ratio':>5} {'kv_src':>6} {'idx_src':>7} {'cand':<6} {'engram':<6}"
-    rows = [head, "-" * len(head)]
-    for r in plan:
-        cand = "source" if r.is_candidate_source else ("uses" if r.uses_candidates else "")
-        rows.append(
-            f"{r.id:>5} {r.role.value:<8} {r.compress_ratio:>5} {'' if r.kv_source is None else r.kv_source:>6} "
-            f"{'' if r.index_source is None else r.index_source:>7} {cand:<6} {'yes' if r.engram else '':<6}"
-        )
-    return "\n".join(rows)
