@@ -4,7 +4,7 @@
     python launch/plan.py +exp=flash --json     # one JSON object
 
 Any Hydra override works (`model.dim=1024`). Reports parameter totals (text backbone, Engram tables,
-total), activated parameters per token, the per-layer role table and per-layer parameter counts.
+with text and vision separately, total), activated parameters per token, the per-layer role table and per-layer parameter counts.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ def _b(n: int) -> str:
 def format_report(report: dict) -> str:
     lines = [
         f"plan for {' '.join(report['overrides']) or '(defaults)'}",
-        f"  text backbone          {_b(report['params_backbone']):>12}  ({report['params_backbone']:,})",
+        f"  backbone               {_b(report['params_backbone']):>12}  ({report['params_backbone']:,})",
+        f"    text                 {_b(report['params_text']):>12}  ({report['params_text']:,})",
+        f"    vision               {_b(report['params_vision']):>12}  ({report['params_vision']:,}; "
+        f"ViT {_b(report['params_vit'])})",
         f"  Engram tables          {_b(report['params_engram']):>12}  ({report['params_engram']:,})",
         f"  total                  {_b(report['params_total']):>12}  ({report['params_total']:,})",
         f"  activated per token    {_b(report['params_activated_per_token']):>12}",

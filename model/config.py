@@ -74,6 +74,18 @@ class ModelConfig:
     engram_pad_id: int = 2
     # None: taken from the token map handed to the model (identity map -> vocab_size)
     engram_compressed_vocab_size: int | None = 99092
+    # vision (§6); vision_n_layers = 0 disables the vision path
+    vision_n_layers: int = 32
+    vision_dim: int = 1024
+    vision_n_heads: int = 16
+    vision_inter_dim: int = 2816
+    vision_patch_size: int = 14
+    vision_rope_theta: float = 10000.0
+    vision_downsample_ratio: int = 3
+    vision_max_n_token: int = 1024  # positions of one image span, START/NEWLINE/END included
+    vision_min_pixels: int = 544 * 544
+    vision_max_wh_ratio: int | None = None
+    vision_norm_eps: float = 1e-6
     # special ids
     bos_id: int = 0
     eos_id: int = 1
@@ -181,6 +193,19 @@ class ModelConfig:
                 raise bad("engram_pad_id", f"must be a token id in [0, {self.vocab_size})")
             if self.engram_compressed_vocab_size is not None and self.engram_compressed_vocab_size <= 0:
                 raise bad("engram_compressed_vocab_size", "must be positive, or null to take it from the token map")
+        if self.vision_n_layers < 0:
+            raise bad("vision_n_layers", "must be >= 0 (0 disables the vision path)")
+        if self.vision_n_layers:
+            for name in ("vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
+                         "vision_downsample_ratio", "vision_min_pixels"):
+                if getattr(self, name) <= 0:
+                    raise bad(name, "must be positive when vision_n_layers > 0")
+            if self.vision_dim % self.vision_n_heads or (self.vision_dim // self.vision_n_heads) % 4:
+                raise bad("vision_n_heads", f"vision_dim={self.vision_dim} / vision_n_heads must be a head dim "
+                                            f"divisible by 4 (2D RoPE turns a quarter of each head per axis)")
+            if self.vision_max_n_token < 4:
+                raise bad("vision_max_n_token", "an image span needs at least 4 positions (START, 1 IMAGE, "
+                                                "NEWLINE, END)")
         for name in ("bos_id", "eos_id", "pad_id", "image_token_id"):
             if not 0 <= getattr(self, name) < self.vocab_size:
                 raise bad(name, f"must be a token id in [0, {self.vocab_size})")

@@ -1,7 +1,9 @@
 """Weight initialisation (not published by DeepSeek; our choice, V41_SPEC §3 asks us to document it).
 
-- Matrices (linear weights, stacked experts, gate, embedding, head, Engram tables): N(0, init_std),
-  init_std = 0.006 as in DeepSeek-V3's public training config.
+- Matrices (linear weights, stacked experts, gate, embedding, head, Engram tables, ViT and aligner)
+  and the image START / NEWLINE / END vectors: N(0, init_std), init_std = 0.006 as in DeepSeek-V3's
+  public training config; linear biases 0. (The report's ViT arrives pre-trained; loading it is a
+  checkpoint import, not an init.)
 - RMSNorm weights and Engram q/k weights: 1. Attention sinks: 0. MoE selection biases: 0.
 - mHC sites start as a plain residual. The embedding is copied to all 4 streams, so the streams are
   identical at step 0, and then for any doubly stochastic B: sum_i B_ij X_i = X. With
@@ -40,6 +42,8 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.normal_(0.0, cfg.init_std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
         elif isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
     for name, p in model.named_parameters():
@@ -52,6 +56,8 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
             p.zero_()
         elif leaf in ("q_weight", "k_weight"):
             p.fill_(1.0)
+        elif leaf in ("image_start", "image_newline", "image_end"):
+            p.normal_(0.0, cfg.init_std)
     for block in getattr(model, "layers", []):
         for site in ("attn", "ffn"):
             init_mhc_site(getattr(block, f"hc_{site}_fn"), getattr(block, f"hc_{site}_base"),

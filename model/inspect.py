@@ -6,7 +6,12 @@ Activated per token (our accounting; the report gives "about 16B" without a brea
 parameter a token's forward pass multiplies with -- all non-expert weights (attention, compressor,
 indexer, gate, shared expert, mHC, norms, Engram `wkv`, head) plus `n_activated_experts` routed
 experts per layer -- plus the Engram table rows it looks up (n_cols x head_dim per Engram layer).
-The token embedding is a lookup of one row and is not counted.
+The token embedding is a lookup of one row and is not counted; the vision tower runs per image,
+not per token, and is not counted either.
+
+Totals: `params_backbone` is the report's "backbone" (text model + vision tower + projector), split
+into `params_text` and `params_vision` (ViT, aligner, image START/NEWLINE/END vectors); the Engram
+tables are `params_engram`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 from torch import nn
 
 from model.config import ModelConfig
+
+VISION_ROOTS = ("vision", "aligner", "image_start", "image_newline", "image_end")
 
 
 def _numel(module: nn.Module) -> int:
@@ -23,11 +30,12 @@ def _numel(module: nn.Module) -> int:
 def inspect_model(model: nn.Module, cfg: ModelConfig) -> dict:
     engram_tables = sum(b.engram.embed.weight.numel() for b in model.layers if b.engram is not None)
     total = _numel(model)
+    vision = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[0] in VISION_ROOTS)
     routed = sum(_numel(b.ffn.experts) for b in model.layers)
     per_expert = routed // (cfg.n_routed_experts * len(model.layers))
     n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
     engram_rows_read = sum(n_cols * cfg.engram_head_dim for b in model.layers if b.engram is not None)
-    activated = (total - engram_tables - routed - model.embed.weight.numel()
+    activated = (total - engram_tables - vision - routed - model.embed.weight.numel()
                  + cfg.n_activated_experts * per_expert * len(model.layers) + engram_rows_read)
     layers = []
     for role, block in zip(model.plan, model.layers):
@@ -41,6 +49,9 @@ def inspect_model(model: nn.Module, cfg: ModelConfig) -> dict:
         })
     return {
         "params_backbone": total - engram_tables,
+        "params_text": total - engram_tables - vision,
+        "params_vision": vision,
+        "params_vit": _numel(model.vision) if vision else 0,
         "params_engram": engram_tables,
         "params_total": total,
         "params_activated_per_token": activated,

@@ -12,7 +12,13 @@ hash ids, and the side channel for aux-loss values and expert loads.
 
 Parameter names follow the public V4.1 checkpoint (`embed.weight`, `layers.{i}.attn.wq_a.weight`,
 `layers.{i}.ffn.gate.bias_vl`, `layers.{i}.hc_attn_fn`, `layers.{i}.engram.embed.weight`,
-`norm.weight`, `head.weight`); routed experts are stacked (`layers.{i}.ffn.experts.w1` [E, ...]).
+`norm.weight`, `head.weight`, `vision.*`, `aligner.*`, `image_start`); routed experts are stacked
+(`layers.{i}.ffn.experts.w1` [E, ...]).
+
+Images (V41_SPEC §6): a batch carries `token_types` and, per sample, the processed pixel tensors of
+its images in order of appearance; `embed_inputs` writes their aligner rows and the learned
+START / NEWLINE / END vectors into the image spans before the first block, and image positions
+(token_types >= 0) route with `bias_vl` and get Engram gate 0.
 """
 
 from __future__ import annotations
@@ -31,9 +37,8 @@ from model.layer_plan import LayerRole, layer_plan
 from model.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
 from model.moe import MoE
 from model.norm import RMSNorm
+from model.vision import Aligner, ViT, encode_images, merge_images
 
-# token_types values (V41_SPEC §6)
-TEXT, IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = -1, 0, 1, 2, 3
 
 
 @dataclass
@@ -107,6 +112,12 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.engram_hasher = NgramHasher(cfg, token_map) if cfg.engram_layer_ids else None
+        if cfg.vision_n_layers:
+            self.vision = ViT(cfg)
+            self.aligner = Aligner(cfg)
+            self.image_start = nn.Parameter(torch.empty(cfg.dim))
+            self.image_newline = nn.Parameter(torch.empty(cfg.dim))
+            self.image_end = nn.Parameter(torch.empty(cfg.dim))
         if init:
             init_weights(self, cfg)
 
@@ -117,10 +128,27 @@ class Transformer(nn.Module):
         engram_ids = None if self.engram_hasher is None else self.engram_hasher(tokens, image_mask)
         return ForwardContext(token_types, image_mask, engram_ids, stats or StepStats(), aux_grad_scale)
 
-    def embed_tokens(self, tokens: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> Carry:
-        """Embedding copied to all streams; the first block's pending pre is one-hot on stream 0.
-        `inputs_embeds` [B, S, D] (e.g. with vision features merged in) replaces the lookup."""
-        e = self.embed(tokens) if inputs_embeds is None else inputs_embeds
+    def embed_inputs(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,
+                     images: list[list[torch.Tensor]] | None = None) -> Carry:
+        """Token embeddings, with image spans filled when the batch has images, copied to all 4
+        streams; the first block's pending pre is one-hot on stream 0.
+
+        images: per sample, the pixel tensors [3, H, W] of its images in order of appearance."""
+        e = self.embed(tokens)
+        if images is not None and any(images):
+            if not self.cfg.vision_n_layers:
+                raise ValueError("the batch has images but model.vision_n_layers=0 (no vision tower)")
+            if token_types is None:
+                raise ValueError("a batch with images needs token_types to place them")
+            flat = [img for sample in images for img in sample]
+            rows_flat = encode_images(self.vision, self.aligner, flat)
+            rows, k = [], 0
+            for sample in images:
+                rows.append(rows_flat[k:k + len(sample)])
+                k += len(sample)
+            e = merge_images(e, token_types, rows, self.image_start, self.image_newline, self.image_end)
+        elif token_types is not None and bool((token_types >= 0).any()):
+            raise ValueError("token_types marks image positions but the batch carries no images")
         h = e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         return Carry(h, one_hot_pre(h))
 
@@ -134,8 +162,9 @@ class Transformer(nn.Module):
         return self.head(self.norm(hc_collapse(carry.h, carry.pre_mix))).float()
 
     def forward(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,
-                stats: StepStats | None = None, aux_grad_scale: float = 1.0) -> torch.Tensor:
+                images: list[list[torch.Tensor]] | None = None, stats: StepStats | None = None,
+                aux_grad_scale: float = 1.0) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab]. Aux losses ride on the backward pass; their values
         and the expert loads land in `stats`."""
         ctx = self.context(tokens, token_types, stats, aux_grad_scale)
-        return self.logits(self.run_blocks(self.embed_tokens(tokens), ctx))
+        return self.logits(self.run_blocks(self.embed_inputs(tokens, token_types, images), ctx))

@@ -20,3 +20,39 @@ def tiny_model(tiny_cfg):
 
     torch.manual_seed(0)
     return Transformer(tiny_cfg)
+
+
+def image_config(cfg):
+    from data.images import ImageProcessorConfig
+
+    return ImageProcessorConfig(cfg.vision_patch_size, cfg.vision_downsample_ratio, cfg.vision_max_n_token,
+                                cfg.vision_min_pixels, cfg.vision_max_wh_ratio)
+
+
+def random_image(cfg, width, height, seed=0):
+    """A processed random RGB image of the given size (through the real preprocessing)."""
+    import numpy as np
+    from PIL import Image
+
+    from data.images import process_image
+
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    return process_image(img, image_config(cfg))
+
+
+def vl_sample(cfg, segments, seed=0):
+    """segments: ints (that many random text tokens) and ProcessedImages, in order.
+    Returns (tokens [S], token_types [S], [pixels, ...])."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, types, images = [], [], []
+    for seg in segments:
+        if isinstance(seg, int):
+            tokens.append(torch.randint(3, cfg.image_token_id, (seg,), generator=g))
+            types.append(torch.full((seg,), -1, dtype=torch.long))
+        else:
+            t = seg.token_types()
+            tokens.append(torch.full((t.numel(),), cfg.image_token_id, dtype=torch.long))
+            types.append(t)
+            images.append(seg.pixels)
+    return torch.cat(tokens), torch.cat(types), images

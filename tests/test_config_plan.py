@@ -87,7 +87,10 @@ def test_plan_reports_published_sizes():
     assert [l["role"] for l in r["layers"]] == [spec_role(l) for l in range(40)]
     for l in r["layers"]:
         assert {"id", "role", "compress_ratio", "kv_source", "index_source", "engram", "params"} <= set(l)
-    assert sum(l["params"] for l in r["layers"]) + r["params_embedding"] + r["params_head"] + 5120 == r["params_total"]
+    assert r["params_backbone"] == r["params_text"] + r["params_vision"]
+    assert abs(r["params_vit"] / 0.41e9 - 1) < 0.02  # "the ViT is about 0.41B"
+    assert sum(l["params"] for l in r["layers"]) + r["params_embedding"] + r["params_head"] + 5120 \
+        + r["params_vision"] == r["params_total"]
 
 
 def test_plan_human_output_and_bad_config():

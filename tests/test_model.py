@@ -14,12 +14,17 @@ def _lm_loss(logits, tokens):
 
 
 def test_forward_backward_finite_with_gradients_everywhere(tiny_cfg, tiny_model):
+    from conftest import random_image, vl_sample
+
     torch.manual_seed(0)
-    tokens = torch.randint(0, tiny_cfg.vocab_size, (2, 128))
-    types = torch.full_like(tokens, -1)
-    types[0, 30:45] = 1  # an image span (filled by the vision path later): bias_vl routing, Engram gate 0
+    img_a, img_b = random_image(tiny_cfg, 84, 84, seed=1), random_image(tiny_cfg, 120, 90, seed=2)
+    t0, y0, im0 = vl_sample(tiny_cfg, [30, img_a, 40, img_b], seed=3)
+    S = t0.numel()
+    t1 = torch.randint(3, tiny_cfg.image_token_id, (S,))
+    tokens, types = torch.stack([t0, t1]), torch.stack([y0, torch.full_like(y0, -1)])
+    n_image_pos = int((y0 >= 0).sum())
     stats = StepStats()
-    loss = _lm_loss(tiny_model(tokens, types, stats), tokens)
+    loss = _lm_loss(tiny_model(tokens, types, [im0, []], stats), tokens)
     assert torch.isfinite(loss)
     assert abs(loss.item() - torch.log(torch.tensor(float(tiny_cfg.vocab_size))).item()) < 0.5  # near uniform at init
     loss.backward()
@@ -33,8 +38,8 @@ def test_forward_backward_finite_with_gradients_everywhere(tiny_cfg, tiny_model)
     assert sorted(stats.indexer_loss) == tiny_cfg.index_source_layers
     k = tiny_cfg.n_activated_experts
     for l in range(L):
-        assert stats.expert_load[l][1].sum().item() == 15 * k
-        assert stats.expert_load[l][0].sum().item() == (2 * 128 - 15) * k
+        assert stats.expert_load[l][1].sum().item() == n_image_pos * k
+        assert stats.expert_load[l][0].sum().item() == (2 * S - n_image_pos) * k
 
 
 def test_indexer_kl_trains_only_indexer_weights(tiny_cfg):
@@ -68,19 +73,21 @@ def test_aux_grad_scale_scales_only_the_aux_gradient(tiny_cfg):
 
 
 def test_image_positions_route_with_bias_vl(tiny_cfg, tiny_model):
+    from conftest import random_image, vl_sample
+
     block = tiny_model.layers[3]
     with torch.no_grad():
         block.ffn.gate.bias_vl[5], block.ffn.gate.bias_vl[2] = 100.0, -100.0
         block.ffn.gate.bias[2], block.ffn.gate.bias[5] = 100.0, -100.0
-    tokens = torch.randint(0, tiny_cfg.vocab_size, (1, 40))
-    types = torch.full_like(tokens, -1)
-    types[0, 10:20] = 1
+    tokens, types, images = vl_sample(tiny_cfg, [10, random_image(tiny_cfg, 84, 84), 22])
+    n_img = int((types >= 0).sum())
+    assert n_img == 8  # START + 2 x (2 IMAGE + NEWLINE) + END
     stats = StepStats()
     with torch.no_grad():
-        tiny_model(tokens, types, stats)
+        tiny_model(tokens[None], types[None], [images], stats)
     text, image = stats.expert_load[3]
-    assert image[5].item() == 10 and image[2].item() == 0
-    assert text[2].item() == 30 and text[5].item() == 0
+    assert image[5].item() == n_img and image[2].item() == 0
+    assert text[2].item() == 32 and text[5].item() == 0
 
 
 def test_state_dict_uses_public_checkpoint_names(tiny_model):
@@ -100,7 +107,12 @@ def test_state_dict_uses_public_checkpoint_names(tiny_model):
               "layers.0.hc_attn_fn", "layers.0.hc_attn_base", "layers.0.hc_attn_scale",
               "layers.0.hc_ffn_fn", "layers.0.hc_ffn_base", "layers.0.hc_ffn_scale",
               "layers.1.engram.embed.weight", "layers.1.engram.wkv.weight",
-              "layers.1.engram.q_weight", "layers.1.engram.k_weight", "layers.14.engram.embed.weight"]:
+              "layers.1.engram.q_weight", "layers.1.engram.k_weight", "layers.14.engram.embed.weight",
+              "vision.patch_embed.proj.weight", "vision.patch_embed.proj.bias", "vision.blocks.0.norm1.weight",
+              "vision.blocks.0.attn.wqkv.weight", "vision.blocks.0.attn.wqkv.bias", "vision.blocks.0.attn.wo.bias",
+              "vision.blocks.0.norm2.weight", "vision.blocks.0.mlp.w1.weight", "vision.blocks.0.mlp.w2.weight",
+              "vision.norm.weight", "aligner.w1.weight", "aligner.w1.bias", "aligner.w2.weight", "aligner.w2.bias",
+              "image_start", "image_newline", "image_end"]:
         assert k in keys, k
     assert "layers.20.attn.compressor.wgate.weight" not in keys  # ratio 1: no pooling gate
     assert not any(k.startswith("layers.3.attn.compressor") or k.startswith("layers.3.attn.indexer") for k in keys)
