@@ -4,7 +4,8 @@
     python launch/plan.py +exp=flash --json     # one JSON object
 
 Any Hydra override works (`model.dim=1024`). Reports parameter totals (text backbone, Engram tables,
-with text and vision separately, total), activated parameters per token, the per-layer role table and per-layer parameter counts.
+with text and vision separately, total), activated parameters per token, parameters and tensors per optimizer (the V4.1 routing), the
+per-layer role table and per-layer parameter counts.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ import torch  # noqa: E402
 from model import Transformer  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 from model.inspect import inspect_model  # noqa: E402
-from train.config import compose, model_config  # noqa: E402
+from train.config import compose, model_config, optim_config  # noqa: E402
+from train.optim.routing import route_parameters, routing_summary  # noqa: E402
 
 
 def build_report(overrides: list[str]) -> dict:
-    cfg = model_config(compose(overrides))
+    conf = compose(overrides)
+    cfg, ocfg = model_config(conf), optim_config(conf)
     with torch.device("meta"):
         model = Transformer(cfg, init=False)
     report = inspect_model(model, cfg)
+    report["optimizers"] = routing_summary(route_parameters(model, cfg, ocfg))
     report["overrides"] = overrides
     return report
 
@@ -46,6 +50,11 @@ def format_report(report: dict) -> str:
         f"  Engram tables          {_b(report['params_engram']):>12}  ({report['params_engram']:,})",
         f"  total                  {_b(report['params_total']):>12}  ({report['params_total']:,})",
         f"  activated per token    {_b(report['params_activated_per_token']):>12}",
+        "",
+        "  optimizers             params        tensors  by rule",
+        *[f"  {name:<14} {_b(o['params']):>14} {o['tensors']:>14}  "
+          + ", ".join(f"{r} {_b(n)}" for r, n in sorted(o["rules"].items()))
+          for name, o in report["optimizers"].items()],
         "",
         f"{'layer':>5} {'role':<8} {'ratio':>5} {'kv_src':>6} {'idx_src':>7} {'cand':<6} {'engram':<6}"
         f" {'params':>12} {'attn':>10} {'ffn':>10} {'engram':>10}",

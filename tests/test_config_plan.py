@@ -88,6 +88,11 @@ def test_plan_reports_published_sizes():
     for l in r["layers"]:
         assert {"id", "role", "compress_ratio", "kv_source", "index_source", "engram", "params"} <= set(l)
     assert r["params_backbone"] == r["params_text"] + r["params_vision"]
+    opt = r["optimizers"]
+    assert set(opt) == {"muon", "sinkhorn", "adamw"}
+    assert sum(o["params"] for o in opt.values()) == r["params_total"]
+    assert opt["sinkhorn"]["params"] == r["params_engram"] + 2 * 129280 * 5120  # tables + embedding + head
+    assert opt["sinkhorn"]["tensors"] == 4
     assert abs(r["params_vit"] / 0.41e9 - 1) < 0.02  # "the ViT is about 0.41B"
     assert sum(l["params"] for l in r["layers"]) + r["params_embedding"] + r["params_head"] + 5120 \
         + r["params_vision"] == r["params_total"]

@@ -2,7 +2,8 @@
 
 `compose(overrides)` gives the resolved DictConfig for command-line style overrides
 (`["+exp=flash_tiny", "model.dim=128"]`); `model_config(cfg)` turns its `model` group into a validated
-`ModelConfig`. Code below `launch/` only ever sees the typed objects.
+`ModelConfig`, `optim_config(cfg)` its `optim` group into an `OptimConfig`. Code below `launch/` only
+ever sees the typed objects.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from model.config import ModelConfig
+from train.optim.config import OptimConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -26,3 +28,7 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 
 def model_config(cfg: DictConfig) -> ModelConfig:
     return ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
+
+
+def optim_config(cfg: DictConfig) -> OptimConfig:
+    return OptimConfig.from_mapping(OmegaConf.to_container(cfg.optim, resolve=True))

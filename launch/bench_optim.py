@@ -1,0 +1,149 @@
+"""Optimizer benchmark on the flash_small parameter set (built for real, CPU): a benchmark, not a test.
+
+    python launch/bench_optim.py [+exp=flash_small] [--repeats 3]
+
+Prints a table and one JSON line:
+- Muon: our step (hybrid NS, 10 steps, batched by shape) vs `torch.optim.Muon` with the same number of
+  Newton-Schulz steps, on the same Muon-routed matrices (stacked experts given to torch as separate
+  2-D matrices); time ratio.
+- SinkhornBalanced vs `torch.optim.AdamW` on the embedding, head and Engram tables: time ratio and
+  optimizer-state bytes ratio.
+- Peak tensor memory one step allocates on a 16384 x 2048 fp32 table (train/optim/memory.py, state
+  included): SinkhornBalanced (its momentum + chunk workspace) against AdamW and a literal
+  transcription of Algorithm 1 that materialises U.
+Each time is the median of `--repeats` runs in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from model import Transformer  # noqa: E402
+from train.config import compose, model_config, optim_config  # noqa: E402
+from train.optim import Muon, SinkhornBalanced, route_parameters  # noqa: E402
+from train.optim.memory import PeakTensorBytes  # noqa: E402
+
+
+def _median_time(step, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _fresh(params: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    out = []
+    for p in params:
+        q = torch.nn.Parameter(p.detach().clone())
+        q.grad = torch.randn_like(q) * 1e-3
+        out.append(q)
+    return out
+
+
+def peak_step_bytes(which: str, m: int, n: int) -> int:
+    """Peak bytes of tensors allocated by one step on an m x n table (momentum/state included)."""
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(m, n))
+    W.grad = torch.randn(m, n)
+    with PeakTensorBytes() as meter:
+        if which == "sinkhorn":
+            SinkhornBalanced([W], lr=1e-3).step()
+        elif which == "adamw":
+            torch.optim.AdamW([W], lr=1e-3, betas=(0.9, 0.95), eps=1e-20).step()
+        else:  # literal Algorithm 1 with U materialised
+            with torch.no_grad():
+                M = torch.zeros(m, n).lerp_(W.grad, 0.05)
+                U = W.grad.lerp(M, 0.95)
+                for k in range(11):
+                    U = U / (U.norm(dim=1 - k % 2, keepdim=True) + 1e-20)
+                W -= 1e-3 * 0.18 * n ** 0.5 * U
+    return meter.peak
+
+
+def main(argv: list[str]) -> int:
+    repeats = 3
+    if "--repeats" in argv:
+        i = argv.index("--repeats")
+        repeats = int(argv[i + 1])
+        argv = argv[:i] + argv[i + 2:]
+    overrides = argv or ["+exp=flash_small"]
+    conf = compose(overrides)
+    mcfg, ocfg = model_config(conf), optim_config(conf)
+    torch.manual_seed(0)
+    model = Transformer(mcfg)
+    groups = route_parameters(model, mcfg, ocfg)
+    muon_groups = [g for g in groups if g.optimizer == "muon"]
+    sink = [p for g in groups if g.optimizer == "sinkhorn" for p in g.params]
+    ns_steps = len(ocfg.muon.coefficients())
+
+    ours = [{"params": _fresh(g.params), **g.options} for g in muon_groups]
+    our_muon = Muon(ours, lr=1e-3, ns_coefficients=ocfg.muon.coefficients())
+    ours_bf16 = [{"params": _fresh(g.params), **g.options} for g in muon_groups]
+    our_muon_bf16 = Muon(ours_bf16, lr=1e-3, ns_coefficients=ocfg.muon.coefficients(), ns_dtype=torch.bfloat16)
+    flat = [t for g in muon_groups for p in g.params for t in (p.detach().unbind(0) if p.dim() == 3 else [p.detach()])]
+    theirs = torch.optim.Muon(_fresh(flat), lr=1e-3, ns_steps=ns_steps)
+    t_ours = _median_time(our_muon.step, repeats)
+    t_ours_bf16 = _median_time(our_muon_bf16.step, repeats)
+    t_torch = _median_time(theirs.step, repeats)
+
+    sk_params, aw_params = _fresh(sink), _fresh(sink)
+    sk = SinkhornBalanced(sk_params, lr=1e-3)
+    aw = torch.optim.AdamW(aw_params, lr=1e-3, betas=(0.9, 0.95), eps=1e-20)
+    t_sk = _median_time(sk.step, repeats)
+    t_aw = _median_time(aw.step, repeats)
+
+    def state_bytes(opt):
+        return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                   if torch.is_tensor(v) and v.dim() > 0)
+
+    m, n = 16384, 2048
+    mem = {k: peak_step_bytes(k, m, n) for k in ("sinkhorn", "adamw", "literal")}
+    table_bytes = m * n * 4
+    result = {
+        "exp": overrides,
+        "muon_params": sum(p.numel() for g in muon_groups for p in g.params),
+        "muon_matrices": len(flat),
+        "ns_steps": ns_steps,
+        "muon_step_s": t_ours,
+        "torch_muon_step_s": t_torch,
+        "muon_time_ratio": t_ours / t_torch,
+        "muon_bf16_step_s": t_ours_bf16,
+        "muon_bf16_time_ratio": t_ours_bf16 / t_torch,
+        "sinkhorn_params": sum(p.numel() for p in sink),
+        "sinkhorn_step_s": t_sk,
+        "adamw_step_s": t_aw,
+        "sinkhorn_time_ratio": t_sk / t_aw,
+        "sinkhorn_state_bytes": state_bytes(sk),
+        "adamw_state_bytes": state_bytes(aw),
+        "state_bytes_ratio": state_bytes(sk) / state_bytes(aw),
+        "peak_step_tensor_bytes_16384x2048": mem,
+        "sinkhorn_workspace_beyond_momentum_bytes": mem["sinkhorn"] - table_bytes,
+    }
+    print(f"{'measurement':<46} {'ours':>12} {'baseline':>12} {'ratio':>8}")
+    print(f"{'Muon step (s), ' + str(ns_steps) + ' NS steps vs torch.optim.Muon':<46} {t_ours:>12.3f} {t_torch:>12.3f} "
+          f"{t_ours / t_torch:>8.2f}")
+    print(f"{'  the same with NS in bf16 (as torch.optim.Muon)':<46} {t_ours_bf16:>12.3f} {t_torch:>12.3f} "
+          f"{t_ours_bf16 / t_torch:>8.2f}")
+    print(f"{'SinkhornBalanced vs AdamW step (s)':<46} {t_sk:>12.3f} {t_aw:>12.3f} {t_sk / t_aw:>8.2f}")
+    print(f"{'optimizer state (MB)':<46} {state_bytes(sk) / 2**20:>12.1f} {state_bytes(aw) / 2**20:>12.1f} "
+          f"{state_bytes(sk) / state_bytes(aw):>8.2f}")
+    print(f"{'peak step tensor memory, 16384x2048 (MB)':<46} {mem['sinkhorn'] / 2**20:>12.1f} {mem['adamw'] / 2**20:>12.1f} "
+          f"{mem['sinkhorn'] / max(mem['adamw'], 1):>8.2f}")
+    print(f"{'  of which beyond the momentum buffer (MB)':<46} {(mem['sinkhorn'] - table_bytes) / 2**20:>12.1f}"
+          f"   literal Algorithm 1 (U materialised): {mem['literal'] / 2**20:.1f} MB")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,276 @@
+"""Optimizers (V41_SPEC §7) against independent references: SVD, literal Algorithm 1, hand-rolled
+momentum loops; routing of every flash_tiny parameter; state_dict round trips."""
+
+import io
+import math
+
+import pytest
+import torch
+
+from train.optim import Muon, SinkhornBalanced, newton_schulz_reference
+from train.optim.newton_schulz import V41_NS_SCHEDULE
+from train.optim.sinkhorn import sinkhorn_update_reference
+
+
+def _with_singular_values(m, n, svals, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    U, _ = torch.linalg.qr(torch.randn(m, m, generator=g))
+    V, _ = torch.linalg.qr(torch.randn(n, n, generator=g))
+    k = min(m, n)
+    return (U[:, :k] * svals) @ V[:, :k].T
+
+
+@pytest.mark.parametrize("m, n", [(64, 64), (96, 40), (40, 96)])
+def test_hybrid_newton_schulz_singular_values_near_one(m, n):
+    torch.manual_seed(0)
+    random = torch.randn(m, n)
+    ill = _with_singular_values(m, n, torch.logspace(0, -3, min(m, n)))  # condition number 1e3
+    for G in (random, ill):
+        O = newton_schulz_reference(G, V41_NS_SCHEDULE)
+        s = torch.linalg.svdvals(O)
+        assert (s - 1).abs().max() < 1e-2, s
+        # and it is the polar factor U V^T of G (SVD), not just some orthogonal matrix
+        U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+        torch.testing.assert_close(O, U @ Vh, atol=2e-2, rtol=0)
+
+
+def _muon(params, **kw):
+    return Muon(params, lr=0.02, momentum=0.9, weight_decay=0.1, **kw)
+
+
+def test_muon_step_matches_hand_rolled_loop_over_two_steps():
+    torch.manual_seed(0)
+    W0 = torch.randn(12, 20)
+    grads = [torch.randn(12, 20), torch.randn(12, 20)]
+    p = torch.nn.Parameter(W0.clone())
+    opt = _muon([p])
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    # by hand: M = b M + (1-b) G; G^ = b M + (1-b) G; W = W (1 - lr wd) - lr * NS(G^) * 0.18 * sqrt(20)
+    W, M = W0.clone(), torch.zeros(12, 20)
+    for g in grads:
+        M = 0.9 * M + 0.1 * g
+        Gh = 0.9 * M + 0.1 * g
+        U, _, Vh = torch.linalg.svd(Gh, full_matrices=False)
+        W = W * (1 - 0.02 * 0.1) - 0.02 * (U @ Vh) * 0.18 * math.sqrt(20)
+    torch.testing.assert_close(p.detach(), W, atol=5e-4, rtol=0)
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], M)
+
+
+def test_headwise_muon_equals_muon_on_separate_head_blocks():
+    torch.manual_seed(0)
+    H, d, k = 4, 8, 24
+    W0, g = torch.randn(H * d, k), torch.randn(H * d, k)
+    p = torch.nn.Parameter(W0.clone())
+    opt = _muon([{"params": [p], "num_heads": H}])
+    blocks = [torch.nn.Parameter(W0[h * d:(h + 1) * d].clone()) for h in range(H)]
+    ref = _muon(blocks)
+    for _ in range(2):
+        p.grad = g.clone()
+        for h, b in enumerate(blocks):
+            b.grad = g[h * d:(h + 1) * d].clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p.detach(), torch.cat([b.detach() for b in blocks]), atol=1e-6, rtol=1e-6)
+    # ... and differs from treating the whole matrix as one
+    whole = torch.nn.Parameter(W0.clone())
+    whole.grad = g.clone()
+    _muon([whole]).step()
+    assert (whole.detach() - p.detach()).abs().max() > 1e-3
+
+
+def test_stacked_experts_are_independent_matrices():
+    torch.manual_seed(0)
+    E = torch.randn(3, 10, 16)
+    g = torch.randn(3, 10, 16)
+    p = torch.nn.Parameter(E.clone())
+    p.grad = g.clone()
+    _muon([p]).step()
+    for e in range(3):
+        q = torch.nn.Parameter(E[e].clone())
+        q.grad = g[e].clone()
+        _muon([q]).step()
+        torch.testing.assert_close(p[e].detach(), q.detach(), atol=1e-6, rtol=1e-6)
+
+
+def literal_algorithm_1(W, G, M, lr, beta=0.95, K=11, tau=1e-3, eps=1e-20, gamma=0.18):
+    """V41_SPEC §7 Algorithm 1, transcribed with a materialised U."""
+    M = beta * M + (1 - beta) * G
+    Gh = beta * M + (1 - beta) * G
+    rho = Gh.norm(dim=1)
+    U = Gh.clone()
+    U[rho <= tau * rho.mean()] = 0
+    for k in range(1, K + 1):
+        if k % 2 == 1:
+            U = U / (U.norm(dim=1, keepdim=True) + eps)
+        else:
+            U = U / (U.norm(dim=0, keepdim=True) + eps)
+    return W - gamma * lr * math.sqrt(W.shape[1]) * U, M
+
+
+@pytest.mark.parametrize("m, n", [(200, 24), (24, 200), (50, 50)])
+def test_sinkhorn_update_matches_literal_algorithm(m, n):
+    torch.manual_seed(0)
+    W, G, M = torch.randn(m, n), torch.randn(m, n), torch.randn(m, n)
+    masked = [3, 7]
+    G[masked] *= 1e-6
+    M[masked] *= 1e-6
+    W_lit, M_lit = literal_algorithm_1(W, G, M, lr=0.1)
+    W2, M2 = W.clone(), M.clone()
+    sinkhorn_update_reference(W2, G, M2, 0.1, 0.95, 11, 1e-3, 1e-20, 0.18, chunk_elems=7 * n)  # several chunks
+    step = W_lit - W
+    assert ((W2 - W_lit).abs().max() / step.abs().max()).item() < 1e-5
+    torch.testing.assert_close(M2, M_lit)
+    # rows of the update have RMS 1 (in units of gamma lr), masked rows are untouched
+    delta = (W - W2) / (0.18 * 0.1)
+    rms = delta.pow(2).mean(dim=1).sqrt()
+    keep = torch.ones(m, dtype=torch.bool)
+    keep[masked] = False
+    torch.testing.assert_close(rms[keep], torch.ones(int(keep.sum())), atol=1e-5, rtol=0)
+    assert (delta[masked] == 0).all()
+
+
+def test_sinkhorn_optimizer_momentum_over_two_steps_matches_hand_loop():
+    torch.manual_seed(0)
+    W0 = torch.randn(30, 8)
+    grads = [torch.randn(30, 8), torch.randn(30, 8)]
+    p = torch.nn.Parameter(W0.clone())
+    opt = SinkhornBalanced([p], lr=0.05)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    W, M = W0.clone(), torch.zeros(30, 8)
+    for g in grads:
+        W, M = literal_algorithm_1(W, g, M, lr=0.05)
+    torch.testing.assert_close(p.detach(), W, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], M)
+
+
+def test_sinkhorn_rejects_even_step_counts():
+    with pytest.raises(ValueError, match="odd"):
+        SinkhornBalanced([torch.nn.Parameter(torch.zeros(2, 2))], num_steps=10)
+
+
+@pytest.mark.parametrize("make", ["muon", "sinkhorn", "adamw"])
+def test_state_dict_round_trip(make):
+    torch.manual_seed(0)
+    build = {"muon": lambda ps: Muon(ps, lr=0.01), "sinkhorn": lambda ps: SinkhornBalanced(ps, lr=0.01),
+             "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.9, 0.95), eps=1e-20)}[make]
+    W0 = torch.randn(16, 12)
+    grads = [torch.randn(16, 12) for _ in range(3)]
+    a = torch.nn.Parameter(W0.clone())
+    opt_a = build([a])
+    for g in grads[:2]:
+        a.grad = g.clone()
+        opt_a.step()
+    buf = io.BytesIO()  # through serialisation, as a checkpoint would
+    torch.save(opt_a.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    b = torch.nn.Parameter(a.detach().clone())
+    opt_b = build([b])
+    opt_b.load_state_dict(saved)
+    a.grad, b.grad = grads[2].clone(), grads[2].clone()
+    opt_a.step()
+    opt_b.step()
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_routing_places_every_flash_tiny_parameter(tiny_cfg, tiny_model):
+    from train.config import compose, optim_config
+    from train.optim import route_parameters
+
+    ocfg = optim_config(compose(["+exp=flash_tiny"]))
+    groups = route_parameters(tiny_model, tiny_cfg, ocfg)
+    placed = {n: g for g in groups for n in g.names}
+    assert set(placed) == {n for n, _ in tiny_model.named_parameters()}
+    assert sum(len(g.names) for g in groups) == len(placed)  # each exactly once
+    rule = {n: g.rule for n, g in placed.items()}
+    # literal expectations from V41_SPEC §7
+    assert rule["embed.weight"] == rule["head.weight"] == "sinkhorn"
+    assert rule["layers.1.engram.embed.weight"] == rule["layers.14.engram.embed.weight"] == "sinkhorn_engram"
+    assert placed["layers.1.engram.embed.weight"].lr_mult == 5.0
+    assert rule["layers.0.attn.wq_b.weight"] == "muon_q_heads"
+    assert placed["layers.0.attn.wq_b.weight"].options["num_heads"] == tiny_cfg.n_heads
+    assert rule["layers.24.attn.indexer.wq_b.weight"] == "muon_index_heads"
+    assert placed["layers.24.attn.indexer.wq_b.weight"].options["num_heads"] == tiny_cfg.index_n_heads
+    for n in ("layers.3.attn.wkv.weight", "layers.2.attn.compressor.wgate.weight", "layers.2.attn.indexer.wk.weight",
+              "layers.0.ffn.experts.w2", "layers.0.ffn.shared_experts.w1.weight", "layers.0.ffn.gate.weight",
+              "layers.1.engram.wkv.weight", "aligner.w1.weight", "layers.0.attn.wo_a.weight", "layers.0.hc_attn_fn"):
+        assert rule[n] == "muon", n
+    for n in ("norm.weight", "layers.0.attn_norm.weight", "layers.0.attn.q_norm.weight", "layers.2.attn.indexer.k_norm.weight",
+              "layers.2.attn.compressor.norm.weight", "vision.norm.weight", "vision.blocks.0.norm1.weight"):
+        assert rule[n] == "adamw_norm" and placed[n].options["weight_decay"] == 0.1, n
+    for n in ("layers.0.attn.attn_sink", "layers.0.hc_ffn_base", "layers.0.hc_attn_scale", "aligner.w1.bias",
+              "layers.1.engram.q_weight", "image_start"):
+        assert rule[n] == "adamw" and placed[n].options["weight_decay"] == 0.0, n
+    assert placed["vision.blocks.0.attn.wqkv.weight"].lr_mult == ocfg.vision_lr_mult
+    assert placed["aligner.w1.weight"].lr_mult == 1.0 and placed["vision.norm.weight"].lr_mult == 1.0
+    # MoE selection biases are buffers, in no optimizer
+    assert "layers.0.ffn.gate.bias" not in placed
+
+
+def test_routing_rejects_an_unknown_parameter(tiny_cfg, tiny_model):
+    from train.config import compose, optim_config
+    from train.optim import RoutingError, route_parameters
+
+    tiny_model.register_parameter("mystery", torch.nn.Parameter(torch.zeros(3)))
+    with pytest.raises(RoutingError, match="'mystery'"):
+        route_parameters(tiny_model, tiny_cfg, optim_config(compose(["+exp=flash_tiny"])))
+
+
+def test_optimizer_set_trains_flash_tiny_and_round_trips(tiny_cfg):
+    from model import Transformer
+    from train.config import compose, optim_config
+    from train.optim import build_optimizers
+
+    ocfg = optim_config(compose(["+exp=flash_tiny", "optim.lr=3e-3"]))
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg)
+    opt = build_optimizers(model, tiny_cfg, ocfg)
+    assert set(opt.optimizers) == {"muon", "sinkhorn", "adamw"}
+    tokens = torch.randint(3, 400, (2, 64))
+
+    def step(m, o):
+        o.zero_grad()
+        logits = m(tokens)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, tiny_cfg.vocab_size),
+                                                 tokens[:, 1:].reshape(-1))
+        loss.backward()
+        o.step()
+        return loss.item()
+
+    losses = [step(model, opt) for _ in range(4)]
+    assert losses[-1] < losses[0] - 0.05, losses  # memorising one batch
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    twin = Transformer(tiny_cfg)
+    twin.load_state_dict(saved["model"])
+    twin_opt = build_optimizers(twin, tiny_cfg, ocfg)
+    twin_opt.load_state_dict(saved["optim"])
+    for _ in range(2):
+        assert step(model, opt) == step(twin, twin_opt)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_sinkhorn_step_has_no_m_by_n_workspace():
+    """Measured by tensor allocations (not RSS): beyond its momentum buffer the step allocates only
+    chunk-sized temporaries, while a step that materialises U (literal Algorithm 1) allocates m x n."""
+    from train.optim.memory import PeakTensorBytes
+
+    m, n, chunk = 2048, 256, 1 << 13
+    table = m * n * 4
+    W = torch.nn.Parameter(torch.randn(m, n))
+    W.grad = torch.randn(m, n)
+    with PeakTensorBytes() as meter:
+        SinkhornBalanced([W], lr=1e-3, chunk_elems=chunk).step()
+    workspace = meter.peak - table  # the momentum buffer is the one m x n allocation
+    assert 0 < workspace <= 6 * chunk * 4 + 4 * (m + n) * 4, workspace
+    with PeakTensorBytes() as meter:
+        with torch.no_grad():
+            literal_algorithm_1(W.detach(), W.grad, torch.zeros(m, n), lr=1e-3)
+    assert meter.peak >= 2 * table  # the meter does see m x n temporaries

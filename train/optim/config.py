@@ -1,0 +1,87 @@
+"""Typed optimizer configuration (V41_SPEC §7), filled from `conf/optim/*.yaml`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from model.config import ConfigError
+
+
+@dataclass
+class MuonConfig:
+    momentum: float = 0.95
+    weight_decay: float = 0.1
+    nesterov: bool = True
+    rms_scale: float = 0.18
+    # hybrid Newton-Schulz schedule: [steps, [a, b, c]] entries, run in order
+    ns_schedule: list = field(default_factory=lambda: [[8, [3.4445, -4.7750, 2.0315]], [2, [2.0, -1.5, 0.5]]])
+    ns_eps: float = 1e-7
+
+    def coefficients(self) -> tuple[tuple[float, float, float], ...]:
+        out = []
+        for steps, abc in self.ns_schedule:
+            out += [tuple(float(v) for v in abc)] * int(steps)
+        return tuple(out)
+
+
+@dataclass
+class SinkhornConfig:
+    momentum: float = 0.95
+    num_steps: int = 11
+    tau: float = 1e-3
+    eps: float = 1e-20
+    gamma: float = 0.18
+    engram_lr_mult: float = 5.0
+    chunk_elems: int = 1 << 18  # reference path: rows per chunk = chunk_elems // n
+
+
+@dataclass
+class AdamWConfig:
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-20
+    weight_decay: float = 0.1  # RMSNorm weights only; other non-matrix parameters get none
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2.6e-4  # peak learning rate; the schedule scales every group's lr_mult by it
+    vision_lr_mult: float = 0.1  # ViT body once unfrozen (the report: "a smaller learning rate")
+    use_triton: bool | None = None  # None: Triton on CUDA, reference on CPU
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    sinkhorn: SinkhornConfig = field(default_factory=SinkhornConfig)
+    adamw: AdamWConfig = field(default_factory=AdamWConfig)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "OptimConfig":
+        def build(klass, vals, where):
+            known = {f.name: f for f in dataclasses.fields(klass)}
+            unknown = sorted(set(vals) - set(known))
+            if unknown:
+                raise ConfigError(f"{where} has unknown field(s) {unknown}; see train/optim/config.py")
+            kwargs = {}
+            for k, v in vals.items():
+                sub = {"muon": MuonConfig, "sinkhorn": SinkhornConfig, "adamw": AdamWConfig}.get(k)
+                kwargs[k] = build(sub, v, f"{where}.{k}") if (klass is cls and sub) else v
+            return klass(**kwargs)
+
+        cfg = build(cls, dict(values), "optim")
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr={self.lr}: must be > 0")
+        if self.vision_lr_mult < 0:
+            raise ConfigError(f"optim.vision_lr_mult={self.vision_lr_mult}: must be >= 0")
+        if not 0 <= self.muon.momentum < 1:
+            raise ConfigError(f"optim.muon.momentum={self.muon.momentum}: must be in [0, 1)")
+        if not self.muon.ns_schedule or any(len(e) != 2 or len(e[1]) != 3 or int(e[0]) < 1
+                                            for e in self.muon.ns_schedule):
+            raise ConfigError(f"optim.muon.ns_schedule={self.muon.ns_schedule}: needs [steps, [a, b, c]] entries")
+        if self.sinkhorn.num_steps < 1 or self.sinkhorn.num_steps % 2 == 0:
+            raise ConfigError(f"optim.sinkhorn.num_steps={self.sinkhorn.num_steps}: must be odd (start and end "
+                              f"on rows); V4.1 uses 11")
+        if len(self.adamw.betas) != 2 or not all(0 <= b < 1 for b in self.adamw.betas):
+            raise ConfigError(f"optim.adamw.betas={self.adamw.betas}: needs two values in [0, 1)")

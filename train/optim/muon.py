@@ -1,0 +1,96 @@
+"""Muon with V4.1's hybrid Newton-Schulz schedule and head-wise mode (V41_SPEC §7).
+
+Per parameter:   M <- beta M + (1 - beta) G;   G^ = beta M + (1 - beta) G (Nesterov; M itself without)
+                 O = NS(G^) * rms_scale * sqrt(max(rows, cols))
+                 W <- W (1 - lr wd) - lr O                      (decoupled weight decay)
+
+What counts as "a matrix" for NS:
+- a 2-D weight [out, in]: itself;
+- a stacked expert weight [E, out, in]: E independent matrices;
+- a param group with `num_heads=H` (head-wise): the [H d, in] weight is H independent [d, in] blocks,
+  each orthogonalised and scaled by rms_scale * sqrt(max(d, in)).
+All matrices of one shape within a step are orthogonalised as one batch (in slices of at most
+`ns_batch_elems` elements, which bounds the Newton-Schulz temporaries). NS runs in fp32 on CPU and in
+bf16 on CUDA unless `ns_dtype` says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from train.optim.newton_schulz import V41_NS_SCHEDULE, newton_schulz
+
+
+def _as_matrices(t: torch.Tensor, num_heads: int | None) -> torch.Tensor:
+    """View a parameter-shaped tensor as a batch of matrices [n, rows, cols]."""
+    if num_heads:
+        if t.dim() != 2 or t.shape[0] % num_heads:
+            raise ValueError(f"head-wise Muon: a [{num_heads} * head_dim, in] matrix is needed, got {tuple(t.shape)}")
+        return t.view(num_heads, t.shape[0] // num_heads, t.shape[1])
+    if t.dim() == 2:
+        return t.unsqueeze(0)
+    if t.dim() == 3:
+        return t
+    raise ValueError(f"Muon takes 2-D matrices or stacked [E, out, in] experts, got shape {tuple(t.shape)}")
+
+
+class Muon(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, weight_decay: float = 0.1,
+                 nesterov: bool = True, rms_scale: float = 0.18, ns_coefficients=V41_NS_SCHEDULE,
+                 ns_eps: float = 1e-7, ns_dtype: torch.dtype | None = None, use_triton: bool | None = None,
+                 ns_batch_elems: int = 1 << 22):
+        if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0:
+            raise ValueError(f"Muon: invalid lr={lr}, momentum={momentum} or weight_decay={weight_decay}")
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
+                        rms_scale=rms_scale, num_heads=None)
+        super().__init__(params, defaults)
+        self.ns_coefficients = tuple(tuple(c) for c in ns_coefficients)
+        self.ns_eps, self.ns_dtype, self.use_triton = ns_eps, ns_dtype, use_triton
+        self.ns_batch_elems = ns_batch_elems
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict) -> None:
+        beta, heads = group["momentum"], group["num_heads"]
+        updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, G^ as matrices)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - beta)
+            ghat = p.grad.lerp(buf, beta) if group["nesterov"] else buf
+            updates.append((p, _as_matrices(ghat, heads)))
+        if not updates:
+            return
+        # orthogonalise every matrix of one shape as one batch
+        by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i, (_, mats) in enumerate(updates):
+            by_shape[tuple(mats.shape[1:])].append(i)
+        ortho: list[torch.Tensor | None] = [None] * len(updates)
+        for (rows, cols), idx in by_shape.items():
+            batch = torch.cat([updates[i][1] for i in idx])
+            per_chunk = max(1, self.ns_batch_elems // (rows * cols))  # bounds the NS temporaries
+            out = torch.cat([newton_schulz(part, self.ns_coefficients, self.ns_eps, self.ns_dtype, self.use_triton)
+                             for part in batch.split(per_chunk)])
+            out = out * (group["rms_scale"] * math.sqrt(max(rows, cols)))
+            for i, part in zip(idx, out.split([updates[i][1].shape[0] for i in idx])):
+                ortho[i] = part
+        lr, wd = group["lr"], group["weight_decay"]
+        for (p, _), o in zip(updates, ortho):
+            if wd:
+                p.mul_(1 - lr * wd)
+            p.add_(o.reshape(p.shape).to(p.dtype), alpha=-lr)

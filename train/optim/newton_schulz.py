@@ -1,0 +1,136 @@
+"""Newton-Schulz orthogonalisation for batches of matrices (V41_SPEC §7), reference and Triton paths.
+
+For X0 = G / (||G||_F + eps) (per matrix; a tall matrix is transposed first so the Gram matrix is the
+small side), every step (a, b, c) computes
+    A = X X^T,  B = b A + c A A^T,  X <- a X + B X.
+V4.1 uses the hybrid schedule: 8 steps of (3.4445, -4.7750, 2.0315), then 2 steps of (2, -1.5, 0.5);
+the first set lifts small singular values fast, the second settles them at 1.
+
+The Triton path computes both symmetric products (A = X X^T and A A^T, A being symmetric) with one
+kernel that evaluates each lower-triangle tile once and mirrors it into the upper triangle, with the
+`b A` term fused into the second one's epilogue; X <- a X + B X is a batched GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from train.optim.triton_util import HAS_TRITON, interpreting, use_triton
+
+MAIN_COEFFS = (3.4445, -4.7750, 2.0315)
+POLISH_COEFFS = (2.0, -1.5, 0.5)
+V41_NS_SCHEDULE = (MAIN_COEFFS,) * 8 + (POLISH_COEFFS,) * 2
+
+
+def _prepare(G: torch.Tensor, eps: float, dtype: torch.dtype):
+    X = G.to(dtype)
+    transposed = X.shape[-2] > X.shape[-1]
+    if transposed:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    return X.contiguous(), transposed
+
+
+def newton_schulz_reference(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: float = 1e-7,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """G [..., m, n] -> approximately U V^T of each matrix, same shape, in `dtype`."""
+    X, transposed = _prepare(G, eps, dtype)
+    for a, b, c in coefficients:
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X.mT if transposed else X
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    _SYRK_CONFIGS = ([triton.Config({"BLOCK": 16, "BLOCK_K": 16})] if interpreting() else
+                     [triton.Config({"BLOCK": b, "BLOCK_K": k}, num_warps=w)
+                      for b, k, w in ((64, 32, 4), (128, 32, 8), (64, 64, 4), (128, 64, 8))])
+
+    @triton.autotune(configs=_SYRK_CONFIGS, key=["M", "K"])
+    @triton.jit
+    def _syrk_kernel(X, S, OUT, TILE_I, TILE_J, M, K,
+                     sxb, sxm, sxk, ssb, ssm, ssn, sob, som, son,
+                     alpha, beta, HAS_S: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+        """OUT[b] = alpha * X[b] X[b]^T (+ beta * S[b]) for one lower-triangle tile (i >= j), written
+        to (i, j) and mirrored to (j, i). S must be symmetric."""
+        t = tl.program_id(0)
+        b = tl.program_id(1)
+        ti = tl.load(TILE_I + t)
+        tj = tl.load(TILE_J + t)
+        rows = ti * BLOCK + tl.arange(0, BLOCK)
+        cols = tj * BLOCK + tl.arange(0, BLOCK)
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            a = tl.load(X + b * sxb + rows[:, None] * sxm + kk[None, :] * sxk,
+                        mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
+            bt = tl.load(X + b * sxb + cols[None, :] * sxm + kk[:, None] * sxk,
+                         mask=(cols[None, :] < M) & (kk[:, None] < K), other=0.0)
+            acc += tl.dot(a, bt)
+        acc = acc * alpha
+        mask = (rows[:, None] < M) & (cols[None, :] < M)
+        if HAS_S:
+            s = tl.load(S + b * ssb + rows[:, None] * ssm + cols[None, :] * ssn, mask=mask, other=0.0)
+            acc += beta * s
+        out = acc.to(OUT.dtype.element_ty)
+        tl.store(OUT + b * sob + rows[:, None] * som + cols[None, :] * son, out, mask=mask)
+        if ti != tj:
+            tl.store(OUT + b * sob + cols[:, None] * som + rows[None, :] * son, tl.trans(out),
+                     mask=(cols[:, None] < M) & (rows[None, :] < M))
+
+
+_TILES: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _lower_tiles(n_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (n_tiles, torch.device(device))
+    if key not in _TILES:
+        ij = torch.tril_indices(n_tiles, n_tiles)
+        _TILES[key] = (ij[0].to(device=device, dtype=torch.int32).contiguous(),
+                       ij[1].to(device=device, dtype=torch.int32).contiguous())
+    return _TILES[key]
+
+
+def syrk(X: torch.Tensor, alpha: float = 1.0, S: torch.Tensor | None = None, beta: float = 0.0) -> torch.Tensor:
+    """alpha X X^T (+ beta S) for X [B, M, K] with the Triton kernel (lower triangle once, mirrored)."""
+    B, M, K = X.shape
+    out = torch.empty(B, M, M, dtype=X.dtype, device=X.device)
+    s = S if S is not None else out
+
+    def grid(meta):
+        n = triton.cdiv(M, meta["BLOCK"])
+        return (n * (n + 1) // 2, B)
+
+    # the (i, j) tables are the row-major lower triangle, so the table for the smallest candidate
+    # block (the most tiles) serves every config the autotuner may pick: a prefix of it is exact
+    ti, tj = _lower_tiles(triton.cdiv(M, min(c.kwargs["BLOCK"] for c in _SYRK_CONFIGS)), X.device)
+    _syrk_kernel[grid](X, s, out, ti, tj, M, K, *X.stride(), *s.stride(), *out.stride(), alpha, beta,
+                       HAS_S=S is not None)
+    return out
+
+
+def newton_schulz_triton(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: float = 1e-7,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    shape = G.shape
+    X, transposed = _prepare(G.reshape(-1, *shape[-2:]), eps, dtype)
+    for a, b, c in coefficients:
+        A = syrk(X)
+        Bm = syrk(A, alpha=c, S=A, beta=b)
+        X = torch.baddbmm(X, Bm, X, beta=a, alpha=1.0)
+    X = X.mT if transposed else X
+    return X.reshape(shape)
+
+
+def newton_schulz(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: float = 1e-7,
+                  dtype: torch.dtype | None = None, triton: bool | None = None) -> torch.Tensor:
+    """Dispatch: Triton on CUDA (bf16 there unless `dtype` says otherwise), reference on CPU (fp32)."""
+    if dtype is None:
+        dtype = torch.bfloat16 if G.is_cuda else torch.float32
+    if use_triton(G, triton):
+        return newton_schulz_triton(G, coefficients, eps, dtype)
+    return newton_schulz_reference(G, coefficients, eps, dtype)

@@ -1,0 +1,178 @@
+"""Parameter routing for the three-optimizer split (V41_SPEC §7), and the optimizer set built from it.
+
+Every parameter is assigned by name (and checked by shape) by the first matching rule:
+
+| rule | parameters | optimizer |
+|---|---|---|
+| sinkhorn        | `embed.weight`, `head.weight` | SinkhornBalanced |
+| sinkhorn_engram | `layers.*.engram.embed.weight` | SinkhornBalanced, lr x `engram_lr_mult` |
+| adamw_norm      | RMSNorm weights (`*norm.weight`, `norm1/norm2`, `q_norm`, `kv_norm`, `k_norm`, ...) | AdamW, weight decay |
+| muon_q_heads    | `layers.*.attn.wq_b.weight` | head-wise Muon, `n_heads` heads |
+| muon_index_heads| `layers.*.attn.indexer.wq_b.weight` | head-wise Muon, `index_n_heads` heads |
+| adamw           | biases, `attn_sink`, mHC `hc_*_base` / `hc_*_scale`, Engram `q_weight` / `k_weight`, image START / NEWLINE / END vectors | AdamW, no weight decay |
+| muon            | every other `.weight` matrix, stacked experts `experts.w1/w2/w3` [E, out, in], mHC `hc_*_fn` | Muon |
+
+Key weights: the report names "query and key weights" for head-wise Muon, but in V4.1 every key
+projection produces a single head -- the attention key is the one shared 512-d latent (`attn.wkv`,
+`compressor.wkv`/`wgate`, MQA-like) and the indexer key is one shared 128-d vector (`indexer.wk`).
+Head-wise Muon with one head *is* plain Muon, so those stay in the `muon` rule. The query weights are
+the only multi-head projections and are the ones treated head-wise. Engram `q_weight` / `k_weight` are
+element-wise gate scales (used only as their product), not projections, so they go to AdamW.
+
+The ViT body (`vision.*` except its final norm) gets `optim.vision_lr_mult`; frozen parameters are
+routed like all others (they receive no gradient, so no optimizer state, until unfrozen). MoE
+selection biases are buffers and belong to no optimizer. A parameter matching no rule is an error.
+
+Every group carries `lr_mult`; `group["lr"] = lr * lr_mult`, and the LR schedule keeps that relation.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from model.config import ModelConfig
+from model.vision import is_vision_body
+from train.optim.config import OptimConfig
+from train.optim.muon import Muon
+from train.optim.sinkhorn import SinkhornBalanced
+
+RULES: tuple[tuple[str, str], ...] = (
+    ("sinkhorn", r"^(embed|head)\.weight$"),
+    ("sinkhorn_engram", r"\.engram\.embed\.weight$"),
+    ("adamw_norm", r"(^|\.)(\w*norm\d?)\.weight$"),
+    ("muon_q_heads", r"^layers\.\d+\.attn\.wq_b\.weight$"),
+    ("muon_index_heads", r"^layers\.\d+\.attn\.indexer\.wq_b\.weight$"),
+    ("adamw", r"(\.bias|(^|\.)attn_sink|\.hc_(attn|ffn)_(base|scale)|\.engram\.[qk]_weight|^image_(start|newline|end))$"),
+    ("muon", r"(\.weight|\.experts\.w[123]|\.hc_(attn|ffn)_fn)$"),
+)
+OPTIMIZER_OF = {"sinkhorn": "sinkhorn", "sinkhorn_engram": "sinkhorn", "adamw_norm": "adamw", "adamw": "adamw",
+                "muon": "muon", "muon_q_heads": "muon", "muon_index_heads": "muon"}
+
+
+class RoutingError(ValueError):
+    """A parameter that no routing rule places (or that a rule cannot take)."""
+
+
+def route_name(name: str, shape: torch.Size) -> str:
+    for rule, pattern in RULES:
+        if re.search(pattern, name):
+            if OPTIMIZER_OF[rule] != "adamw" and len(shape) not in (2, 3):
+                raise RoutingError(f"parameter {name!r} matches rule {rule!r} but has shape {tuple(shape)}; "
+                                   f"{OPTIMIZER_OF[rule]} takes matrices")
+            if OPTIMIZER_OF[rule] == "sinkhorn" and len(shape) != 2:
+                raise RoutingError(f"parameter {name!r}: the Sinkhorn update takes [rows, features], got {tuple(shape)}")
+            return rule
+    raise RoutingError(f"parameter {name!r} (shape {tuple(shape)}) matches no optimizer routing rule; add it to "
+                       f"train/optim/routing.py RULES")
+
+
+@dataclass
+class RoutedGroup:
+    optimizer: str
+    rule: str
+    lr_mult: float
+    options: dict
+    names: list[str] = field(default_factory=list)
+    params: list[nn.Parameter] = field(default_factory=list)
+
+
+def route_parameters(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig) -> list[RoutedGroup]:
+    """Param groups for every parameter of `model` (frozen ones included), keyed by
+    (rule, lr multiplier)."""
+    groups: dict[tuple[str, float], RoutedGroup] = {}
+    for name, p in model.named_parameters():
+        rule = route_name(name, p.shape)
+        lr_mult = optim_cfg.vision_lr_mult if is_vision_body(name) else 1.0
+        if rule == "sinkhorn_engram":
+            lr_mult *= optim_cfg.sinkhorn.engram_lr_mult
+        options: dict = {}
+        if rule == "muon_q_heads":
+            options["num_heads"] = model_cfg.n_heads
+        elif rule == "muon_index_heads":
+            options["num_heads"] = model_cfg.index_n_heads
+        elif rule == "adamw_norm":
+            options["weight_decay"] = optim_cfg.adamw.weight_decay
+        elif rule == "adamw":
+            options["weight_decay"] = 0.0
+        key = (rule, lr_mult)
+        if key not in groups:
+            groups[key] = RoutedGroup(OPTIMIZER_OF[rule], rule, lr_mult, options)
+        groups[key].names.append(name)
+        groups[key].params.append(p)
+    return list(groups.values())
+
+
+def routing_summary(groups: list[RoutedGroup]) -> dict:
+    """{optimizer: {"params": count, "tensors": count, "rules": {rule: count}}} for `launch/plan.py`."""
+    out: dict = {}
+    for g in groups:
+        o = out.setdefault(g.optimizer, {"params": 0, "tensors": 0, "rules": {}})
+        n = sum(p.numel() for p in g.params)
+        o["params"] += n
+        o["tensors"] += len(g.params)
+        o["rules"][g.rule] = o["rules"].get(g.rule, 0) + n
+    return out
+
+
+class OptimizerSet:
+    """The three optimizers stepped together; one state_dict for checkpoints."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers.values() for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers.values():
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers.values():
+            o.zero_grad(set_to_none=set_to_none)
+
+    def set_lr(self, lr: float) -> None:
+        """Set the base learning rate: every group gets lr * its lr_mult."""
+        for g in self.param_groups:
+            g["lr"] = lr * g["lr_mult"]
+
+    def state_dict(self) -> dict:
+        return {k: o.state_dict() for k, o in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = set(self.optimizers) ^ set(state)
+        if missing:
+            raise ValueError(f"optimizer state has {sorted(state)} but this run has {sorted(self.optimizers)}")
+        for k, o in self.optimizers.items():
+            o.load_state_dict(state[k])
+
+
+def build_optimizers(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig) -> OptimizerSet:
+    groups = route_parameters(model, model_cfg, optim_cfg)
+    lr = optim_cfg.lr
+
+    def pg(g: RoutedGroup) -> dict:
+        return {"params": g.params, "lr": lr * g.lr_mult, "lr_mult": g.lr_mult, "rule": g.rule, **g.options}
+
+    by_opt: dict[str, list[dict]] = {"muon": [], "sinkhorn": [], "adamw": []}
+    for g in groups:
+        by_opt[g.optimizer].append(pg(g))
+    m, s, a = optim_cfg.muon, optim_cfg.sinkhorn, optim_cfg.adamw
+    opts: dict[str, torch.optim.Optimizer] = {}
+    if by_opt["muon"]:
+        opts["muon"] = Muon(by_opt["muon"], lr=lr, momentum=m.momentum, weight_decay=m.weight_decay,
+                            nesterov=m.nesterov, rms_scale=m.rms_scale, ns_coefficients=m.coefficients(),
+                            ns_eps=m.ns_eps, use_triton=optim_cfg.use_triton)
+    if by_opt["sinkhorn"]:
+        opts["sinkhorn"] = SinkhornBalanced(by_opt["sinkhorn"], lr=lr, momentum=s.momentum, num_steps=s.num_steps,
+                                            tau=s.tau, eps=s.eps, gamma=s.gamma, use_triton=optim_cfg.use_triton,
+                                            chunk_elems=s.chunk_elems)
+    if by_opt["adamw"]:
+        opts["adamw"] = torch.optim.AdamW(by_opt["adamw"], lr=lr, betas=tuple(a.betas), eps=a.eps,
+                                          weight_decay=0.0)
+    return OptimizerSet(opts)
