@@ -117,3 +117,40 @@ def test_state_dict_uses_public_checkpoint_names(tiny_model):
     assert "layers.20.attn.compressor.wgate.weight" not in keys  # ratio 1: no pooling gate
     assert not any(k.startswith("layers.3.attn.compressor") or k.startswith("layers.3.attn.indexer") for k in keys)
     assert not any(k.startswith("engram_hasher") for k in keys)  # derived state, not checkpointed
+
+
+def test_two_stage_split_with_shared_kv_crossing_matches_single_pass(tiny_cfg):
+    """The explicit carry makes any block range a pipeline stage. Cut between layer 14 (Full) and its
+    Reuse layers 15-19, run the stages as separate autograd graphs joined only by detached carry
+    tensors (as a pipeline would), and the parameter gradients -- including the aux losses attached
+    on the first stage and the second stage's gradient into layer 14's compressor through the shared
+    KV -- equal those of one pass."""
+    from model.transformer import Carry
+    from model.attention import SharedKV
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg)
+    tokens = torch.randint(3, 400, (2, 64))
+    cut = 17
+
+    def loss_of(logits):
+        return _lm_loss(logits, tokens)
+
+    loss_of(model(tokens)).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    ctx = model.context(tokens)
+    c1 = model.run_blocks(model.embed_inputs(tokens), ctx, 0, cut)
+    sent = {"h": c1.h, "pre_mix": c1.pre_mix, "kv": c1.shared.kv, "index_k": c1.shared.index_k}
+    recv = {k: v.detach().requires_grad_(v.requires_grad) for k, v in sent.items()}
+    shared = SharedKV(recv["kv"], recv["index_k"], c1.shared.topk, c1.shared.candidates)
+    c2 = model.run_blocks(Carry(recv["h"], recv["pre_mix"], shared), model.context(tokens), cut)
+    loss_of(model.logits(c2)).backward()
+    outs, grads = zip(*[(sent[k], recv[k].grad) for k in sent if recv[k].grad is not None])
+    assert any(sent[k] is c1.shared.kv for k in sent if recv[k].grad is not None)  # KV gradient crossed
+    torch.autograd.backward(list(outs), list(grads))
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-6, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")

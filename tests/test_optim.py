@@ -2,6 +2,7 @@
 momentum loops; routing of every flash_tiny parameter; state_dict round trips."""
 
 import io
+import re
 import math
 
 import pytest
@@ -274,3 +275,16 @@ def test_sinkhorn_step_has_no_m_by_n_workspace():
         with torch.no_grad():
             literal_algorithm_1(W.detach(), W.grad, torch.zeros(m, n), lr=1e-3)
     assert meter.peak >= 2 * table  # the meter does see m x n temporaries
+
+
+def test_optim_config_validation_names_the_field():
+    from model.config import ConfigError
+    from train.config import compose, optim_config
+
+    for override, field in (("optim.sinkhorn.num_steps=10", "optim.sinkhorn.num_steps=10"),
+                            ("optim.muon.ns_dtype=float16", "optim.muon.ns_dtype='float16'"),
+                            ("optim.lr=0", "optim.lr=0")):
+        with pytest.raises(ConfigError, match=re.escape(field)):
+            optim_config(compose(["+exp=flash_tiny", override]))
+    cfg = optim_config(compose(["+exp=flash_tiny"]))
+    assert cfg.muon.coefficients() == ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2

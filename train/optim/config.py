@@ -18,6 +18,12 @@ class MuonConfig:
     # hybrid Newton-Schulz schedule: [steps, [a, b, c]] entries, run in order
     ns_schedule: list = field(default_factory=lambda: [[8, [3.4445, -4.7750, 2.0315]], [2, [2.0, -1.5, 0.5]]])
     ns_eps: float = 1e-7
+    ns_dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU; or "float32" / "bfloat16"
+
+    def torch_ns_dtype(self):
+        import torch
+
+        return None if self.ns_dtype is None else {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.ns_dtype]
 
     def coefficients(self) -> tuple[tuple[float, float, float], ...]:
         out = []
@@ -80,6 +86,9 @@ class OptimConfig:
         if not self.muon.ns_schedule or any(len(e) != 2 or len(e[1]) != 3 or int(e[0]) < 1
                                             for e in self.muon.ns_schedule):
             raise ConfigError(f"optim.muon.ns_schedule={self.muon.ns_schedule}: needs [steps, [a, b, c]] entries")
+        if self.muon.ns_dtype not in (None, "float32", "bfloat16"):
+            raise ConfigError(f"optim.muon.ns_dtype={self.muon.ns_dtype!r}: use null (bf16 on CUDA, fp32 on CPU), "
+                              f"'float32' or 'bfloat16'")
         if self.sinkhorn.num_steps < 1 or self.sinkhorn.num_steps % 2 == 0:
             raise ConfigError(f"optim.sinkhorn.num_steps={self.sinkhorn.num_steps}: must be odd (start and end "
                               f"on rows); V4.1 uses 11")

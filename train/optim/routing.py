@@ -167,7 +167,7 @@ def build_optimizers(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimC
     if by_opt["muon"]:
         opts["muon"] = Muon(by_opt["muon"], lr=lr, momentum=m.momentum, weight_decay=m.weight_decay,
                             nesterov=m.nesterov, rms_scale=m.rms_scale, ns_coefficients=m.coefficients(),
-                            ns_eps=m.ns_eps, use_triton=optim_cfg.use_triton)
+                            ns_eps=m.ns_eps, ns_dtype=m.torch_ns_dtype(), use_triton=optim_cfg.use_triton)
     if by_opt["sinkhorn"]:
         opts["sinkhorn"] = SinkhornBalanced(by_opt["sinkhorn"], lr=lr, momentum=s.momentum, num_steps=s.num_steps,
                                             tau=s.tau, eps=s.eps, gamma=s.gamma, use_triton=optim_cfg.use_triton,
