@@ -39,7 +39,7 @@ def init_mhc_site(fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg
 
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
-    for name, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.normal_(0.0, cfg.init_std)
             if getattr(module, "bias", None) is not None:

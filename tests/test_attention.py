@@ -15,7 +15,7 @@ def _role(cfg, layer):
 
 def _randomize(module, std=0.3):
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for p in module.parameters():
             if p.dim() >= 2:
                 p.normal_(0, std)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from model.config import ConfigError, ModelConfig
-from model.layer_plan import Role, layer_plan
+from model.layer_plan import layer_plan
 from train.config import compose, model_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,12 +4,11 @@ isolation, causality around images, freezing."""
 import io
 import math
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from conftest import image_config, random_image, vl_sample
+from conftest import random_image, vl_sample
 from data.images import (ImageDecodeError, ImageProcessorConfig, image_token_types, load_image, plan_image_size)
 from model.vision import (apply_rope_2d, encode_images, is_vision_body, pixel_unshuffle, set_vision_body_trainable,
                           vision_rope_angles)
