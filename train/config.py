@@ -12,6 +12,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from data.config import DataConfig, TokenSpec
+from data.images import ImageProcessorConfig
 from model.config import ModelConfig
 from train.optim.config import OptimConfig
 
@@ -32,3 +34,14 @@ def model_config(cfg: DictConfig) -> ModelConfig:
 
 def optim_config(cfg: DictConfig) -> OptimConfig:
     return OptimConfig.from_mapping(OmegaConf.to_container(cfg.optim, resolve=True))
+
+
+def data_config(cfg: DataConfig | DictConfig) -> DataConfig:
+    return DataConfig.from_mapping(OmegaConf.to_container(cfg.data, resolve=True))
+
+
+def token_spec(model: ModelConfig) -> TokenSpec:
+    """The token facts the data pipeline takes from the model config."""
+    image = ImageProcessorConfig(model.vision_patch_size, model.vision_downsample_ratio, model.vision_max_n_token,
+                                 model.vision_min_pixels, model.vision_max_wh_ratio)
+    return TokenSpec(model.vocab_size, model.bos_id, model.eos_id, model.pad_id, model.image_token_id, image)

@@ -1,0 +1,84 @@
+"""Typed data configuration (DESIGN.md "Data"), filled from `conf/data/*.yaml`, plus the token facts the
+data pipeline takes from the model config (data/ does not import model/)."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from data.images import ImageProcessorConfig
+
+
+class DataConfigError(ValueError):
+    """A data setting is invalid; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class TokenSpec:
+    """Token ids and sizes the model fixes; the trainer fills this from its ModelConfig."""
+
+    vocab_size: int
+    bos_id: int = 0
+    eos_id: int = 1
+    pad_id: int = 2
+    image_token_id: int = 129264
+    image: ImageProcessorConfig = field(default_factory=ImageProcessorConfig)
+
+
+@dataclass
+class DataConfig:
+    seq_len: int = 512  # tokens per training sequence (inputs; rows hold seq_len + 1 for the shifted labels)
+    batch_size: int = 2  # sequences per micro-batch on one rank
+    text_shards: list[str] | None = None  # paths or globs of text shards; null with mm_shards null: default corpus
+    mm_shards: list[str] | None = None  # paths or globs of multimodal shards
+    tokenizer: str | None = None  # tokenizer.json; null: the one beside the shards (manifest) or the corpus'
+    mix: list[int] = field(default_factory=lambda: [7, 1])  # text : multimodal, measured in tokens
+    pack_buffer: int = 64  # documents pieces held for best-fit packing
+    num_workers: int = 0  # dataloader worker processes per rank (0: in the main process)
+    seed: int = 0
+    corpus_dir: str | None = None  # default corpus cache; null: $FLASHTRAIN_CACHE or ~/.cache/flashtrain
+    corpus_text_bytes: int = 12_000_000  # stdlib source read for the default corpus
+    corpus_mm_docs: int = 4000  # rendered image documents in the default corpus
+    corpus_shards: int = 16  # shards per stream in the default corpus
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "DataConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise DataConfigError(f"data config has unknown field(s) {unknown}; see data/config.py")
+        cfg = cls(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in values.items()})
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        for name in ("seq_len", "batch_size", "pack_buffer", "corpus_shards"):
+            if getattr(self, name) <= 0:
+                raise DataConfigError(f"data.{name}={getattr(self, name)}: must be positive")
+        if self.num_workers < 0:
+            raise DataConfigError(f"data.num_workers={self.num_workers}: must be >= 0")
+        if len(self.mix) != 2 or min(self.mix) < 0 or sum(self.mix) == 0:
+            raise DataConfigError(f"data.mix={self.mix}: needs [text, multimodal] token weights, e.g. [7, 1]")
+
+    def cache_dir(self) -> Path:
+        if self.corpus_dir:
+            return Path(self.corpus_dir).expanduser()
+        return Path(os.environ.get("FLASHTRAIN_CACHE", Path.home() / ".cache" / "flashtrain")) / "corpus"
+
+
+def resolve_shards(patterns: list[str] | None, what: str) -> list[str]:
+    """Expand paths/globs, sorted; a pattern that matches nothing is a start-up error."""
+    if not patterns:
+        return []
+    out = []
+    for pat in patterns:
+        hits = sorted(glob.glob(os.path.expanduser(pat)))
+        if not hits:
+            raise FileNotFoundError(f"data.{what}: {pat!r} matches no shard file; check the path, or run "
+                                    f"launch/prepare_data.py to write shards")
+        out += hits
+    return sorted(dict.fromkeys(out))

@@ -1,0 +1,380 @@
+"""The packed, mixed, resumable data stream (DESIGN.md "Data"; format and rules: data/README.md).
+
+Per data-parallel rank and dataloader worker:
+- shards: sorted, rank r of W takes shards[r::W], worker w of N takes those [w::N] (every shard read by
+  exactly one (rank, worker)); each epoch visits a worker's shards in a seeded order;
+- documents become `[BOS] + segments + [EOS]` (image segments expand to their token-type span), then
+  are split into pieces of at most seq_len + 1 positions (text anywhere, image spans never);
+- two streams, text and multimodal, each keep half of a `pack_buffer`-piece packing buffer filled;
+- rows of seq_len + 1 positions: a row opens with the oldest buffered piece of the stream that is
+  behind the `mix` ratio in emitted tokens (so the ratio holds to within about one row, and no piece
+  waits long), then is filled by best fit over both buffers (the largest piece that fits the remaining
+  space, until none fits; the rest is PAD).
+Bad input (unreadable sample, corrupt tar, undecodable image, empty document, image span longer than a
+row) is logged, counted and skipped.
+
+`PackedLoader` wraps the workers in a torch DataLoader. Every batch carries its worker's state after
+producing it, so `state_dict()` is exact: restoring reproduces the following batches, re-reading only
+each worker's current shard of each stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from data.config import DataConfig, TokenSpec
+from data.images import TEXT, ImageDecodeError, image_token_types, load_image
+from data.shards import Document, ReadStats, read_shard
+
+log = logging.getLogger(__name__)
+TEXT_STREAM, MM_STREAM = 0, 1
+IGNORE = -100
+
+
+@dataclass
+class Piece:
+    tokens: np.ndarray  # int64 ids
+    types: np.ndarray  # int64 token types (TEXT -1 or an image type)
+    images: list  # [(bytes, ext)] in order of appearance
+    stream: int
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def to_state(self) -> dict:
+        return {"tokens": self.tokens, "types": self.types, "images": self.images, "stream": self.stream}
+
+    @classmethod
+    def from_state(cls, s: dict) -> "Piece":
+        return cls(np.asarray(s["tokens"]), np.asarray(s["types"]), list(s["images"]), int(s["stream"]))
+
+
+@dataclass
+class Counters:
+    documents: int = 0
+    skipped_empty: int = 0
+    skipped_bad_image: int = 0
+    skipped_oversized_image: int = 0
+    rows: int = 0
+    pad_tokens: int = 0
+    tokens: int = 0
+    read: ReadStats = field(default_factory=ReadStats)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "read"}
+        return {**d, **self.read.as_dict()}
+
+
+def split_shards(shards: list[str], rank: int, world: int, worker: int, n_workers: int) -> list[str]:
+    return sorted(shards)[rank::world][worker::n_workers]
+
+
+def document_pieces(doc: Document, spec: TokenSpec, capacity: int, stream: int, counters: Counters) -> list[Piece]:
+    """`[BOS] + segments + [EOS]` split into pieces of at most `capacity` positions; [] if skipped."""
+    units: list[tuple[np.ndarray, np.ndarray, tuple | None]] = []
+    has_content = False
+    for seg in doc.segments:
+        if seg[0] == "text":
+            if len(seg[1]):
+                has_content = True
+                units.append((np.asarray(seg[1], dtype=np.int64), np.full(len(seg[1]), TEXT), None))
+        else:
+            try:
+                img = load_image(seg[1], spec.image)
+            except ImageDecodeError as e:
+                counters.skipped_bad_image += 1
+                log.warning("skipping a document with an undecodable image: %s", e)
+                return []
+            types = image_token_types(img.n_llm_h, img.n_llm_w).numpy()
+            if len(types) > capacity:
+                counters.skipped_oversized_image += 1
+                log.warning("skipping a document whose image span (%d) exceeds a row (%d)", len(types), capacity)
+                return []
+            has_content = True
+            units.append((np.full(len(types), spec.image_token_id, dtype=np.int64), types, (seg[1], seg[2])))
+    if not has_content:
+        counters.skipped_empty += 1
+        return []
+    counters.documents += 1
+    units = ([(np.array([spec.bos_id]), np.array([TEXT]), None)] + units
+             + [(np.array([spec.eos_id]), np.array([TEXT]), None)])
+    pieces: list[Piece] = []
+    toks, types, imgs, size = [], [], [], 0
+
+    def close():
+        nonlocal toks, types, imgs, size
+        if size:
+            pieces.append(Piece(np.concatenate(toks), np.concatenate(types), imgs, stream))
+        toks, types, imgs, size = [], [], [], 0
+
+    for t, y, img in units:
+        if img is not None:  # an image span moves whole to the next piece when it does not fit
+            if size + len(t) > capacity:
+                close()
+            toks.append(t)
+            types.append(y)
+            imgs.append(img)
+            size += len(t)
+            continue
+        while len(t):  # text is cut anywhere
+            take = min(len(t), capacity - size)
+            if take == 0:
+                close()
+                continue
+            toks.append(t[:take])
+            types.append(y[:take])
+            size += take
+            t, y = t[take:], y[take:]
+    close()
+    return pieces
+
+
+class ShardStream:
+    """Documents of one stream for one worker, epoch after epoch, with a resumable cursor."""
+
+    def __init__(self, shards: list[str], stream: int, seed: str, counters: Counters, state: dict | None = None):
+        self.shards, self.stream, self.seed, self.counters = shards, stream, seed, counters
+        s = state or {"epoch": 0, "pos": 0, "skip": 0}
+        self.epoch, self.pos, self.skip = s["epoch"], s["pos"], s["skip"]
+        self._order = self._epoch_order()
+        self._reader = None
+        self._empty_epochs = 0
+
+    def _epoch_order(self) -> list[str]:
+        order = list(self.shards)
+        random.Random(f"{self.seed}/{self.stream}/{self.epoch}").shuffle(order)
+        return order
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "skip": self.skip}
+
+    def next_document(self) -> Document:
+        while True:
+            if self._reader is None:
+                self._reader = read_shard(self._order[self.pos], self.counters.read, self.skip)
+            doc = next(self._reader, StopIteration)
+            if doc is StopIteration:
+                self._reader = None
+                self.pos, self.skip = self.pos + 1, 0
+                if self.pos == len(self._order):
+                    self.epoch, self.pos = self.epoch + 1, 0
+                    self._order = self._epoch_order()
+                    self._empty_epochs = self._empty_epochs + 1 if not self._read_any else 0
+                    self._read_any = False
+                    if self._empty_epochs >= 2:
+                        raise RuntimeError(f"no readable document in the shards {self.shards}")
+                continue
+            self.skip += 1
+            if doc is not None:
+                self._read_any = True
+                return doc
+
+    _read_any = False
+
+
+class WorkerPipeline:
+    """Mixing + splitting + best-fit packing for one (rank, worker)."""
+
+    def __init__(self, cfg: DataConfig, spec: TokenSpec, text: list[str], mm: list[str], seed: str,
+                 state: dict | None = None):
+        self.cfg, self.spec = cfg, spec
+        self.capacity = cfg.seq_len + 1
+        state = state or {}
+        self.counters = Counters()
+        if "counters" in state:
+            c = dict(state["counters"])
+            self.counters = Counters(**{k: v for k, v in c.items() if k not in ("corrupt_shards", "bad_samples")},
+                                     read=ReadStats(c["corrupt_shards"], c["bad_samples"]))
+        streams = state.get("streams", [None, None])
+        self.streams = [ShardStream(sh, i, seed, self.counters, streams[i]) if sh else None
+                        for i, sh in enumerate((text, mm))]
+        self.mix_tokens = list(state.get("mix_tokens", [0, 0]))
+        self.pending = [deque(Piece.from_state(p) for p in q) for q in state.get("pending", [[], []])]
+        self.buffers = [[Piece.from_state(p) for p in b] for b in state.get("buffers", [[], []])]
+
+    def state(self) -> dict:
+        return {"streams": [s.state() if s else None for s in self.streams], "mix_tokens": list(self.mix_tokens),
+                "pending": [[p.to_state() for p in q] for q in self.pending],
+                "buffers": [[p.to_state() for p in b] for b in self.buffers], "counters": self.counters.as_dict()}
+
+    def _behind(self) -> int:
+        """The stream that is behind the `mix` ratio in emitted tokens (the only one if one is absent)."""
+        if self.streams[MM_STREAM] is None:
+            return TEXT_STREAM
+        if self.streams[TEXT_STREAM] is None:
+            return MM_STREAM
+        wt, wm = self.cfg.mix
+        return TEXT_STREAM if self.mix_tokens[TEXT_STREAM] * wm <= self.mix_tokens[MM_STREAM] * wt else MM_STREAM
+
+    def _refill(self) -> None:
+        """Keep each present stream's share of the packing buffer full."""
+        share = max(1, self.cfg.pack_buffer // sum(1 for st in self.streams if st is not None))
+        for s, stream in enumerate(self.streams):
+            if stream is None:
+                continue
+            while len(self.buffers[s]) < share:
+                while not self.pending[s]:
+                    doc = stream.next_document()
+                    self.pending[s].extend(document_pieces(doc, self.spec, self.capacity, s, self.counters))
+                self.buffers[s].append(self.pending[s].popleft())
+
+    def next_row(self) -> list[Piece]:
+        row, room = [], self.capacity
+        while room:
+            self._refill()
+            if not row:  # open with the oldest piece of the stream that is behind the mix ratio
+                s, i = self._behind(), 0
+            else:  # then best fit: the largest buffered piece that fits
+                s, i, size = -1, -1, 0
+                for bs, buf in enumerate(self.buffers):
+                    for j, p in enumerate(buf):
+                        if size < len(p) <= room:
+                            s, i, size = bs, j, len(p)
+                if s < 0:
+                    break
+            piece = self.buffers[s].pop(i)
+            row.append(piece)
+            room -= len(piece)
+            self.mix_tokens[s] += len(piece)
+        self.counters.rows += 1
+        self.counters.pad_tokens += room
+        self.counters.tokens += self.capacity
+        return row
+
+    def next_batch(self) -> dict:
+        return collate([self.next_row() for _ in range(self.cfg.batch_size)], self.spec, self.cfg.seq_len)
+
+
+def collate(rows: list[list[Piece]], spec: TokenSpec, seq_len: int) -> dict:
+    """Rows of pieces -> the training batch (inputs are positions 0..S-1, labels 1..S)."""
+    L = seq_len + 1
+    B = len(rows)
+    tokens = torch.full((B, L), spec.pad_id, dtype=torch.long)
+    types = torch.full((B, L), TEXT, dtype=torch.long)
+    pad = torch.ones(B, L, dtype=torch.bool)
+    stream_tokens = torch.zeros(B, 2, dtype=torch.long)
+    images: list[list[torch.Tensor]] = []
+    for b, row in enumerate(rows):
+        at, row_images = 0, []
+        for p in row:
+            n = len(p)
+            tokens[b, at:at + n] = torch.from_numpy(p.tokens)
+            types[b, at:at + n] = torch.from_numpy(p.types)
+            pad[b, at:at + n] = False
+            stream_tokens[b, p.stream] += n
+            row_images += [load_image(data, spec.image).pixels for data, _ in p.images]
+            at += n
+        images.append(row_images)
+    labels = tokens[:, 1:].clone()
+    labels[pad[:, 1:] | (types[:, 1:] >= 0)] = IGNORE
+    return {"tokens": tokens[:, :-1], "labels": labels, "token_types": types[:, :-1],
+            "positions": torch.arange(seq_len).expand(B, seq_len), "images": images,
+            "stream_tokens": stream_tokens, "pad_tokens": int(pad.sum())}
+
+
+def _identity(x):
+    return x
+
+
+class _PackedIterable(torch.utils.data.IterableDataset):
+    def __init__(self, cfg, spec, text, mm, rank, world, states, first_worker):
+        super().__init__()
+        self.cfg, self.spec, self.text, self.mm = cfg, spec, text, mm
+        self.rank, self.world, self.states, self.first_worker = rank, world, states, first_worker
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        n = max(1, self.cfg.num_workers)
+        logical = ((info.id if info else 0) + self.first_worker) % n
+        pipe = WorkerPipeline(self.cfg, self.spec, split_shards(self.text, self.rank, self.world, logical, n),
+                              split_shards(self.mm, self.rank, self.world, logical, n),
+                              f"{self.cfg.seed}/{self.rank}/{logical}", self.states.get(logical))
+        while True:
+            batch = pipe.next_batch()
+            batch["_worker"], batch["_state"] = logical, pipe.state()
+            yield batch
+
+
+class PackedLoader:
+    """Infinite iterator of packed batches for one data-parallel rank, with exact state_dict()."""
+
+    def __init__(self, cfg: DataConfig, spec: TokenSpec, text_shards: list[str], mm_shards: list[str],
+                 rank: int = 0, world: int = 1, state: dict | None = None):
+        self.cfg, self.spec, self.rank, self.world = cfg, spec, rank, world
+        self.text, self.mm = sorted(text_shards), sorted(mm_shards)
+        if not self.text and not self.mm:
+            raise ValueError("no shards: set data.text_shards / data.mm_shards, or leave both null for the "
+                             "default corpus")
+        n = max(1, cfg.num_workers)
+        for name, shards in (("text_shards", self.text), ("mm_shards", self.mm)):
+            if shards and len(shards) < world * n:
+                raise ValueError(f"data.{name}: {len(shards)} shard(s) cannot feed {world} rank(s) x {n} worker(s) "
+                                 f"without duplicates; write more, smaller shards or use fewer workers")
+        self.worker_states: dict[int, dict] = {}
+        self.next_worker = 0
+        if state is not None:
+            self.load_state_dict(state)
+        self._it = None
+
+    def state_dict(self) -> dict:
+        return {"version": 1, "rank": self.rank, "world": self.world, "num_workers": max(1, self.cfg.num_workers),
+                "worker_states": dict(self.worker_states), "next_worker": self.next_worker}
+
+    def load_state_dict(self, state: dict) -> None:
+        n = max(1, self.cfg.num_workers)
+        if (state["world"], state["num_workers"]) != (self.world, n):
+            raise ValueError(f"data loader state was saved with {state['world']} rank(s) x {state['num_workers']} "
+                             f"worker(s); this run has {self.world} x {n}. Resume with the same layout")
+        self.worker_states = dict(state["worker_states"])
+        self.next_worker = state["next_worker"]
+        self._it = None
+
+    def counters(self) -> dict:
+        """Skipped/corrupt/padding counts summed over this rank's workers (cumulative)."""
+        total: dict = {}
+        for s in self.worker_states.values():
+            for k, v in s["counters"].items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._it is None:
+            ds = _PackedIterable(self.cfg, self.spec, self.text, self.mm, self.rank, self.world,
+                                 self.worker_states, self.next_worker)
+            self._it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.cfg.num_workers,
+                                                        collate_fn=_identity))
+        batch = next(self._it)
+        w = batch.pop("_worker")
+        self.worker_states[w] = batch.pop("_state")
+        self.next_worker = (w + 1) % max(1, self.cfg.num_workers)
+        return batch
+
+
+def data_sources(cfg: DataConfig, spec: TokenSpec) -> tuple[list[str], list[str], str]:
+    """(text shards, multimodal shards, tokenizer.json) for a run: the configured shards (missing paths
+    are an error now, not mid-run), or the default corpus, built on first use."""
+    from pathlib import Path
+
+    from data.config import resolve_shards
+    from data.corpus import corpus_shards, ensure_default_corpus
+
+    if cfg.text_shards is None and cfg.mm_shards is None:
+        return corpus_shards(ensure_default_corpus(cfg, spec))
+    text, mm = resolve_shards(cfg.text_shards, "text_shards"), resolve_shards(cfg.mm_shards, "mm_shards")
+    if not text and not mm:
+        raise ValueError("data.text_shards and data.mm_shards are both empty; give shards or set both to null "
+                         "for the default corpus")
+    tokenizer = cfg.tokenizer or str(Path((text or mm)[0]).parent / "tokenizer.json")
+    if not Path(tokenizer).is_file():
+        raise FileNotFoundError(f"tokenizer {tokenizer!r} not found; set data.tokenizer to the tokenizer.json "
+                                f"written by launch/prepare_data.py")
+    return text, mm, tokenizer

@@ -1,0 +1,60 @@
+"""Byte-level BPE tokenizer trained with Hugging Face `tokenizers` (DESIGN.md "Data").
+
+Ids: BOS 0, EOS 1, PAD 2 (as the model config says), learned tokens after them, the image token at the
+model's `image_token_id`, and reserved tokens filling every other id up to `vocab_size`, so the
+tokenizer's size equals the model's vocabulary (the Engram compressed map needs one entry per id).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from data.config import TokenSpec
+
+BOS, EOS, PAD, IMAGE_TOKEN = "<|bos|>", "<|eos|>", "<|pad|>", "<|image|>"
+
+
+def train_tokenizer(texts: Iterable[str], spec: TokenSpec):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if (spec.bos_id, spec.eos_id, spec.pad_id) != (0, 1, 2):
+        raise ValueError(f"the tokenizer puts BOS/EOS/PAD at 0/1/2; the model says "
+                         f"{spec.bos_id}/{spec.eos_id}/{spec.pad_id}")
+    if not 3 < spec.image_token_id < spec.vocab_size:
+        raise ValueError(f"image_token_id={spec.image_token_id} must lie in (3, vocab_size={spec.vocab_size})")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=spec.image_token_id, special_tokens=[BOS, EOS, PAD],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    n = tok.get_vocab_size()
+    if n > spec.image_token_id:
+        raise ValueError(f"trained {n} tokens, more than the {spec.image_token_id} ids below the image token")
+    tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True) for i in range(n, spec.image_token_id)])
+    tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True)])
+    tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True)
+                            for i in range(spec.image_token_id + 1, spec.vocab_size)])
+    check_tokenizer(tok, spec)
+    return tok
+
+
+def check_tokenizer(tok, spec: TokenSpec) -> None:
+    want = {BOS: spec.bos_id, EOS: spec.eos_id, PAD: spec.pad_id, IMAGE_TOKEN: spec.image_token_id}
+    got = {t: tok.token_to_id(t) for t in want}
+    if got != want or tok.get_vocab_size() != spec.vocab_size:
+        raise ValueError(f"tokenizer ids {got} (size {tok.get_vocab_size()}) do not match the model's {want} "
+                         f"(vocab_size {spec.vocab_size}); retrain it for this model config")
+
+
+def load_tokenizer(path: str | Path, spec: TokenSpec | None = None):
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer {str(path)!r} does not exist; train one with launch/prepare_data.py")
+    tok = Tokenizer.from_file(str(path))
+    if spec is not None:
+        check_tokenizer(tok, spec)
+    return tok

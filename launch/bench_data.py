@@ -1,0 +1,52 @@
+"""Loader throughput on the default corpus with the flash_small settings: a benchmark, not a test.
+
+    python launch/bench_data.py [+exp=flash_small] [--batches 200]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from data.loader import PackedLoader, data_sources  # noqa: E402
+from train.config import compose, data_config, model_config, token_spec  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    batches = 200
+    if "--batches" in argv:
+        i = argv.index("--batches")
+        batches, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
+    conf = compose(argv or ["+exp=flash_small"])
+    dcfg, spec = data_config(conf), token_spec(model_config(conf))
+    t0 = time.perf_counter()
+    text, mm, _ = data_sources(dcfg, spec)
+    t_build = time.perf_counter() - t0
+    loader = PackedLoader(dcfg, spec, text, mm)
+    next(loader)  # warm up (worker start)
+    t0 = time.perf_counter()
+    tokens = stream = 0
+    mm_tokens = 0
+    for _ in range(batches):
+        b = next(loader)
+        tokens += b["tokens"].numel()
+        stream += int(b["stream_tokens"][:, 0].sum())
+        mm_tokens += int(b["stream_tokens"][:, 1].sum())
+    dt = time.perf_counter() - t0
+    c = loader.counters()
+    res = {"batches": batches, "batch_size": dcfg.batch_size, "seq_len": dcfg.seq_len, "tokens_per_s": tokens / dt,
+           "corpus_ready_s": t_build, "text_to_mm_ratio": stream / max(mm_tokens, 1),
+           "padding_fraction": c["pad_tokens"] / c["tokens"], "counters": c}
+    print(f"{tokens / dt:,.0f} tokens/s ({batches} batches of {dcfg.batch_size} x {dcfg.seq_len}); "
+          f"text:mm = {res['text_to_mm_ratio']:.2f}:1, padding {100 * res['padding_fraction']:.3f}%, "
+          f"corpus ready in {t_build:.1f} s")
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

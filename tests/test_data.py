@@ -1,0 +1,220 @@
+"""The data pipeline (DESIGN.md "Data", data/README.md): tokenizer, shards, default corpus, split,
+mixing, packing, resumable state, bad input."""
+
+import dataclasses
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from data.config import DataConfig, TokenSpec
+from data.images import ImageProcessorConfig
+from data.loader import PackedLoader, ShardStream, Counters, data_sources, split_shards
+from data.shards import Document, ReadStats, read_shard, write_shards
+from data.tokenizer import IMAGE_TOKEN, train_tokenizer
+
+SPEC = TokenSpec(vocab_size=512, image_token_id=496,
+                 image=ImageProcessorConfig(patch_size=14, downsample_ratio=3, max_n_token=64, min_pixels=84 * 84))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    cfg = DataConfig(seq_len=128, batch_size=4, corpus_dir=str(tmp_path_factory.mktemp("corpus")),
+                     corpus_text_bytes=1_500_000, corpus_mm_docs=800, corpus_shards=8)
+    text, mm, tok = data_sources(cfg, SPEC)
+    return cfg, text, mm, tok
+
+
+def _png(w=60, h=30, color=(10, 200, 30)):
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _batches_equal(a, b):
+    for k in ("tokens", "labels", "token_types", "positions", "stream_tokens"):
+        if not torch.equal(a[k], b[k]):
+            return False
+    return a["pad_tokens"] == b["pad_tokens"] and all(
+        len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y)) for x, y in zip(a["images"], b["images"]))
+
+
+def test_tokenizer_round_trip_and_reserved_ids():
+    texts = ["def f(x):\n    return x + 1\n", "héllo wörld — ünïcode ✓", "the quick brown fox"] * 50
+    tok = train_tokenizer(texts, SPEC)
+    assert tok.get_vocab_size() == 512
+    assert [tok.token_to_id(t) for t in ("<|bos|>", "<|eos|>", "<|pad|>")] == [0, 1, 2]
+    assert tok.token_to_id(IMAGE_TOKEN) == 496
+    for t in texts[:3] + ["unseen ∆ text\twith tabs"]:
+        ids = tok.encode(t, add_special_tokens=False).ids
+        assert tok.decode(ids) == t
+        assert 496 not in ids and not {0, 1, 2} & set(ids)
+
+
+def test_default_corpus_builds_and_is_cached(corpus, tmp_path):
+    cfg, text, mm, tok = corpus
+    assert len(text) == 8 and len(mm) == 8
+    stats = ReadStats()
+    doc = next(read_shard(mm[0], stats))
+    kinds = [s[0] for s in doc.segments]
+    assert kinds == ["image", "text"]
+    Image.open(io.BytesIO(doc.segments[0][1])).verify()
+    again = data_sources(cfg, SPEC)
+    assert again == (text, mm, tok)  # the cache is reused
+
+
+def test_prepare_then_load_round_trip(tmp_path):
+    import runpy
+    import sys
+
+    src = tmp_path / "src"
+    (src / "imgs").mkdir(parents=True)
+    (src / "a.txt").write_text("first document about parsing\nsecond line")
+    (src / "b.jsonl").write_text(json.dumps({"text": "a json document"}) + "\n" + json.dumps({"text": "another one"}) + "\n")
+    (src / "imgs" / "cat.png").write_bytes(_png())
+    (src / "imgs" / "cat.txt").write_text("a green box")
+    (src / "inter.jsonl").write_text(json.dumps({"segments": [{"text": "look:"}, {"image": "imgs/cat.png"},
+                                                              {"text": "it is green"}]}) + "\n")
+    out = tmp_path / "shards"
+    argv = [str(out), "+exp=flash_tiny", "--text", str(src / "a.txt"), str(src / "b.jsonl"),
+            "--images", str(src / "imgs"), "--interleaved", str(src / "inter.jsonl"), "--docs-per-shard", "2"]
+    old = sys.argv
+    sys.argv = ["prepare_data.py", *argv]
+    try:
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path("launch/prepare_data.py", run_name="__main__")
+        assert e.value.code == 0
+    finally:
+        sys.argv = old
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["totals"]["text"]["documents"] == 3 and manifest["totals"]["mm"]["documents"] == 2
+    # 60 x 30 px -> upscaled to >= 84^2 px: x1.98 -> 118 x 59 -> rounded up to 126 x 70 (9 x 5 patches) ->
+    # 3 x 2 image tokens -> 2 * (3 + 1) + 2 = 10 positions, per image
+    assert manifest["totals"]["mm"]["images"] == 2 and manifest["totals"]["mm"]["image_positions"] == 2 * 10
+    emap = json.loads((out / "engram_map.json").read_text())
+    assert len(emap["map"]) == 512
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    stats = ReadStats()
+    texts = [tok.decode(d.segments[0][1].tolist()) for p in sorted(out.glob("text-*.tar")) for d in read_shard(str(p), stats)]
+    assert texts == ["first document about parsing\nsecond line", "a json document", "another one"]
+    mm_docs = [d for p in sorted(out.glob("mm-*.tar")) for d in read_shard(str(p), stats)]
+    inter = mm_docs[1]
+    assert [s[0] for s in inter.segments] == ["text", "image", "text"]
+    assert inter.segments[1][1] == _png() and tok.decode(inter.segments[2][1].tolist()) == "it is green"
+
+    cfg = DataConfig(seq_len=64, batch_size=2, text_shards=[str(out / "text-*.tar")], mm_shards=[str(out / "mm-*.tar")])
+    text, mm, tokp = data_sources(cfg, SPEC)
+    batch = next(PackedLoader(cfg, SPEC, text, mm))
+    for b in range(2):
+        types = batch["token_types"][b]
+        assert int((types == 0).sum()) == len(batch["images"][b])  # one START per image in the row
+        assert int((types == 1).sum()) == 6 * len(batch["images"][b])  # 3 x 2 IMAGE tokens each
+    assert sum(len(r) for r in batch["images"]) >= 1
+    labels, tokens, types = batch["labels"], batch["tokens"], batch["token_types"]
+    assert (labels[:, :-1][types[:, 1:] >= 0] == -100).all()  # no loss on predicting image positions
+    assert (labels[:, :-1][tokens[:, 1:] == SPEC.pad_id] == -100).all()  # nor on padding
+    keep = labels[:, :-1] != -100
+    assert keep.any() and torch.equal(labels[:, :-1][keep], tokens[:, 1:][keep])  # labels are the next tokens
+
+
+def test_split_covers_every_document_once_over_2_ranks_x_2_workers(tmp_path):
+    docs = [Document([("text", np.array([3 + i] * 5, dtype=np.int32))]) for i in range(203)]
+    entries = write_shards(docs, tmp_path, "text", 9)
+    shards = [str(tmp_path / e["path"]) for e in entries]
+    seen = []
+    for rank in range(2):
+        for worker in range(2):
+            mine = split_shards(shards, rank, 2, worker, 2)
+            assert mine
+            stream = ShardStream(mine, 0, "0/x", Counters())
+            n = sum(e["documents"] for e in entries if str(tmp_path / e["path"]) in mine)
+            seen += [int(stream.next_document().segments[0][1][0]) for _ in range(n)]
+            assert stream.epoch == 0 or (stream.epoch == 1 and stream.pos == 0 and stream.skip == 0)
+    assert sorted(seen) == [3 + i for i in range(203)]
+
+
+def test_mix_ratio_and_padding_on_the_default_corpus(corpus):
+    cfg, text, mm, _ = corpus
+    loader = PackedLoader(cfg, SPEC, text, mm)
+    st = torch.zeros(2, dtype=torch.long)
+    for _ in range(75):  # 300 sequences
+        st += next(loader)["stream_tokens"].sum(0)
+    ratio = st[0].item() / st[1].item()
+    assert abs(ratio / 7 - 1) < 0.05, ratio
+    c = loader.counters()
+    assert c["rows"] == 300 and c["pad_tokens"] / c["tokens"] < 0.01, c
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_restore_mid_stream_reproduces_the_next_batches(corpus, workers, monkeypatch):
+    cfg, text, mm, _ = corpus
+    cfg = dataclasses.replace(cfg, num_workers=workers)
+    a = PackedLoader(cfg, SPEC, text, mm)
+    for _ in range(7):
+        next(a)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=False)
+    want = [next(a) for _ in range(4)]
+
+    if workers:
+        b = PackedLoader(cfg, SPEC, text, mm, state=state)
+        assert all(_batches_equal(x, next(b)) for x in want)
+        return
+    # in-process: also check which shards the restored loader opens, against an uninterrupted twin
+    import data.loader as L
+
+    real = L.read_shard
+
+    def opened_by(loader):
+        log = []
+        monkeypatch.setattr(L, "read_shard", lambda path, stats, skip=0: (log.append((path, skip)),
+                                                                            real(path, stats, skip))[1])
+        batches = [next(loader) for _ in range(4)]
+        monkeypatch.setattr(L, "read_shard", real)
+        return batches, log
+
+    twin = PackedLoader(cfg, SPEC, text, mm)
+    for _ in range(7):
+        next(twin)
+    _, straight = opened_by(twin)
+    got, restored = opened_by(PackedLoader(cfg, SPEC, text, mm, state=state))
+    assert all(_batches_equal(x, y) for x, y in zip(want, got))
+    extra = [o for o in restored if o not in straight]
+    assert len(extra) <= 2  # at most the current shard of each stream is re-read ...
+    assert any(skip > 0 for _, skip in extra)  # ... from the saved position, skipping consumed documents
+
+
+def test_bad_input_is_skipped_and_counted(tmp_path):
+    good = [Document([("text", np.arange(3, 40, dtype=np.int32))]) for _ in range(30)]
+    bad_image = Document([("image", b"not an image at all", "png"), ("text", np.array([5, 6], dtype=np.int32))])
+    empty = Document([("text", np.zeros(0, dtype=np.int32))])
+    ok_image = Document([("image", _png(), "png"), ("text", np.array([7, 8, 9], dtype=np.int32))])
+    mm_docs = [bad_image, empty, ok_image] * 5
+    text = [str(tmp_path / e["path"]) for e in write_shards(good, tmp_path, "text", 10)]
+    mm = [str(tmp_path / e["path"]) for e in write_shards(mm_docs, tmp_path, "mm", 5)]
+    # truncate one text shard mid-member and write garbage into another's json
+    raw = open(text[0], "rb").read()
+    open(text[0], "wb").write(raw[: len(raw) // 2 + 100])
+    with tarfile.open(text[1], "w") as t:
+        for name, data in (("000000001.json", b"{broken"), ("000000001.tokens.npy", b"xx")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    cfg = DataConfig(seq_len=32, batch_size=2)
+    loader = PackedLoader(cfg, SPEC, text, mm)
+    for _ in range(20):
+        b = next(loader)
+        assert b["tokens"].shape == (2, 32)
+    c = loader.counters()
+    assert c["corrupt_shards"] >= 1 and c["bad_samples"] >= 1
+    assert c["skipped_bad_image"] >= 1 and c["skipped_empty"] >= 1
+    with pytest.raises(FileNotFoundError, match="matches no shard"):
+        data_sources(DataConfig(text_shards=[str(tmp_path / "nope-*.tar")]), SPEC)

@@ -1,0 +1,29 @@
+"""The Engram compressed-vocabulary map of a tokenizer, saved beside it (V41_SPEC §5).
+
+`load_or_build_engram_map(tokenizer_path)` returns the token -> compressed id lookup, building it with
+`model.engram.build_compressed_token_map` the first time and caching it as `engram_map.json` next to
+`tokenizer.json` (keyed by the tokenizer file's hash, so a retrained tokenizer rebuilds it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from model.engram import build_compressed_token_map
+
+
+def load_or_build_engram_map(tokenizer_path: str | Path) -> list[int]:
+    from tokenizers import Tokenizer
+
+    path = Path(tokenizer_path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    cache = path.with_name("engram_map.json")
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved.get("tokenizer_sha256") == digest:
+            return saved["map"]
+    lookup, size = build_compressed_token_map(Tokenizer.from_file(str(path)))
+    cache.write_text(json.dumps({"tokenizer_sha256": digest, "compressed_vocab_size": size, "map": lookup}))
+    return lookup
