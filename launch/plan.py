@@ -5,7 +5,8 @@
 
 Any Hydra override works (`model.dim=1024`). Reports parameter totals (text backbone, Engram tables,
 with text and vision separately, total), activated parameters per token, parameters and tensors per optimizer (the V4.1 routing), the
-per-layer role table and per-layer parameter counts.
+the LR schedule (total steps, tokens per step, step and LR at warmup end, decay start, decay end and the
+last step, the ViT unfreeze step), the per-layer role table and per-layer parameter counts.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch  # noqa: E402
 from model import Transformer  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 from model.inspect import inspect_model  # noqa: E402
-from train.config import compose, model_config, optim_config  # noqa: E402
+from train.config import compose, model_config, optim_config, schedule  # noqa: E402
 from train.optim.routing import route_parameters, routing_summary  # noqa: E402
 
 
@@ -32,6 +33,7 @@ def build_report(overrides: list[str]) -> dict:
         model = Transformer(cfg, init=False)
     report = inspect_model(model, cfg)
     report["optimizers"] = routing_summary(route_parameters(model, cfg, ocfg))
+    report["schedule"] = schedule(conf).summary()
     report["overrides"] = overrides
     return report
 
@@ -50,6 +52,9 @@ def format_report(report: dict) -> str:
         f"  Engram tables          {_b(report['params_engram']):>12}  ({report['params_engram']:,})",
         f"  total                  {_b(report['params_total']):>12}  ({report['params_total']:,})",
         f"  activated per token    {_b(report['params_activated_per_token']):>12}",
+        "",
+        "  schedule               " + ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in report["schedule"].items()),
         "",
         "  optimizers             params        tensors  by rule",
         *[f"  {name:<14} {_b(o['params']):>14} {o['tensors']:>14}  "

@@ -45,3 +45,13 @@ def token_spec(model: ModelConfig) -> TokenSpec:
     image = ImageProcessorConfig(model.vision_patch_size, model.vision_downsample_ratio, model.vision_max_n_token,
                                  model.vision_min_pixels, model.vision_max_wh_ratio)
     return TokenSpec(model.vocab_size, model.bos_id, model.eos_id, model.pad_id, model.image_token_id, image)
+
+
+def schedule(cfg: DictConfig):
+    """The LR schedule of a run: ScheduleConfig + the fixed global batch in tokens."""
+    from train.schedule import Schedule, ScheduleConfig
+
+    seq_len = int(cfg.data.seq_len)
+    sequences = max(1, round(float(cfg.train.global_batch_tokens) / seq_len))
+    return Schedule(ScheduleConfig.from_mapping(OmegaConf.to_container(cfg.schedule, resolve=True)),
+                    sequences * seq_len)

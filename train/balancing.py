@@ -1,0 +1,50 @@
+"""Auxiliary-loss-free MoE balancing per modality (V41_SPEC §4; report §2.1.1, DeepSeek-V3's rule).
+
+After every optimizer step, for every MoE layer and separately for text (`bias`) and image (`bias_vl`)
+tokens, with that modality's per-expert load counted over the whole global batch (all data-parallel
+ranks, all micro-batches):
+    b_i <- b_i + rate * sign(mean(load) - load_i)
+A modality with no token in the step leaves its bias unchanged. We follow Megatron-LM and do not
+re-centre the update (torchtitan subtracts its mean; that changes no selection, only the biases' drift).
+
+Loads come from the model's side channel (`StepStats.expert_load`, [2, E] per layer: text, image),
+summed by the trainer over micro-batches; `global_loads` all-reduces them in one collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def accumulate_loads(total: dict[int, torch.Tensor], step_loads: dict[int, torch.Tensor]) -> None:
+    """Add one micro-batch's loads (layer -> [2, E]) into a running total."""
+    for layer, load in step_loads.items():
+        total[layer] = total[layer] + load if layer in total else load.clone()
+
+
+def global_loads(loads: dict[int, torch.Tensor], group=None) -> dict[int, torch.Tensor]:
+    """Sum the loads over the data-parallel group (one all-reduce for all layers)."""
+    if not loads or not (dist.is_available() and dist.is_initialized()):
+        return loads
+    layers = sorted(loads)
+    flat = torch.stack([loads[l] for l in layers])
+    dist.all_reduce(flat, group=group)
+    return dict(zip(layers, flat.unbind(0)))
+
+
+@torch.no_grad()
+def update_biases(model: nn.Module, loads: dict[int, torch.Tensor], rate: float) -> int:
+    """Apply the sign rule to every MoE layer's `bias` (row 0 loads) and `bias_vl` (row 1 loads).
+    Returns the number of (layer, modality) biases changed."""
+    changed = 0
+    for layer, load in loads.items():
+        gate = model.layers[layer].ffn.gate
+        for bias, counts in ((gate.bias, load[0]), (gate.bias_vl, load[1])):
+            counts = counts.to(torch.float32)
+            if counts.sum() == 0:
+                continue  # this modality was absent from the step
+            bias += rate * torch.sign(counts.mean() - counts)
+            changed += 1
+    return changed
