@@ -1,0 +1,106 @@
+"""The trainer end to end (launch/pretrain.py under python and torchrun/gloo): exact resume, crash
+safety, data-parallel parity, ViT freeze schedule, config refusal."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def corpus_args(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    return [f"data.corpus_dir={d}", "data.corpus_text_bytes=1500000", "data.corpus_mm_docs=800", "data.corpus_shards=8"]
+
+
+# unfreeze the ViT at 0-based step ceil(1200 / 512) = 3 (the 4th), so resuming after 2 steps crosses it
+SCHEDULE = ["schedule.warmup_fraction=0.002", "schedule.decay_start_fraction=0.006", "schedule.decay_end_fraction=0.5",
+            "data.mix=[1,1]"]  # plenty of images in every step, so the unfrozen ViT body surely gets gradients
+
+
+def pretrain(run_dir, corpus_args, *overrides, procs=1, env=None, check=True):
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
+           if procs > 1 else [sys.executable])
+    cmd += [str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run_dir}",
+            "logging.wandb.mode=disabled", "logging.progress=false", *SCHEDULE, *corpus_args, *overrides]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    if check:
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_model(run_dir, step):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = Path(run_dir) / f"final_{step}.pt"
+    dcp_to_torch_save(str(Path(run_dir) / "checkpoints" / f"step_{step:08d}"), str(out))
+    state = torch.load(out, weights_only=False)
+    return state["model"], state["optim"]
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_exact_resume_across_the_vit_unfreeze(tmp_path, corpus_args, procs):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    pretrain(straight, corpus_args, "train.max_steps=4", procs=procs)
+    pretrain(resumed, corpus_args, "train.max_steps=2", procs=procs)
+    second = pretrain(resumed, corpus_args, "train.max_steps=4", procs=procs)
+    assert f"resumed from {resumed}/checkpoints/step_00000002 at step 2" in second.stdout
+    a, b = records(straight), records(resumed)
+    assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["vit_trainable"] for r in a] == [False, False, False, True]  # 0-based step 3 = the 4th
+    ma, oa = final_model(straight, 4)
+    mb, ob = final_model(resumed, 4)
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+    assert oa.keys() == ob.keys() and all(torch.equal(oa[k], ob[k]) for k in oa)
+    # the ViT body gained optimizer state only once unfrozen, and the MoE biases moved
+    assert any(".vision.blocks.0.attn.wqkv.weight." in k for k in oa)
+    assert any(ma[k].abs().sum() > 0 for k in ma if k.endswith("ffn.gate.bias"))
+
+
+def test_data_parallel_parity(tmp_path, corpus_args):
+    """Same global batch: 1 rank with 2 loader workers (2 accumulated micro-batches) vs 2 ranks with 1 each."""
+    one = pretrain(tmp_path / "dp1", corpus_args, "train.max_steps=3", "data.num_workers=2")
+    two = pretrain(tmp_path / "dp2", corpus_args, "train.max_steps=3", "data.num_workers=1", procs=2)
+    assert one.returncode == two.returncode == 0
+    a, b = records(tmp_path / "dp1"), records(tmp_path / "dp2")
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)
+        assert x["tokens_seen"] == y["tokens_seen"]
+        assert x["expert_load"] == y["expert_load"]
+
+
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, corpus_args):
+    run = tmp_path / "crash"
+    killed = pretrain(run, corpus_args, "train.max_steps=3", "train.checkpoint.interval=1",
+                      env={"FLASHTRAIN_FAULT_KILL_AFTER_CHECKPOINT_WRITE": "2"}, check=False)
+    assert killed.returncode != 0
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == [".tmp-step_00000002", "step_00000001"]  # the half-written one never got its final name
+    again = pretrain(run, corpus_args, "train.max_steps=3", "train.checkpoint.interval=1")
+    assert f"resumed from {run}/checkpoints/step_00000001 at step 1" in again.stdout
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001", "step_00000002",
+                                                                        "step_00000003"]
+    straight = tmp_path / "straight"
+    pretrain(straight, corpus_args, "train.max_steps=3")
+    assert [r["loss"] for r in records(straight)][1:] == [r["loss"] for r in records(run)][-2:]
+
+
+def test_bad_layout_and_changed_model_are_refused(tmp_path, corpus_args):
+    bad = pretrain(tmp_path / "bad", corpus_args, "train.global_batch_tokens=384", check=False)
+    assert bad.returncode != 0 and "train.global_batch_tokens=384" in bad.stderr and "data.batch_size=2" in bad.stderr
+    run = tmp_path / "run"
+    pretrain(run, corpus_args, "train.max_steps=1")
+    other = pretrain(run, corpus_args, "train.max_steps=2", "model.init_std=0.01", check=False)
+    assert other.returncode != 0 and "different model config" in other.stderr and "init_std" in other.stderr

@@ -1,0 +1,154 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DESIGN.md "Training").
+
+Layout: `<run dir>/checkpoints/step_<8-digit step>/`, one directory per step, written to
+`.tmp-step_<step>` and renamed by rank 0 once every rank's shards are written, so a directory that
+exists is complete and a crash mid-write leaves only a `.tmp-*` that the next save removes. The last
+`keep` checkpoints are kept.
+
+Contents (DCP keys):
+- `model.*`: every tensor of `model.state_dict()` (MoE selection biases included), resharded by DCP;
+- `optim.<optimizer>.<parameter FQN>.<state>`: optimizer state tensors keyed by parameter name, so the
+  checkpoint does not depend on parameter order; on load the template is built from the checkpoint's
+  own metadata (a parameter without state -- e.g. a frozen ViT body -- has no key);
+- `meta`: step, tokens seen, the resolved config (yaml), written once;
+- `rank<r>`: that rank's data-loader state and RNG states.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+log = logging.getLogger(__name__)
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def _blob(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unblob(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoint directories, oldest first (a `.tmp-*` is never complete)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / ".metadata").is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    done = complete_checkpoints(run_dir)
+    return done[-1] if done else None
+
+
+def optimizer_state_flat(optimizers: dict[str, torch.optim.Optimizer], model: nn.Module) -> dict[str, torch.Tensor]:
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    flat = {}
+    for oname, opt in optimizers.items():
+        for p, state in opt.state.items():
+            for k, v in state.items():
+                flat[f"{oname}.{name_of[id(p)]}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+    return flat
+
+
+def load_optimizer_state_flat(optimizers: dict[str, torch.optim.Optimizer], model: nn.Module,
+                              flat: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    for opt in optimizers.values():
+        opt.state.clear()
+    for key, v in flat.items():
+        oname, rest = key.split(".", 1)
+        fqn, k = rest.rsplit(".", 1)
+        if oname not in optimizers or fqn not in params:
+            raise ValueError(f"checkpoint has optimizer state {key!r} that this run cannot place (optimizer "
+                             f"{oname!r}, parameter {fqn!r}); was it written by another model or optimizer config?")
+        optimizers[oname].state[params[fqn]][k] = v.to(params[fqn].device) if v.dim() else v
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer],
+                    meta: dict, rank_state: dict, keep: int, fault_hook=None) -> Path:
+    """Write the checkpoint of `step` (collective: every rank calls it)."""
+    final = step_dir(run_dir, step)
+    tmp = final.with_name(f".tmp-{final.name}")
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = {"model": model.state_dict(), "optim": optimizer_state_flat(optimizers, model),
+             "meta": _blob(meta), f"rank{rank}": _blob(rank_state)}
+    with warnings.catch_warnings():  # DCP warns when it runs without a process group (one process): expected
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(state, checkpoint_id=str(tmp))
+    _barrier()
+    if fault_hook is not None:
+        fault_hook(tmp)
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in final.parent.glob(".tmp-step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer]) -> tuple[dict, dict]:
+    """Load model and optimizer state in place; returns (meta, this rank's state)."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no .metadata); pick a step_* "
+                                f"directory under <run dir>/checkpoints")
+    rank = _rank()
+    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    rank_key = f"rank{rank}"
+    if rank_key not in md:
+        raise ValueError(f"checkpoint {path} has no state for rank {rank}: it was written with fewer ranks; "
+                         f"resume with the same number of processes")
+    optim_tmpl = {}
+    for key, m in md.items():
+        if key.startswith("optim."):
+            optim_tmpl[key[len("optim."):]] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+    state = {"model": model.state_dict(), "optim": optim_tmpl, "meta": b"", rank_key: b""}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state, checkpoint_id=str(path))
+    model.load_state_dict(state["model"])
+    load_optimizer_state_flat(optimizers, model, state["optim"])
+    return _unblob(state["meta"]), _unblob(state[rank_key])

@@ -1,0 +1,308 @@
+"""The training loop (DESIGN.md "Training"): batches -> forward/backward over gradient-accumulation
+micro-batches -> data-parallel gradient all-reduce -> clip -> optimizer step -> MoE bias update ->
+LR / ViT-freeze schedule -> metrics -> checkpoint.
+
+- Fixed batch: `train.global_batch_tokens` / `data.seq_len` sequences per optimizer step (rounded);
+  with `data.batch_size` sequences per micro-batch and dp ranks, accumulation = global / (dp x micro).
+- Loss: cross-entropy (mean over label tokens of each micro-batch, averaged over micro-batches and
+  ranks) + the sequence balance loss and indexer KL, which ride on the backward pass (model/aux.py,
+  scaled by 1 / accumulation like the CE) and are logged separately.
+- MoE biases: after every step, from loads summed over micro-batches and ranks (train/balancing.py).
+- ViT body frozen until the schedule's decay start (a function of the step, so resuming on either side
+  behaves the same), then trained with `optim.vision_lr_mult`.
+- Checkpoints every `train.checkpoint.interval` steps, at the end and on SIGTERM (train/checkpoint.py);
+  a run directory with checkpoints resumes from the newest complete one, or from `train.resume_from`.
+- Data parallel over any number of ranks (gloo on CPU, NCCL on CUDA); pipeline and expert parallelism
+  land with their issues.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from data.loader import IGNORE, PackedLoader, data_sources
+from model import Transformer
+from model.aux import StepStats
+from model.config import ConfigError
+from model.vision import set_vision_body_trainable
+from train.balancing import accumulate_loads, global_loads, update_biases
+from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from train.config import data_config, model_config, optim_config, schedule, token_spec
+from train.engram_map import load_or_build_engram_map
+from train.metrics import LoggingConfig, MetricsLogger, load_statistics
+from train.optim import build_optimizers
+
+log = logging.getLogger(__name__)
+FAULT_ENV = "FLASHTRAIN_FAULT_KILL_AFTER_CHECKPOINT_WRITE"  # tests only: SIGKILL after writing step N's shards
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 50
+    keep: int = 3
+
+
+@dataclass
+class TrainConfig:
+    global_batch_tokens: float = 100.6e6
+    max_steps: int | None = None  # stop after this many optimizer steps (the schedule is unchanged)
+    seed: int = 0
+    grad_clip: float = 1.0
+    balance_rate: float = 1e-3
+    resume_from: str | None = None
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "TrainConfig":
+        values = dict(values)
+        ck = CheckpointConfig(**values.pop("checkpoint", {}))
+        return cls(checkpoint=ck, **values)
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    ep: int = 1
+
+
+@dataclass
+class Layout:
+    world: int
+    dp: int
+    micro_batch: int
+    accumulation: int
+    global_sequences: int
+
+
+def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: ParallelConfig, world: int) -> Layout:
+    """Validate the process layout and the fixed batch before anything is built."""
+    if parallel.pp != 1 or parallel.ep != 1:
+        raise ConfigError(f"parallel.pp={parallel.pp}, parallel.ep={parallel.ep}: pipeline and expert parallelism "
+                          f"are not built yet; use parallel.pp=1 parallel.ep=1")
+    dp = world
+    g = max(1, round(train.global_batch_tokens / seq_len))
+    if g % (dp * micro_batch):
+        raise ConfigError(
+            f"train.global_batch_tokens={train.global_batch_tokens:g} is {g} sequences of data.seq_len={seq_len}, "
+            f"which {dp} data-parallel rank(s) x data.batch_size={micro_batch} do not divide; use a global batch of "
+            f"a multiple of {dp * micro_batch * seq_len} tokens or change data.batch_size / the number of processes")
+    if train.checkpoint.interval <= 0 or train.checkpoint.keep <= 0:
+        raise ConfigError("train.checkpoint.interval and train.checkpoint.keep must be positive")
+    return Layout(world, dp, micro_batch, g // (dp * micro_batch), g)
+
+
+def _init_distributed() -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def _rng_state() -> dict:
+    s = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def _set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+        # --- everything validated before a process group, a model or data exists ---
+        self.model_cfg = model_config(cfg)
+        self.optim_cfg = optim_config(cfg)
+        self.data_cfg = data_config(cfg)
+        self.train_cfg = TrainConfig.from_mapping(self.cfg_dict["train"])
+        self.log_cfg = LoggingConfig.from_mapping(self.cfg_dict.get("logging", {}))
+        self.parallel = ParallelConfig(**self.cfg_dict.get("parallel", {}))
+        self.schedule = schedule(cfg)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.layout = plan_layout(self.train_cfg, self.data_cfg.seq_len, self.data_cfg.batch_size, self.parallel, world)
+        if self.train_cfg.resume_from and not Path(self.train_cfg.resume_from).is_dir():
+            raise FileNotFoundError(f"train.resume_from={self.train_cfg.resume_from!r} does not exist")
+        self.max_steps = self.train_cfg.max_steps or self.schedule.total_steps
+
+        self.rank, world, self.device = _init_distributed()
+        self.is_main = self.rank == 0
+        torch.manual_seed(self.train_cfg.seed)
+        random.seed(self.train_cfg.seed)
+        np.random.seed(self.train_cfg.seed)
+        self.spec = token_spec(self.model_cfg)
+        # rank 0 builds the default corpus / engram map first; the others then find them cached
+        for turn in (0, 1):
+            if (turn == 0) == self.is_main:
+                text, mm, tok = data_sources(self.data_cfg, self.spec)
+                token_map = load_or_build_engram_map(tok) if self.model_cfg.engram_layer_ids else None
+            self._barrier()
+        self.model = Transformer(self.model_cfg, token_map=token_map).to(self.device)
+        self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg)
+        self.loader = PackedLoader(self.data_cfg, self.spec, text, mm, self.rank, self.layout.dp)
+        self.step = 0
+        self.tokens_seen = 0
+        self._stop = False
+        self._resume()
+
+    # --- helpers -----------------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        if dist.is_initialized():
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+        return t
+
+    def _resume(self) -> None:
+        path = self.train_cfg.resume_from or latest_checkpoint(self.run_dir)
+        if path is None:
+            return
+        meta, mine = load_checkpoint(path, self.model, self.optim.optimizers)
+        saved_model = meta["config"]["model"]
+        if saved_model != self.cfg_dict["model"]:
+            diff = sorted(k for k in set(saved_model) | set(self.cfg_dict["model"])
+                          if saved_model.get(k) != self.cfg_dict["model"].get(k))
+            raise ValueError(f"checkpoint {path} was written for a different model config (fields {diff} differ); "
+                             f"use a new run directory, or the model config it was trained with")
+        self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
+        self.loader.load_state_dict(mine["data"])
+        _set_rng_state(mine["rng"])
+        if self.is_main:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def save(self) -> None:
+        fault = os.environ.get(FAULT_ENV)
+
+        def hook(tmp):
+            if fault is not None and int(fault) == self.step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict}
+        save_checkpoint(self.run_dir, self.step, self.model, self.optim.optimizers, meta,
+                        {"data": self.loader.state_dict(), "rng": _rng_state()}, self.train_cfg.checkpoint.keep, hook)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._stop = True
+
+    def _reduce_gradients(self) -> None:
+        if not dist.is_initialized():
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.layout.dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # --- the loop ----------------------------------------------------------------------------
+    def train_step(self) -> tuple[dict, dict]:
+        t0 = time.perf_counter()
+        if self.model_cfg.vision_n_layers:
+            set_vision_body_trainable(self.model, self.schedule.vit_trainable(self.step))
+        lr = self.schedule.lr(self.step)
+        self.optim.set_lr(lr)
+        self.optim.zero_grad(set_to_none=True)
+        accum = self.layout.accumulation
+        loads: dict[int, torch.Tensor] = {}
+        sums = torch.zeros(5, dtype=torch.float64)  # ce, balance, indexer, pad tokens, positions
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast(
+            "cpu", enabled=False)
+        for _ in range(accum):
+            batch = next(self.loader)
+            stats = StepStats()
+            tokens = batch["tokens"].to(self.device)
+            types = batch["token_types"].to(self.device)
+            images = [[img.to(self.device) for img in row] for row in batch["images"]]
+            with autocast:
+                logits = self.model(tokens, types, images, stats, aux_grad_scale=1.0 / accum)
+                ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].to(self.device).reshape(-1),
+                                     ignore_index=IGNORE)
+            (ce / accum).backward()
+            accumulate_loads(loads, {k: v.cpu() for k, v in stats.expert_load.items()})
+            sums += torch.tensor([ce.item(), float(sum(v.item() for v in stats.balance_loss.values())),
+                                  float(sum(v.item() for v in stats.indexer_loss.values())),
+                                  batch["pad_tokens"], batch["tokens"].numel() + batch["tokens"].shape[0]],
+                                 dtype=torch.float64)
+        self._reduce_gradients()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.train_cfg.grad_clip).item()
+        self.optim.step()
+        loads = global_loads(loads)
+        update_biases(self.model, loads, self.train_cfg.balance_rate)
+        self._all_reduce(sums)
+        n_micro = accum * self.layout.dp
+        self.step += 1
+        self.tokens_seen += self.schedule.tokens_per_step
+        dt = time.perf_counter() - t0
+        counters = torch.tensor([self.loader.counters().get(k, 0) for k in
+                                 ("skipped_empty", "skipped_bad_image", "skipped_oversized_image", "bad_samples",
+                                  "corrupt_shards")], dtype=torch.float64)
+        self._all_reduce(counters)
+        record = {
+            "step": self.step, "loss": sums[0].item() / n_micro, "balance_loss": sums[1].item() / n_micro,
+            "indexer_loss": sums[2].item() / n_micro, "lr": lr, "grad_norm": grad_norm,
+            "tokens_seen": self.tokens_seen, "tokens_per_s": self.schedule.tokens_per_step / dt, "step_time_s": dt,
+            "padding_fraction": sums[3].item() / max(sums[4].item(), 1.0), "skipped_samples": int(counters.sum().item()),
+            "vit_trainable": bool(self.schedule.vit_trainable(self.step - 1)),
+            "expert_load": load_statistics(loads),
+        }
+        return record, loads
+
+    def fit(self) -> None:
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        metrics = MetricsLogger(self.run_dir, self.log_cfg, self.cfg_dict, self.is_main, self.max_steps, self.step)
+        last_saved = self.step
+        try:
+            while self.step < self.max_steps:
+                record, loads = self.train_step()
+                if not math.isfinite(record["loss"]):
+                    raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping (the last "
+                                             f"checkpoint is intact)")
+                metrics.log(self.step, record, loads)
+                stop = torch.tensor([1.0 if self._stop else 0.0])
+                self._all_reduce(stop, dist.ReduceOp.MAX if dist.is_initialized() else None)
+                if self.step % self.train_cfg.checkpoint.interval == 0 or self.step == self.max_steps or stop.item():
+                    self.save()
+                    last_saved = self.step
+                if stop.item():
+                    if self.is_main:
+                        print(f"SIGTERM: saved step {self.step}, exiting", flush=True)
+                    break
+            if last_saved != self.step:
+                self.save()
+        finally:
+            metrics.close()
+            signal.signal(signal.SIGTERM, previous)
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
