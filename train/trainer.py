@@ -213,16 +213,27 @@ class Trainer:
         self._stop = True
 
     def _reduce_gradients(self) -> None:
+        """Average gradients over the data-parallel ranks in one flat all-reduce. A parameter that got a
+        gradient on some rank only (e.g. the aligner, when another rank's micro-batches held no image)
+        takes part with zeros elsewhere, so every rank ends with the same gradients and steps alike; one
+        that got none anywhere stays without a gradient, as in a single process."""
         if not dist.is_initialized():
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        live = [p for p, h in zip(params, has.tolist()) if h]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in live])
         dist.all_reduce(flat)
         flat /= self.layout.dp
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for p in live:
+            g = flat[offset:offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+            offset += p.numel()
 
     # --- the loop ----------------------------------------------------------------------------
     def train_step(self) -> tuple[dict, dict]:
