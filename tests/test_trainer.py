@@ -104,3 +104,46 @@ def test_bad_layout_and_changed_model_are_refused(tmp_path, corpus_args):
     pretrain(run, corpus_args, "train.max_steps=1")
     other = pretrain(run, corpus_args, "train.max_steps=2", "model.init_std=0.01", check=False)
     assert other.returncode != 0 and "different model config" in other.stderr and "init_std" in other.stderr
+
+
+def test_keep_last_k_and_resume_from(tmp_path, corpus_args):
+    run = tmp_path / "keep"
+    pretrain(run, corpus_args, "train.max_steps=3", "train.checkpoint.interval=1", "train.checkpoint.keep=2")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
+    other = tmp_path / "other"
+    out = pretrain(other, corpus_args, "train.max_steps=3", f"train.resume_from={run}/checkpoints/step_00000002")
+    assert f"resumed from {run}/checkpoints/step_00000002 at step 2" in out.stdout
+    assert records(other)[-1]["loss"] == records(run)[-1]["loss"]
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path, corpus_args):
+    import signal
+    import time
+
+    run = tmp_path / "term"
+    cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run}",
+           "logging.wandb.mode=disabled", "logging.progress=false", "train.max_steps=200", *SCHEDULE, *corpus_args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    last = records(run)[-1]["step"]
+    assert f"SIGTERM: saved step {last}, exiting" in out
+    assert (run / "checkpoints" / f"step_{last:08d}" / ".metadata").is_file() and last < 200
+
+
+def test_expert_load_statistics_by_hand():
+    import math
+
+    from train.metrics import load_heatmap, load_statistics
+
+    loads = {0: torch.tensor([[2, 2, 2, 2], [0, 0, 0, 0]]), 1: torch.tensor([[4, 0, 0, 0], [1, 3, 0, 0]])}
+    s = load_statistics(loads)
+    assert s["text"]["max_over_mean"] == [1.0, 4.0] and s["text"]["cv"][0] == 0.0
+    assert s["text"]["cv"][1] == pytest.approx(math.sqrt(3))  # values 4,0,0,0: mean 1, std sqrt(3)
+    assert math.isnan(s["image"]["max_over_mean"][0]) and s["image"]["max_over_mean"][1] == 3.0
+    img = load_heatmap(loads, scale=1)
+    assert img.shape == (2, 9, 3) and (img[:, 4] == 255).all()  # text | separator | image

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from data.config import resolve_shards
 from data.loader import IGNORE, PackedLoader, data_sources
 from model import Transformer
 from model.aux import StepStats
@@ -147,6 +148,8 @@ class Trainer:
         self.schedule = schedule(cfg)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.layout = plan_layout(self.train_cfg, self.data_cfg.seq_len, self.data_cfg.batch_size, self.parallel, world)
+        resolve_shards(self.data_cfg.text_shards, "text_shards")  # a bad shard path fails here, not mid-run
+        resolve_shards(self.data_cfg.mm_shards, "mm_shards")
         if self.train_cfg.resume_from and not Path(self.train_cfg.resume_from).is_dir():
             raise FileNotFoundError(f"train.resume_from={self.train_cfg.resume_from!r} does not exist")
         self.max_steps = self.train_cfg.max_steps or self.schedule.total_steps
