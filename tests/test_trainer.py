@@ -71,7 +71,8 @@ def test_exact_resume_across_the_vit_unfreeze(tmp_path, corpus_args, procs):
 def test_data_parallel_parity(tmp_path, corpus_args):
     """Same global batch: 1 rank with 2 loader workers (2 accumulated micro-batches) vs 2 ranks with 1 each."""
     one = pretrain(tmp_path / "dp1", corpus_args, "train.max_steps=3", "data.num_workers=2")
-    two = pretrain(tmp_path / "dp2", corpus_args, "train.max_steps=3", "data.num_workers=1", procs=2)
+    two = pretrain(tmp_path / "dp2", corpus_args, "train.max_steps=3", "data.num_workers=1",
+                   "train.checkpoint.async_save=true", procs=2)  # also: a background save on its own gloo group
     assert one.returncode == two.returncode == 0
     a, b = records(tmp_path / "dp1"), records(tmp_path / "dp2")
     for x, y in zip(a, b):
@@ -79,6 +80,7 @@ def test_data_parallel_parity(tmp_path, corpus_args):
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)
         assert x["tokens_seen"] == y["tokens_seen"]
         assert x["expert_load"] == y["expert_load"]
+    assert (tmp_path / "dp2" / "checkpoints" / "step_00000003" / ".metadata").is_file()
 
 
 def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, corpus_args):
@@ -106,9 +108,11 @@ def test_bad_layout_and_changed_model_are_refused(tmp_path, corpus_args):
     assert other.returncode != 0 and "different model config" in other.stderr and "init_std" in other.stderr
 
 
-def test_keep_last_k_and_resume_from(tmp_path, corpus_args):
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_keep_last_k_and_resume_from(tmp_path, corpus_args, async_save):
     run = tmp_path / "keep"
-    pretrain(run, corpus_args, "train.max_steps=3", "train.checkpoint.interval=1", "train.checkpoint.keep=2")
+    pretrain(run, corpus_args, "train.max_steps=3", "train.checkpoint.interval=1", "train.checkpoint.keep=2",
+             f"train.checkpoint.async_save={async_save}")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
     other = tmp_path / "other"
     out = pretrain(other, corpus_args, "train.max_steps=3", f"train.resume_from={run}/checkpoints/step_00000002")

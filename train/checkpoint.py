@@ -1,7 +1,8 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DESIGN.md "Training").
 
 Layout: `<run dir>/checkpoints/step_<8-digit step>/`, one directory per step, written to
-`.tmp-step_<step>` and renamed by rank 0 once every rank's shards are written, so a directory that
+`.tmp-step_<step>` (synchronously or in the background) and renamed by rank 0 once every rank's shards
+are written, so a directory that
 exists is complete and a crash mid-write leaves only a `.tmp-*` that the next save removes. The last
 `keep` checkpoints are kept.
 
@@ -94,39 +95,69 @@ def load_optimizer_state_flat(optimizers: dict[str, torch.optim.Optimizer], mode
         optimizers[oname].state[params[fqn]][k] = v.to(params[fqn].device) if v.dim() else v
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer],
-                    meta: dict, rank_state: dict, keep: int, fault_hook=None) -> Path:
-    """Write the checkpoint of `step` (collective: every rank calls it)."""
-    final = step_dir(run_dir, step)
-    tmp = final.with_name(f".tmp-{final.name}")
-    rank = _rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    state = {"model": model.state_dict(), "optim": optimizer_state_flat(optimizers, model),
-             "meta": _blob(meta), f"rank{rank}": _blob(rank_state)}
-    with warnings.catch_warnings():  # DCP warns when it runs without a process group (one process): expected
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(state, checkpoint_id=str(tmp))
-    _barrier()
-    if fault_hook is not None:
-        fault_hook(tmp)
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in final.parent.glob(".tmp-step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
-    return final
+class CheckpointWriter:
+    """Writes checkpoints, synchronously or (async_save) in the background: `dcp.async_save` stages a
+    copy of the state and returns, the training continues, and the `.tmp-*` directory is renamed only
+    when the write has finished (at the next save, or `wait()` at the end) -- a crash in between leaves
+    the previous checkpoint as the newest complete one. Background writes use their own gloo group so
+    they never interleave with the training collectives."""
+
+    def __init__(self, run_dir: str | Path, keep: int, async_save: bool = False):
+        self.run_dir, self.keep, self.async_save = Path(run_dir), keep, async_save
+        self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        self.pending = None
+
+    def save(self, step: int, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], meta: dict,
+             rank_state: dict, fault_hook=None) -> Path:
+        """Collective: every rank calls it."""
+        self.wait()
+        final = step_dir(self.run_dir, step)
+        tmp = final.with_name(f".tmp-{final.name}")
+        rank = _rank()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        state = {"model": model.state_dict(), "optim": optimizer_state_flat(optimizers, model),
+                 "meta": _blob(meta), f"rank{rank}": _blob(rank_state)}
+        with warnings.catch_warnings():  # DCP warns when it runs without a process group (one process): expected
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            if self.async_save:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+                self.pending = (future, tmp, final, fault_hook)
+                return final
+            dcp.save(state, checkpoint_id=str(tmp))
+        self._finalize(tmp, final, fault_hook)
+        return final
+
+    def wait(self) -> None:
+        """Finish a background write (rename + prune); a no-op when none is pending."""
+        if self.pending is None:
+            return
+        future, tmp, final, hook = self.pending
+        self.pending = None
+        future.result()
+        self._finalize(tmp, final, hook)
+
+    def _finalize(self, tmp: Path, final: Path, fault_hook) -> None:
+        _barrier()
+        if fault_hook is not None:
+            fault_hook(tmp)
+        if _rank() == 0:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fd = os.open(final.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            for old in complete_checkpoints(self.run_dir)[:-self.keep] if self.keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+            for stale in final.parent.glob(".tmp-step_*"):
+                if stale.name != f".tmp-{final.name}":
+                    shutil.rmtree(stale, ignore_errors=True)
+        _barrier()
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer]) -> tuple[dict, dict]:

@@ -41,7 +41,7 @@ from model.aux import StepStats
 from model.config import ConfigError
 from model.vision import set_vision_body_trainable
 from train.balancing import accumulate_loads, global_loads, update_biases
-from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from train.config import data_config, model_config, optim_config, schedule, token_spec
 from train.engram_map import load_or_build_engram_map
 from train.metrics import LoggingConfig, MetricsLogger, load_statistics
@@ -55,6 +55,7 @@ FAULT_ENV = "FLASHTRAIN_FAULT_KILL_AFTER_CHECKPOINT_WRITE"  # tests only: SIGKIL
 class CheckpointConfig:
     interval: int = 50
     keep: int = 3
+    async_save: bool = False
 
 
 @dataclass
@@ -169,6 +170,8 @@ class Trainer:
         self.model = Transformer(self.model_cfg, token_map=token_map).to(self.device)
         self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg)
         self.loader = PackedLoader(self.data_cfg, self.spec, text, mm, self.rank, self.layout.dp)
+        self.checkpoints = CheckpointWriter(self.run_dir, self.train_cfg.checkpoint.keep,
+                                            self.train_cfg.checkpoint.async_save)
         self.step = 0
         self.tokens_seen = 0
         self._stop = False
@@ -209,8 +212,8 @@ class Trainer:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict}
-        save_checkpoint(self.run_dir, self.step, self.model, self.optim.optimizers, meta,
-                        {"data": self.loader.state_dict(), "rng": _rng_state()}, self.train_cfg.checkpoint.keep, hook)
+        self.checkpoints.save(self.step, self.model, self.optim.optimizers, meta,
+                              {"data": self.loader.state_dict(), "rng": _rng_state()}, hook)
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop = True
@@ -314,6 +317,7 @@ class Trainer:
                     break
             if last_saved != self.step:
                 self.save()
+            self.checkpoints.wait()
         finally:
             metrics.close()
             signal.signal(signal.SIGTERM, previous)
