@@ -1,8 +1,10 @@
 """The packed, mixed, resumable data stream (DESIGN.md "Data"; format and rules: data/README.md).
 
 Per data-parallel rank and dataloader worker:
-- shards: sorted, rank r of W takes shards[r::W], worker w of N takes those [w::N] (every shard read by
-  exactly one (rank, worker)); each epoch visits a worker's shards in a seeded order;
+- shards: sorted; reader group g = r * N + w (rank r of W, worker w of N) takes shards[g::W*N], so every
+  shard is read by exactly one (rank, worker), and W x N groups read the same data however they are
+  split into ranks and workers (1 rank x 2 workers = 2 ranks x 1 worker); each epoch visits a group's
+  shards in an order seeded by (seed, group, stream, epoch);
 - documents become `[BOS] + segments + [EOS]` (image segments expand to their token-type span), then
   are split into pieces of at most seq_len + 1 positions (text anywhere, image spans never);
 - two streams, text and multimodal, each keep half of a `pack_buffer`-piece packing buffer filled;
@@ -71,8 +73,14 @@ class Counters:
         return {**d, **self.read.as_dict()}
 
 
+def reader_group(rank: int, worker: int, n_workers: int) -> int:
+    """Reader group g = rank * workers + worker: the unit that owns shards and seeds their order, so the
+    same number of groups reads the same data however it is split into ranks and workers."""
+    return rank * n_workers + worker
+
+
 def split_shards(shards: list[str], rank: int, world: int, worker: int, n_workers: int) -> list[str]:
-    return sorted(shards)[rank::world][worker::n_workers]
+    return sorted(shards)[reader_group(rank, worker, n_workers)::world * n_workers]
 
 
 def document_pieces(doc: Document, spec: TokenSpec, capacity: int, stream: int, counters: Counters) -> list[Piece]:
@@ -294,7 +302,7 @@ class _PackedIterable(torch.utils.data.IterableDataset):
         logical = ((info.id if info else 0) + self.first_worker) % n
         pipe = WorkerPipeline(self.cfg, self.spec, split_shards(self.text, self.rank, self.world, logical, n),
                               split_shards(self.mm, self.rank, self.world, logical, n),
-                              f"{self.cfg.seed}/{self.rank}/{logical}", self.states.get(logical))
+                              f"{self.cfg.seed}/{reader_group(self.rank, logical, n)}", self.states.get(logical))
         while True:
             batch = pipe.next_batch()
             batch["_worker"], batch["_state"] = logical, pipe.state()

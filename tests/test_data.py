@@ -133,6 +133,7 @@ def test_split_covers_every_document_once_over_2_ranks_x_2_workers(tmp_path):
             mine = split_shards(shards, rank, 2, worker, 2)
             assert mine
             stream = ShardStream(mine, 0, "0/x", Counters())
+            assert mine == split_shards(shards, 0, 1, rank * 2 + worker, 4)  # the same group in a 1 x 4 layout
             n = sum(e["documents"] for e in entries if str(tmp_path / e["path"]) in mine)
             seen += [int(stream.next_document().segments[0][1][0]) for _ in range(n)]
             assert stream.epoch == 0 or (stream.epoch == 1 and stream.pos == 0 and stream.skip == 0)
@@ -218,3 +219,15 @@ def test_bad_input_is_skipped_and_counted(tmp_path):
     assert c["skipped_bad_image"] >= 1 and c["skipped_empty"] >= 1
     with pytest.raises(FileNotFoundError, match="matches no shard"):
         data_sources(DataConfig(text_shards=[str(tmp_path / "nope-*.tar")]), SPEC)
+
+
+def test_one_rank_two_workers_reads_what_two_ranks_one_worker_read(tmp_path):
+    """Reader groups, not ranks, own shards and seeds: 1 rank x 2 workers yields, alternately, exactly the
+    batches of rank 0 and rank 1 of a 2 x 1 layout (what makes data-parallel parity possible)."""
+    docs = [Document([("text", np.arange(3 + i, 3 + i + 20, dtype=np.int32) % 490 + 3)]) for i in range(60)]
+    shards = [str(tmp_path / e["path"]) for e in write_shards(docs, tmp_path, "text", 5)]  # 12 small shards
+    base = DataConfig(seq_len=16, batch_size=2, pack_buffer=4)
+    one = PackedLoader(dataclasses.replace(base, num_workers=2), SPEC, shards, [])
+    ranks = [PackedLoader(base, SPEC, shards, [], rank=r, world=2) for r in range(2)]
+    for i in range(24):  # several epochs of each group's 6 shards
+        assert _batches_equal(next(one), next(ranks[i % 2])), i
