@@ -20,6 +20,14 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, the value and the fix."""
 
 
+def reject_unknown_fields(cls, values: Mapping[str, Any], where: str, defined_in: str) -> None:
+    """A typo in a yaml key is an error naming the key, not a silently ignored setting."""
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ConfigError(f"{where} has unknown field(s) {unknown}; the known fields are in {defined_in} "
+                          f"(check the spelling in conf/)")
+
+
 @dataclass
 class ModelConfig:
     # vocabulary and width
@@ -104,13 +112,7 @@ class ModelConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ModelConfig":
         """Build from a plain mapping (e.g. `OmegaConf.to_container(cfg.model)`), rejecting unknown keys."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                f"model config has unknown field(s) {unknown}; known fields are listed in "
-                f"model/config.py (check the spelling in conf/model/*.yaml)"
-            )
+        reject_unknown_fields(cls, values, "model config", "model/config.py")
         cfg = cls(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in values.items()})
         cfg.validate()
         return cfg

@@ -10,12 +10,11 @@ run length keeps the same shape. The ViT body is unfrozen at the first step of t
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from model.config import ConfigError
+from model.config import ConfigError, reject_unknown_fields
 
 
 @dataclass
@@ -32,10 +31,7 @@ class ScheduleConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ScheduleConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"schedule config has unknown field(s) {unknown}; see train/schedule.py")
+        reject_unknown_fields(cls, values, "schedule config", "train/schedule.py")
         return cls(**dict(values))
 
 

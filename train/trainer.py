@@ -38,7 +38,7 @@ from data.config import resolve_shards
 from data.loader import IGNORE, PackedLoader, data_sources
 from model import Transformer
 from model.aux import StepStats
-from model.config import ConfigError
+from model.config import ConfigError, reject_unknown_fields
 from model.vision import set_vision_body_trainable
 from train.balancing import accumulate_loads, global_loads, update_biases
 from train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
@@ -71,8 +71,10 @@ class TrainConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "TrainConfig":
         values = dict(values)
-        ck = CheckpointConfig(**values.pop("checkpoint", {}))
-        return cls(checkpoint=ck, **values)
+        ck = values.pop("checkpoint", {})
+        reject_unknown_fields(cls, values, "train config", "train/trainer.py")
+        reject_unknown_fields(CheckpointConfig, ck, "train.checkpoint", "train/trainer.py")
+        return cls(checkpoint=CheckpointConfig(**ck), **values)
 
 
 @dataclass

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from model.config import ConfigError
+from model.config import ConfigError, reject_unknown_fields
 
 
 @dataclass
@@ -62,10 +61,7 @@ class OptimConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "OptimConfig":
         def build(klass, vals, where):
-            known = {f.name: f for f in dataclasses.fields(klass)}
-            unknown = sorted(set(vals) - set(known))
-            if unknown:
-                raise ConfigError(f"{where} has unknown field(s) {unknown}; see train/optim/config.py")
+            reject_unknown_fields(klass, vals, where, "train/optim/config.py")
             kwargs = {}
             for k, v in vals.items():
                 sub = {"muon": MuonConfig, "sinkhorn": SinkhornConfig, "adamw": AdamWConfig}.get(k)
