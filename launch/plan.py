@@ -5,6 +5,7 @@
 
 Any Hydra override works (`model.dim=1024`). Reports parameter totals (text backbone, Engram tables,
 with text and vision separately, total), activated parameters per token, parameters and tensors per optimizer (the V4.1 routing), the
+with `parallel.pp=K` the pipeline partition (layers, estimated bytes and compute per stage, imbalance),
 the LR schedule (total steps, tokens per step, step and LR at warmup end, decay start, decay end and the
 last step, the ViT unfreeze step), the per-layer role table and per-layer parameter counts.
 """
@@ -23,6 +24,7 @@ from model import Transformer  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 from model.inspect import inspect_model  # noqa: E402
 from train.config import compose, model_config, optim_config, schedule  # noqa: E402
+from parallel.partition import PartitionCosts, partition, partition_report, unit_costs  # noqa: E402
 from train.optim.routing import route_parameters, routing_summary  # noqa: E402
 
 
@@ -32,7 +34,15 @@ def build_report(overrides: list[str]) -> dict:
     with torch.device("meta"):
         model = Transformer(cfg, init=False)
     report = inspect_model(model, cfg)
-    report["optimizers"] = routing_summary(route_parameters(model, cfg, ocfg))
+    groups = route_parameters(model, cfg, ocfg)
+    report["optimizers"] = routing_summary(groups)
+    pp = int(conf.parallel.pp)
+    if pp > 1:
+        optimizer_of = {n: g.optimizer for g in groups for n in g.names}
+        units = unit_costs(model, cfg, optimizer_of, int(conf.data.seq_len), int(conf.data.batch_size),
+                           PartitionCosts())
+        stage_layers = conf.parallel.get("stage_layers")
+        report["pipeline"] = partition_report(units, partition(units, pp, list(stage_layers) if stage_layers else None))
     report["schedule"] = schedule(conf).summary()
     report["overrides"] = overrides
     return report
@@ -60,6 +70,12 @@ def format_report(report: dict) -> str:
         *[f"  {name:<14} {_b(o['params']):>14} {o['tensors']:>14}  "
           + ", ".join(f"{r} {_b(n)}" for r, n in sorted(o["rules"].items()))
           for name, o in report["optimizers"].items()],
+        *([""] + [f"  pipeline pp={report['pipeline']['pp']}: imbalance (max/mean) bytes "
+                  f"{report['pipeline']['imbalance_bytes']:.3f}, compute {report['pipeline']['imbalance_compute']:.3f}"]
+          + [f"    stage {st['stage']}: layers {st['layers'][0]:>2}-{st['layers'][1]:>2}  "
+             f"{st['bytes'] / 2**30:10.1f} GiB (state {st['state_bytes'] / 2**30:.1f}, activations "
+             f"{st['activation_bytes'] / 2**30:.1f})  {st['flops_per_token'] / 1e9:8.2f} GFLOP/token"
+             for st in report["pipeline"]["stages"]] if "pipeline" in report else []),
         "",
         f"{'layer':>5} {'role':<8} {'ratio':>5} {'kv_src':>6} {'idx_src':>7} {'cand':<6} {'engram':<6}"
         f" {'params':>12} {'attn':>10} {'ffn':>10} {'engram':>10}",

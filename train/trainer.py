@@ -81,6 +81,7 @@ class TrainConfig:
 class ParallelConfig:
     pp: int = 1
     ep: int = 1
+    stage_layers: list | None = None
 
 
 @dataclass
