@@ -1,0 +1,41 @@
+"""Mesh degrees (parallel/mesh.py): validated against world size and model, and a real 2-process mesh."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model.config import ConfigError
+from parallel.mesh import mesh_shape
+
+
+def test_degrees_by_hand():
+    s = mesh_shape(world=8, pp=2, ep=2, n_layers=40, n_routed_experts=384)
+    assert (s.pp, s.dp, s.ep) == (2, 4, 2)
+    for kw, msg in ((dict(world=6, pp=4, ep=1), "parallel.pp=4 does not divide the world size 6"),
+                    (dict(world=8, pp=2, ep=3), "parallel.ep=3 does not divide the data-parallel size dp=4"),
+                    (dict(world=64, pp=64, ep=1), "parallel.pp=64 exceeds the 40 layers")):
+        with pytest.raises(ConfigError, match=msg):
+            mesh_shape(n_layers=40, n_routed_experts=384, **kw)
+    with pytest.raises(ConfigError, match="n_routed_experts=384"):
+        mesh_shape(world=10, pp=1, ep=5, n_layers=40, n_routed_experts=384)
+
+
+def test_two_process_mesh():
+    script = r'''
+import torch.distributed as dist
+from parallel.mesh import build_mesh, mesh_shape
+dist.init_process_group("gloo")
+for pp in (1, 2):
+    mesh = build_mesh(mesh_shape(dist.get_world_size(), pp, 1, 40, 8))
+    assert mesh.mesh_dim_names == ("pp", "dp") and tuple(mesh.mesh.shape) == (pp, 2 // pp), mesh
+    assert mesh["dp"].size() == 2 // pp and mesh["pp"].size() == pp
+dist.destroy_process_group()
+'''
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "--no-python", sys.executable, "-c", script], cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
