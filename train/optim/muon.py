@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import torch
 
+from train.optim.base import GroupwiseOptimizer
 from train.optim.newton_schulz import V41_NS_SCHEDULE, newton_schulz
 
 
@@ -37,7 +38,7 @@ def _as_matrices(t: torch.Tensor, num_heads: int | None) -> torch.Tensor:
     raise ValueError(f"Muon takes 2-D matrices or stacked [E, out, in] experts, got shape {tuple(t.shape)}")
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(GroupwiseOptimizer):
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, weight_decay: float = 0.1,
                  nesterov: bool = True, rms_scale: float = 0.18, ns_coefficients=V41_NS_SCHEDULE,
                  ns_eps: float = 1e-7, ns_dtype: torch.dtype | None = None, use_triton: bool | None = None,
@@ -50,16 +51,6 @@ class Muon(torch.optim.Optimizer):
         self.ns_coefficients = tuple(tuple(c) for c in ns_coefficients)
         self.ns_eps, self.ns_dtype, self.use_triton = ns_eps, ns_dtype, use_triton
         self.ns_batch_elems = ns_batch_elems
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            self._step_group(group)
-        return loss
 
     def _step_group(self, group: dict) -> None:
         beta, heads = group["momentum"], group["num_heads"]

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from train.optim.base import GroupwiseOptimizer
 from train.optim.triton_util import HAS_TRITON, interpreting, use_triton
 
 
@@ -163,7 +164,7 @@ def sinkhorn_update(W, G, M, lr, beta, num_steps, tau, eps, gamma, triton: bool 
         sinkhorn_update_reference(W, G, M, lr, beta, num_steps, tau, eps, gamma, chunk_elems)
 
 
-class SinkhornBalanced(torch.optim.Optimizer):
+class SinkhornBalanced(GroupwiseOptimizer):
     """Algorithm 1 per 2-D parameter; no weight decay; one momentum buffer per parameter."""
 
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, num_steps: int = 11,
@@ -175,22 +176,15 @@ class SinkhornBalanced(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, num_steps=num_steps, tau=tau, eps=eps, gamma=gamma))
         self.use_triton, self.chunk_elems = use_triton, chunk_elems
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.dim() != 2:
-                    raise ValueError(f"SinkhornBalanced takes [rows, features] matrices, got {tuple(p.shape)}")
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                sinkhorn_update(p, p.grad, state["momentum_buffer"], group["lr"], group["momentum"],
-                                group["num_steps"], group["tau"], group["eps"], group["gamma"], self.use_triton,
-                                self.chunk_elems)
-        return loss
+    def _step_group(self, group: dict) -> None:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.dim() != 2:
+                raise ValueError(f"SinkhornBalanced takes [rows, features] matrices, got {tuple(p.shape)}")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            sinkhorn_update(p, p.grad, state["momentum_buffer"], group["lr"], group["momentum"],
+                            group["num_steps"], group["tau"], group["eps"], group["gamma"], self.use_triton,
+                            self.chunk_elems)
