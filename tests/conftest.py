@@ -23,10 +23,9 @@ def tiny_model(tiny_cfg):
 
 
 def image_config(cfg):
-    from data.images import ImageProcessorConfig
+    from train.config import token_spec
 
-    return ImageProcessorConfig(cfg.vision_patch_size, cfg.vision_downsample_ratio, cfg.vision_max_n_token,
-                                cfg.vision_min_pixels, cfg.vision_max_wh_ratio)
+    return token_spec(cfg).image
 
 
 def random_image(cfg, width, height, seed=0):
