@@ -99,13 +99,22 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(cfg.index_head_dim, cfg.norm_eps)
 
     def index_keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_rope(self.k_norm(self.wk(latent.detach())), cos, sin)
+        return apply_rope(self.k_norm(self.wk(stop_gradient_connected(latent))), cos, sin)
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(q [B, S, H, d] RoPE'd, w [B, S, H]) from detached inputs."""
         q = self.wq_b(qr.detach()).unflatten(-1, (self.n_heads, self.head_dim))
         w = self.weights_proj(x.detach()).float() * (self.n_heads * self.head_dim) ** -0.5
         return apply_rope(q, cos, sin), w
+
+
+def stop_gradient_connected(x: torch.Tensor) -> torch.Tensor:
+    """x's values with no gradient to x (the indexer trains on its KL loss only), kept as a node of
+    x's graph through an exact zero: index-K then depends on the block input, as every other output of
+    a pipeline stage does. torch's zero-bubble weight pass (pipelining `stage_backward_weight`) replays
+    weight gradients only from nodes that depend on the stage inputs; with a plain detach(), a stage
+    that produces index-K for a later stage would lose that gradient to wk / k_norm."""
+    return x.detach() + 0.0 * x
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""Parallel layout config (DESIGN.md "Parallelism"), filled from Hydra's `parallel` group.
+
+- `pp`: pipeline degree; `dp` = world size / pp is derived, never configured.
+- `schedule`: `1f1b` | `interleaved_1f1b` | `zbv` | `dualpipev` (torch.distributed.pipelining schedules;
+  the last three hold two stages per rank: looped for interleaved 1F1B, V-shaped for ZBV and DualPipeV).
+- `microbatches`: micro-batches per pipeline round; null = every micro-batch of the optimizer step in
+  one round (the gradient-accumulation count). It must divide that count and meet the schedule's rule.
+- `stage_layers`: layer counts per stage (pp x stages per rank entries) to pin the partition by hand.
+- `ep`: expert parallelism (its own issue).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from model.config import ConfigError, reject_unknown_fields
+
+# schedule name -> (stages per rank, stage placement style)
+SCHEDULES: dict[str, tuple[int, str]] = {
+    "1f1b": (1, "loop"),
+    "interleaved_1f1b": (2, "loop"),
+    "zbv": (2, "v"),
+    "dualpipev": (2, "v"),
+}
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    ep: int = 1
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    stage_layers: list | None = None
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "ParallelConfig":
+        values = dict(values)
+        reject_unknown_fields(cls, values, "parallel config", "parallel/config.py")
+        cfg = cls(**values)
+        if cfg.stage_layers is not None:
+            cfg.stage_layers = [int(k) for k in cfg.stage_layers]
+        cfg.validate()
+        return cfg
+
+    @property
+    def stages_per_rank(self) -> int:
+        return SCHEDULES[self.schedule][0] if self.pp > 1 else 1
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def validate(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.schedule={self.schedule!r}: unknown; use one of {sorted(SCHEDULES)}")
+        if self.pp < 1 or self.ep < 1:
+            raise ConfigError(f"parallel.pp={self.pp}, parallel.ep={self.ep}: degrees must be >= 1")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ConfigError(f"parallel.microbatches={self.microbatches}: must be >= 1 (or null for one round "
+                              f"per optimizer step)")
+
+    def round_microbatches(self, accumulation: int) -> int:
+        """Micro-batches per pipeline round, checked against the step's micro-batch count and the
+        schedule's own rule (torch.distributed.pipelining raises late and vaguely; we say what to set)."""
+        m = self.microbatches or accumulation
+        if accumulation % m:
+            raise ConfigError(f"parallel.microbatches={m} does not divide the {accumulation} micro-batches of an "
+                              f"optimizer step (global batch / (dp x data.batch_size)); use a divisor of "
+                              f"{accumulation}, or null")
+        if self.pp == 1:
+            return m
+        n_stages = self.n_stages
+        if self.schedule in ("1f1b", "zbv", "dualpipev") and m < n_stages:
+            raise ConfigError(f"parallel.schedule={self.schedule} with {n_stages} stages needs at least {n_stages} "
+                              f"micro-batches per round, got parallel.microbatches={m}; raise "
+                              f"train.global_batch_tokens or lower data.batch_size so a step has >= {n_stages}")
+        if self.schedule == "interleaved_1f1b":
+            rounds = max(1, m // self.pp)
+            if m % rounds:
+                raise ConfigError(f"parallel.schedule=interleaved_1f1b runs {m} micro-batches per round in "
+                                  f"max(1, {m} // pp={self.pp}) = {rounds} rounds, which must divide {m}; use "
+                                  f"parallel.microbatches a multiple of {self.pp}")
+        return m

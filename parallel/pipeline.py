@@ -1,0 +1,324 @@
+"""Pipeline stages on torch.distributed.pipelining (DESIGN.md "Parallelism"; V41_SPEC §2, §5).
+
+A stage is a contiguous range of blocks that takes and returns the model's carry as a flat tuple of
+tensors. What crosses a boundary:
+
+  tokens, token_types   [b, S] int64        every boundary (each stage rebuilds its ForwardContext:
+                                            image mask, Engram hash ids -- they depend on tokens only)
+  h, pre_mix            [b, S, 4, D], [b, S, 4] fp32, with gradients
+  kv, index_k           [b, S/m, head_dim], [b, S/m, index_head_dim] fp32, with gradients   } only when
+  topk                  [b, S, k] int64                                                      } a later
+  candidates            [b, S, ceil((S/m) / candidate_block_size)] bool                      } layer reads
+                                                                                               them
+So when a Full layer and its Reuse / Reindex layers sit on different stages, the compressed KV,
+index-K, top-k and candidate pool travel with the activations, and the gradients of kv / index_k flow
+back to the owner's compressor over the boundary. Which fields are live at a boundary is derived from
+the LayerPlan (`live_shared_fields`), so shapes are known up front and every stage is built in the
+pipelining library's static mode (no shape inference that would have to run the model on empty
+integer tensors).
+
+The first stage additionally takes `rows` [b] int64 (row indices into the round's batch) and looks the
+images of its rows up in a per-round side table: images are lists of variable-size tensors that cannot
+be chunked into micro-batches by the schedule. The last stage returns fp32 logits; the schedule's loss
+function applies the cross-entropy.
+
+Placement (SCHEDULES in parallel/config.py): `1f1b` one stage per rank; `interleaved_1f1b` two stages
+per rank, looped (rank r holds r and r + pp); `zbv` and `dualpipev` two per rank, V-shaped (rank r holds
+r and 2 pp - 1 - r, so rank 0 holds the embedding and the head).
+
+Each rank builds the whole model with the run's seed (so every layout starts from the same weights) and
+then drops what it does not own (`prune_to_stages`); parameter names are unchanged, so checkpoints,
+optimizer routing and the MoE bias update see the same FQNs under any layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model.attention import SharedKV
+from model.aux import StepStats
+from model.config import ConfigError, ModelConfig
+from model.layer_plan import LayerRole, Role
+from model.transformer import Carry, Transformer
+from parallel.config import SCHEDULES, ParallelConfig
+
+SHARED_FIELDS = ("kv", "index_k", "topk", "candidates")
+FIRST_INPUTS = ("tokens", "token_types", "rows")
+BASE_FIELDS = ("tokens", "token_types", "h", "pre_mix")
+
+
+# --- what crosses a boundary ---------------------------------------------------------------------
+def _reads(role: LayerRole) -> set[str]:
+    if role.role is Role.REUSE:
+        return {"kv", "topk"}
+    if role.role is Role.REINDEX:
+        return {"kv", "index_k"} | ({"candidates"} if role.uses_candidates else set())
+    return set()
+
+
+def _writes(role: LayerRole) -> set[str]:
+    if role.role is Role.FULL:
+        return {"kv", "index_k", "topk", "candidates"}  # candidates: reset, or published by the source
+    if role.role is Role.REINDEX:
+        return {"topk"} | ({"candidates"} if role.is_candidate_source else set())
+    return set()
+
+
+def live_shared_fields(plan: tuple[LayerRole, ...], boundary: int) -> dict[str, LayerRole]:
+    """Shared-carry fields that some layer at or after `boundary` reads before a later layer rewrites
+    them, mapped to the layer (before `boundary`) that wrote them."""
+    writer: dict[str, LayerRole] = {}
+    for role in plan[:boundary]:
+        if role.role is Role.FULL:
+            writer.pop("candidates", None)
+        for f in _writes(role):
+            if f != "candidates" or role.is_candidate_source:
+                writer[f] = role
+    live, rewritten = {}, set()
+    for role in plan[boundary:]:
+        for f in _reads(role) - rewritten:
+            if f in writer:
+                live[f] = writer[f]
+        rewritten |= _writes(role)
+    return {f: live[f] for f in SHARED_FIELDS if f in live}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def differentiable(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def example(self, device) -> torch.Tensor:
+        t = torch.zeros(self.shape, dtype=self.dtype, device=device)
+        return t.requires_grad_(True) if self.differentiable else t
+
+
+def boundary_specs(cfg: ModelConfig, plan: tuple[LayerRole, ...], boundary: int, b: int, seq_len: int) -> list[FieldSpec]:
+    """The tensors that cross the boundary before block `boundary`, in order, with shapes for a
+    micro-batch of `b` sequences of `seq_len` tokens."""
+    S = seq_len
+    specs = [FieldSpec("tokens", (b, S), torch.long), FieldSpec("token_types", (b, S), torch.long),
+             FieldSpec("h", (b, S, cfg.hc_mult, cfg.dim), torch.float32),
+             FieldSpec("pre_mix", (b, S, cfg.hc_mult), torch.float32)]
+    for name, writer in live_shared_fields(plan, boundary).items():
+        n = S // plan[writer.kv_source].compress_ratio
+        if name == "kv":
+            specs.append(FieldSpec(name, (b, n, cfg.head_dim), torch.float32))
+        elif name == "index_k":
+            specs.append(FieldSpec(name, (b, n, cfg.index_head_dim), torch.float32))
+        elif name == "topk":
+            specs.append(FieldSpec(name, (b, S, min(cfg.index_topk, n)), torch.long))
+        else:
+            specs.append(FieldSpec(name, (b, S, -(-n // cfg.candidate_block_size)), torch.bool))
+    return specs
+
+
+# --- placement -----------------------------------------------------------------------------------
+def stage_ids(parallel: ParallelConfig, pp_rank: int) -> list[int]:
+    """The stages rank `pp_rank` of the pipeline group holds, in increasing order."""
+    per, style = parallel.stages_per_rank, SCHEDULES[parallel.schedule][1]
+    if per == 1:
+        return [pp_rank]
+    if style == "loop":
+        return [pp_rank + k * parallel.pp for k in range(per)]
+    return sorted({pp_rank, 2 * parallel.pp - 1 - pp_rank})
+
+
+@dataclass
+class StageRange:
+    index: int
+    start: int  # first block
+    end: int  # one past the last block
+    n_stages: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.n_stages - 1
+
+
+def prune_to_stages(model: Transformer, ranges: list[StageRange]) -> Transformer:
+    """Drop, in place, every block and top-level module no local stage runs. Names are unchanged
+    (`layers.{i}.*` keeps its index); dropped blocks become parameter-free `nn.Identity`."""
+    keep = {i for r in ranges for i in range(r.start, r.end)}
+    for i in range(len(model.layers)):
+        if i not in keep:
+            model.layers[i] = nn.Identity()
+    if not any(r.is_first for r in ranges):
+        model.embed = None
+        if model.cfg.vision_n_layers:
+            model.vision = model.aligner = None
+            model.image_start = model.image_newline = model.image_end = None
+    if not any(r.is_last for r in ranges):
+        model.norm = model.head = None
+    return model
+
+
+# --- side channels -------------------------------------------------------------------------------
+@dataclass
+class RoundStats:
+    """What the local stages' forwards report over one optimizer step: per-layer expert loads and the
+    sums of the balance / indexer loss values (each micro-batch's StepStats is folded in right after
+    its forward; pipelining does not recompute forwards, so nothing is counted twice)."""
+
+    expert_load: dict[int, torch.Tensor] = field(default_factory=dict)
+    balance: float = 0.0
+    indexer: float = 0.0
+
+    def add(self, stats: StepStats) -> None:
+        for layer, load in stats.expert_load.items():
+            load = load.detach().cpu()
+            self.expert_load[layer] = self.expert_load[layer] + load if layer in self.expert_load else load.clone()
+        self.balance += float(sum(v.item() for v in stats.balance_loss.values()))
+        self.indexer += float(sum(v.item() for v in stats.indexer_loss.values()))
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: blocks [start, end) of `model`, plus the embedding / vision path when first
+    and the final norm + head when last. Only the modules it runs are registered here (so the stage's
+    parameters are its own); the forward calls the shared Transformer's stage pieces."""
+
+    def __init__(self, model: Transformer, rng: StageRange, in_specs: list[FieldSpec] | None,
+                 out_specs: list[FieldSpec] | None, stats: RoundStats):
+        super().__init__()
+        self._model = [model]  # not a submodule: another local stage may run other parts of it
+        self.range = rng
+        self.blocks = nn.ModuleList(model.layers[rng.start:rng.end])
+        if rng.is_first:
+            self.embed = model.embed
+            if model.cfg.vision_n_layers:
+                self.vision, self.aligner = model.vision, model.aligner
+        if rng.is_last:
+            self.norm, self.head = model.norm, model.head
+        self.in_names = list(FIRST_INPUTS) if rng.is_first else [s.name for s in in_specs]
+        self.out_specs = out_specs
+        self.stats = stats
+        self.images: list[list[torch.Tensor]] = []  # first stage: this round's images, by row
+        self.aux_grad_scale = 1.0
+
+    def forward(self, *tensors: torch.Tensor):
+        model = self._model[0]
+        f = dict(zip(self.in_names, tensors))
+        tokens, types = f["tokens"], f["token_types"]
+        if self.range.is_first:
+            images = [self.images[i] for i in f["rows"].tolist()] if self.images else None
+            carry = model.embed_inputs(tokens, types, images)
+        else:
+            carry = Carry(f["h"], f["pre_mix"], SharedKV(**{k: f.get(k) for k in SHARED_FIELDS}))
+        ctx = model.context(tokens, types, StepStats(), self.aux_grad_scale)
+        carry = model.run_blocks(carry, ctx, self.range.start, self.range.end)
+        self.stats.add(ctx.stats)
+        if self.range.is_last:
+            return model.logits(carry)
+        out = []
+        for spec in self.out_specs:
+            if spec.name in ("tokens", "token_types"):
+                t = f[spec.name]
+            elif spec.name in ("h", "pre_mix"):
+                t = getattr(carry, spec.name)
+            else:
+                t = getattr(carry.shared, spec.name)
+                if t is None:  # e.g. no candidate pool when the sequence is shorter than one group
+                    t = torch.zeros(spec.shape, dtype=spec.dtype, device=tokens.device)
+            if spec.differentiable:
+                t = t.float()
+                if t.grad_fn is None and t.requires_grad:
+                    t = t.view_as(t)  # a pass-through leaf gets a graph node, so its gradient is routed back
+ # a pass-through leaf gets a graph node, so its gradient is routed back
+            out.append(t)
+        return tuple(out)
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B,
+                                              ScheduleZBVZeroBubble)
+
+    return {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble,
+            "dualpipev": ScheduleDualPipeV}[name]
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of the pipeline: its stages, the schedule that drives them, and the stats
+    side channel they fill."""
+
+    schedule: object
+    modules: list[StageModule]
+    stats: RoundStats
+    has_first: bool
+    has_last: bool
+
+    def set_aux_grad_scale(self, scale: float) -> None:
+        for m in self.modules:
+            m.aux_grad_scale = scale
+
+    def run_round(self, tokens, token_types, labels, images) -> list[torch.Tensor]:
+        """One schedule step over a round's [M x b, S] batch; returns the last stage's per-micro-batch
+        losses (empty elsewhere)."""
+        for m in self.modules:
+            if m.range.is_first:
+                m.images = images
+        args = (tokens, token_types, torch.arange(tokens.shape[0], device=tokens.device)) if self.has_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        for m in self.modules:
+            m.images = []
+        return losses
+
+
+def stage_ranges(bounds: list[tuple[int, int]]) -> list[StageRange]:
+    return [StageRange(i, a, b, len(bounds)) for i, (a, b) in enumerate(bounds)]
+
+
+def build_pipeline(model: Transformer, parallel: ParallelConfig, bounds: list[tuple[int, int]], pp_rank: int,
+                   group: dist.ProcessGroup, device: torch.device, micro_batch: int, seq_len: int,
+                   n_microbatches: int, loss_fn: Callable) -> Pipeline:
+    """Prune `model` to this rank's stages (in place) and wrap them in PipelineStages and the
+    configured schedule. `bounds`: [start, end) blocks of every stage (parallel.n_stages of them)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    if len(bounds) != parallel.n_stages:
+        raise ConfigError(f"{len(bounds)} stage ranges for parallel.pp={parallel.pp} x "
+                          f"{parallel.stages_per_rank} stages per rank ({parallel.schedule})")
+    ranges = stage_ranges(bounds)
+    mine = [ranges[i] for i in stage_ids(parallel, pp_rank)]
+    prune_to_stages(model, mine)
+    cfg, plan = model.cfg, model.plan
+    stats = RoundStats()
+    modules, stages = [], []
+    for r in mine:
+        in_specs = None if r.is_first else boundary_specs(cfg, plan, r.start, micro_batch, seq_len)
+        out_specs = None if r.is_last else boundary_specs(cfg, plan, r.end, micro_batch, seq_len)
+        module = StageModule(model, r, in_specs, out_specs, stats)
+        if r.is_first:
+            ex_in = tuple(torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device) for _ in range(2)) + (
+                torch.zeros(micro_batch, dtype=torch.long, device=device),)
+        else:
+            ex_in = tuple(s.example(device) for s in in_specs)
+        if r.is_last:
+            ex_out = (torch.zeros(micro_batch, seq_len, cfg.vocab_size, device=device, requires_grad=True),)
+        else:
+            ex_out = tuple(s.example(device) for s in out_specs)
+        stages.append(PipelineStage(module, r.index, r.n_stages, device, input_args=ex_in, output_args=ex_out,
+                                    group=group))
+        modules.append(module)
+    cls = _schedule_class(parallel.schedule)
+    if parallel.stages_per_rank == 1:
+        schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    else:
+        schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return Pipeline(schedule, modules, stats, any(r.is_first for r in mine), any(r.is_last for r in mine))

@@ -1,0 +1,57 @@
+"""Run under torchrun (gloo): one pipeline step of flash_tiny per schedule on a fixed batch, dumping
+each rank's losses, gradients, expert loads and aux-loss sums to OUT/<schedule>.rank<r>.pt.
+tests/test_pipeline_dist.py compares them with a single-process reference.
+
+usage: torchrun --nproc_per_node=2 tests/dist/pipeline_parity.py OUT SCHEDULE:COUNTS [SCHEDULE:COUNTS ...]
+(COUNTS: layer counts per stage, e.g. 1f1b:17,23)"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+
+from parity_batch import IGNORE, MICROBATCHES, batch, tiny_model  # noqa: E402
+from parallel.config import ParallelConfig  # noqa: E402
+from parallel.pipeline import build_pipeline  # noqa: E402
+
+
+def main(out: Path, specs: list[str]) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    pp = dist.get_world_size()
+    tokens, types, labels, images = batch()
+    M = MICROBATCHES
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE) / M
+
+    for spec in specs:
+        name, counts = spec.split(":")
+        counts = [int(c) for c in counts.split(",")]
+        parallel = ParallelConfig(pp=pp, schedule=name, stage_layers=counts)
+        bounds, at = [], 0
+        for c in counts:
+            bounds.append((at, at + c))
+            at += c
+        model = tiny_model()
+        pipe = build_pipeline(model, parallel, bounds, rank, dist.group.WORLD, torch.device("cpu"),
+                              micro_batch=tokens.shape[0] // M, seq_len=tokens.shape[1], n_microbatches=M,
+                              loss_fn=loss_fn)
+        pipe.set_aux_grad_scale(1.0 / M)
+        losses = pipe.run_round(tokens, types, labels, images)
+        torch.save({"losses": [l.detach() for l in losses],
+                    "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                    "params": sorted(n for n, _ in model.named_parameters()),
+                    "loads": pipe.stats.expert_load, "balance": pipe.stats.balance, "indexer": pipe.stats.indexer},
+                   out / f"{name}.rank{rank}.pt")
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -1,0 +1,99 @@
+"""Pipeline stages (parallel/pipeline.py): what crosses each boundary, placement, pruning, config
+refusal; the multi-process parity runs are in tests/test_pipeline_dist.py."""
+
+import pytest
+import torch
+
+from model import Transformer
+from model.aux import StepStats
+from model.config import ConfigError
+from parallel.config import ParallelConfig
+from parallel.pipeline import boundary_specs, live_shared_fields, prune_to_stages, stage_ids, stage_ranges
+
+
+def test_live_fields_follow_the_role_table(tiny_cfg):
+    from model.layer_plan import layer_plan
+
+    plan = layer_plan(tiny_cfg)
+    # tiny: Full 2, 8, 14 (ratio 2), Full 20 (ratio 1, candidate source), Reindex 24/28/32/36 use the pool
+    assert live_shared_fields(plan, 2) == {}  # layer 2 is Full: it reads nothing from the carry
+    live = live_shared_fields(plan, 17)
+    assert list(live) == ["kv", "topk"] and live["kv"].id == 14 and live["topk"].id == 14
+    live = live_shared_fields(plan, 24)  # Reindex 24 reads kv, index-K and the pool of Full 20, not its top-k
+    assert list(live) == ["kv", "index_k", "candidates"] and {r.id for r in live.values()} == {20}
+    live = live_shared_fields(plan, 23)  # Reuse 23 still reads Full 20's top-k
+    assert list(live) == ["kv", "index_k", "topk", "candidates"] and {r.id for r in live.values()} == {20}
+    live = live_shared_fields(plan, 25)  # Reuse 25 reads Reindex 24's top-k; Reindex 28 still needs the rest
+    assert list(live) == ["kv", "index_k", "topk", "candidates"] and live["topk"].id == 24
+
+
+@pytest.mark.parametrize("boundary", range(1, 40))
+def test_boundary_specs_match_the_real_carry(tiny_cfg, boundary):
+    """Run blocks [0, boundary) for real and compare the carry with the static spec: every live field
+    present with that shape and dtype, and every field the rest of the model reads is in the spec
+    (running the remaining blocks from a carry holding only the spec'd fields reproduces the logits)."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg)
+    b, S = 2, 128
+    tokens = torch.randint(0, tiny_cfg.image_token_id, (b, S))
+    types = torch.full_like(tokens, -1)
+    with torch.no_grad():
+        ctx = model.context(tokens, types, StepStats())
+        full = model.logits(model.run_blocks(model.embed_inputs(tokens, types), ctx))
+        carry = model.run_blocks(model.embed_inputs(tokens, types), ctx, 0, boundary)
+        specs = boundary_specs(tiny_cfg, model.plan, boundary, b, S)
+        kept = {}
+        for spec in specs:
+            if spec.name in ("tokens", "token_types"):
+                continue
+            t = getattr(carry, spec.name) if spec.name in ("h", "pre_mix") else getattr(carry.shared, spec.name)
+            assert t is not None and tuple(t.shape) == spec.shape and t.dtype == spec.dtype, spec
+            kept[spec.name] = t
+        from model.attention import SharedKV
+        from model.transformer import Carry
+
+        rest = Carry(kept["h"], kept["pre_mix"], SharedKV(**{k: v for k, v in kept.items() if k not in ("h", "pre_mix")}))
+        out = model.logits(model.run_blocks(rest, model.context(tokens, types, StepStats()), boundary))
+    torch.testing.assert_close(out, full, rtol=0, atol=0)
+
+
+def test_stage_placement():
+    assert [stage_ids(ParallelConfig(pp=2), r) for r in (0, 1)] == [[0], [1]]
+    assert [stage_ids(ParallelConfig(pp=2, schedule="interleaved_1f1b"), r) for r in (0, 1)] == [[0, 2], [1, 3]]
+    assert [stage_ids(ParallelConfig(pp=4, schedule="zbv"), r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert stage_ids(ParallelConfig(pp=2, schedule="dualpipev"), 0) == [0, 3]
+
+
+def test_prune_keeps_names_and_drops_the_rest(tiny_cfg, tiny_model):
+    full = dict(tiny_model.named_parameters())
+    ranges = stage_ranges([(0, 9), (9, 17), (17, 23), (23, 40)])
+    prune_to_stages(tiny_model, [ranges[0], ranges[3]])  # rank 0 of a V-shaped pp=2 pipeline
+    names = set(dict(tiny_model.named_parameters()))
+    assert "embed.weight" in names and "head.weight" in names and "norm.weight" in names
+    expect = {n for n in full if not n.startswith("layers.") or int(n.split(".")[1]) in range(0, 9)
+              or int(n.split(".")[1]) in range(23, 40)}
+    assert names == expect
+    middle = Transformer(tiny_cfg)
+    prune_to_stages(middle, [ranges[1]])
+    names = set(dict(middle.named_parameters()))
+    assert names == {n for n in full if n.startswith("layers.") and int(n.split(".")[1]) in range(9, 17)}
+
+
+@pytest.mark.parametrize("values, accumulation, message", [
+    ({"schedule": "gpipe"}, 4, "parallel.schedule='gpipe'"),
+    ({"pp": 2, "microbatches": 3}, 4, "does not divide the 4 micro-batches"),
+    ({"pp": 4}, 2, "needs at least 4 micro-batches"),
+    ({"pp": 2, "schedule": "dualpipev"}, 2, "needs at least 4 micro-batches"),
+    ({"pp": 2, "schedule": "zbv"}, 2, "needs at least 4 micro-batches"),
+    ({"pp": 4, "schedule": "interleaved_1f1b", "microbatches": 9}, 9, "a multiple of 4"),
+    ({"pp": 2, "bogus": 1}, 4, "bogus"),
+])
+def test_bad_pipeline_config_is_refused_with_a_message(values, accumulation, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelConfig.from_mapping(values).round_microbatches(accumulation)
+
+
+def test_good_pipeline_config_rounds():
+    assert ParallelConfig.from_mapping({"pp": 2}).round_microbatches(4) == 4
+    assert ParallelConfig.from_mapping({"pp": 2, "microbatches": 2}).round_microbatches(4) == 2
+    assert ParallelConfig.from_mapping({"pp": 2, "schedule": "dualpipev"}).round_microbatches(8) == 8
