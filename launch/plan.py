@@ -24,7 +24,9 @@ from model import Transformer  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 from model.inspect import inspect_model  # noqa: E402
 from train.config import compose, model_config, optim_config, schedule  # noqa: E402
+from parallel.config import ParallelConfig  # noqa: E402
 from parallel.partition import PartitionCosts, partition, partition_report, unit_costs  # noqa: E402
+from parallel.pipeline import stage_ids  # noqa: E402
 from train.optim.routing import route_parameters, routing_summary  # noqa: E402
 
 
@@ -36,13 +38,23 @@ def build_report(overrides: list[str]) -> dict:
     report = inspect_model(model, cfg)
     groups = route_parameters(model, cfg, ocfg)
     report["optimizers"] = routing_summary(groups)
-    pp = int(conf.parallel.pp)
-    if pp > 1:
+    from omegaconf import OmegaConf
+
+    parallel = ParallelConfig.from_mapping(OmegaConf.to_container(conf.parallel, resolve=True))
+    if parallel.pp > 1:
         optimizer_of = {n: g.optimizer for g in groups for n in g.names}
         units = unit_costs(model, cfg, optimizer_of, int(conf.data.seq_len), int(conf.data.batch_size),
                            PartitionCosts())
-        stage_layers = conf.parallel.get("stage_layers")
-        report["pipeline"] = partition_report(units, partition(units, pp, list(stage_layers) if stage_layers else None))
+        report["pipeline"] = partition_report(units, partition(units, parallel.n_stages, parallel.stage_layers))
+        report["pipeline"].update(pp=parallel.pp, schedule=parallel.schedule, n_stages=parallel.n_stages,
+                                  stages_of_rank=[stage_ids(parallel, r) for r in range(parallel.pp)])
+        if parallel.stages_per_rank > 1:  # what a rank holds: the sum of its stages
+            st = report["pipeline"]["stages"]
+            ranks = [{k: sum(st[i][k] for i in ids) for k in ("bytes", "flops_per_token")}
+                     for ids in report["pipeline"]["stages_of_rank"]]
+            report["pipeline"]["ranks"] = ranks
+            for k, name in (("bytes", "rank_imbalance_bytes"), ("flops_per_token", "rank_imbalance_compute")):
+                report["pipeline"][name] = max(r[k] for r in ranks) / (sum(r[k] for r in ranks) / len(ranks))
     report["schedule"] = schedule(conf).summary()
     report["overrides"] = overrides
     return report
@@ -70,12 +82,17 @@ def format_report(report: dict) -> str:
         *[f"  {name:<14} {_b(o['params']):>14} {o['tensors']:>14}  "
           + ", ".join(f"{r} {_b(n)}" for r, n in sorted(o["rules"].items()))
           for name, o in report["optimizers"].items()],
-        *([""] + [f"  pipeline pp={report['pipeline']['pp']}: imbalance (max/mean) bytes "
+        *([""] + [f"  pipeline pp={report['pipeline']['pp']} ({report['pipeline']['schedule']}, "
+                  f"{report['pipeline']['n_stages']} stages; stages of each rank "
+                  f"{report['pipeline']['stages_of_rank']}): imbalance (max/mean) bytes "
                   f"{report['pipeline']['imbalance_bytes']:.3f}, compute {report['pipeline']['imbalance_compute']:.3f}"]
           + [f"    stage {st['stage']}: layers {st['layers'][0]:>2}-{st['layers'][1]:>2}  "
              f"{st['bytes'] / 2**30:10.1f} GiB (state {st['state_bytes'] / 2**30:.1f}, activations "
              f"{st['activation_bytes'] / 2**30:.1f})  {st['flops_per_token'] / 1e9:8.2f} GFLOP/token"
-             for st in report["pipeline"]["stages"]] if "pipeline" in report else []),
+             for st in report["pipeline"]["stages"]]
+          + ([f"    per rank: imbalance bytes {report['pipeline']['rank_imbalance_bytes']:.3f}, compute "
+              f"{report['pipeline']['rank_imbalance_compute']:.3f}"] if "ranks" in report["pipeline"] else [])
+          if "pipeline" in report else []),
         "",
         f"{'layer':>5} {'role':<8} {'ratio':>5} {'kv_src':>6} {'idx_src':>7} {'cand':<6} {'engram':<6}"
         f" {'params':>12} {'attn':>10} {'ffn':>10} {'engram':>10}",

@@ -178,6 +178,9 @@ class RoundStats:
     balance: float = 0.0
     indexer: float = 0.0
 
+    def reset(self) -> None:
+        self.expert_load, self.balance, self.indexer = {}, 0.0, 0.0
+
     def add(self, stats: StepStats) -> None:
         for layer, load in stats.expert_load.items():
             load = load.detach().cpu()

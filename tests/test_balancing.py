@@ -51,6 +51,11 @@ loads = {2: torch.tensor([[r + 1, 0], [0, 5 * r]]), 7: torch.tensor([[3, 3], [r,
 out = global_loads(loads)
 assert out[2].tolist() == [[3, 0], [0, 5]], out
 assert out[7].tolist() == [[6, 6], [1, 1]], out
+# pipeline: rank 0 owns layers 0-1, rank 1 owns layer 3 (of 4); everyone gets every owned layer's sum
+staged = {0: torch.tensor([[1, 2], [0, 0]]), 1: torch.tensor([[4, 0], [1, 1]])} if r == 0 else {3: torch.tensor([[0, 9], [2, 0]])}
+out = global_loads(staged, n_layers=4, n_experts=2)
+assert sorted(out) == [0, 1, 3], out
+assert out[1].tolist() == [[4, 0], [1, 1]] and out[3].tolist() == [[0, 9], [2, 0]], out
 dist.destroy_process_group()
 '''
     root = Path(__file__).resolve().parent.parent

@@ -8,7 +8,8 @@ A modality with no token in the step leaves its bias unchanged. We follow Megatr
 re-centre the update (torchtitan subtracts its mean; that changes no selection, only the biases' drift).
 
 Loads come from the model's side channel (`StepStats.expert_load`, [2, E] per layer: text, image),
-summed by the trainer over micro-batches; `global_loads` all-reduces them in one collective.
+summed by the trainer over micro-batches (and, with a pipeline, by each stage over its own layers);
+`global_loads` all-reduces them in one collective.
 """
 
 from __future__ import annotations
@@ -24,14 +25,30 @@ def accumulate_loads(total: dict[int, torch.Tensor], step_loads: dict[int, torch
         total[layer] = total[layer] + load if layer in total else load.clone()
 
 
-def global_loads(loads: dict[int, torch.Tensor], group=None) -> dict[int, torch.Tensor]:
-    """Sum the loads over the data-parallel group (one all-reduce for all layers)."""
-    if not loads or not (dist.is_available() and dist.is_initialized()):
+def global_loads(loads: dict[int, torch.Tensor], n_layers: int | None = None, n_experts: int | None = None,
+                 group=None, device: torch.device | None = None) -> dict[int, torch.Tensor]:
+    """Sum the loads over `group` (default: every rank) in one all-reduce for all layers.
+
+    With pipeline stages each rank holds the loads of its own layers only: pass `n_layers` and
+    `n_experts`, and the sum runs over a dense [n_layers, 2, n_experts] tensor, so every rank ends
+    with every layer's global load (what the metrics report; each rank updates the biases it owns)."""
+    if not (dist.is_available() and dist.is_initialized()):
         return loads
-    layers = sorted(loads)
-    flat = torch.stack([loads[l] for l in layers])
-    dist.all_reduce(flat, group=group)
-    return dict(zip(layers, flat.unbind(0)))
+    if n_layers is None:
+        if not loads:
+            return loads
+        layers = sorted(loads)
+        flat = torch.stack([loads[l] for l in layers]).to(device)
+        dist.all_reduce(flat, group=group)
+        return dict(zip(layers, flat.cpu().unbind(0)))
+    dense = torch.zeros(n_layers, 2 * n_experts + 1, dtype=torch.long)  # last column: the layer is present
+    for layer, load in loads.items():
+        dense[layer, :-1] = load.reshape(-1)
+        dense[layer, -1] = 1
+    dense = dense.to(device)
+    dist.all_reduce(dense, group=group)
+    dense = dense.cpu()
+    return {l: dense[l, :-1].reshape(2, n_experts) for l in range(n_layers) if dense[l, -1]}
 
 
 @torch.no_grad()
@@ -40,7 +57,10 @@ def update_biases(model: nn.Module, loads: dict[int, torch.Tensor], rate: float)
     Returns the number of (layer, modality) biases changed."""
     changed = 0
     for layer, load in loads.items():
-        gate = model.layers[layer].ffn.gate
+        ffn = getattr(model.layers[layer], "ffn", None)
+        if ffn is None:
+            continue  # another pipeline stage owns this layer (and applies the same update)
+        gate = ffn.gate
         for bias, counts in ((gate.bias, load[0]), (gate.bias_vl, load[1])):
             counts = counts.to(torch.float32)
             if counts.sum() == 0:

@@ -8,11 +8,14 @@ exists is complete and a crash mid-write leaves only a `.tmp-*` that the next sa
 
 Contents (DCP keys):
 - `model.*`: every tensor of `model.state_dict()` (MoE selection biases included), resharded by DCP;
+  with a pipeline each rank holds (and writes) its stages' blocks only, under the same names, so a
+  checkpoint written with any `parallel.pp` loads with any other;
 - `optim.<optimizer>.<parameter FQN>.<state>`: optimizer state tensors keyed by parameter name, so the
   checkpoint does not depend on parameter order; on load the template is built from the checkpoint's
   own metadata (a parameter without state -- e.g. a frozen ViT body -- has no key);
-- `meta`: step, tokens seen, the resolved config (yaml), written once;
-- `rank<r>`: that rank's data-loader state and RNG states.
+- `meta`: step, tokens seen, the data-parallel size, the resolved config, written once;
+- `dp<r>`: data-parallel rank r's data-loader state and RNG states (the ranks of one pipeline read the
+  same batches; any of them writes it), so resuming needs the same dp size but any pp.
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ class CheckpointWriter:
         self.pending = None
 
     def save(self, step: int, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], meta: dict,
-             rank_state: dict, fault_hook=None) -> Path:
+             rank_state: dict, dp_rank: int | None = None, fault_hook=None) -> Path:
         """Collective: every rank calls it."""
         self.wait()
         final = step_dir(self.run_dir, step)
@@ -119,7 +122,7 @@ class CheckpointWriter:
             tmp.mkdir(parents=True)
         _barrier()
         state = {"model": model.state_dict(), "optim": optimizer_state_flat(optimizers, model),
-                 "meta": _blob(meta), f"rank{rank}": _blob(rank_state)}
+                 "meta": _blob(meta), f"dp{rank if dp_rank is None else dp_rank}": _blob(rank_state)}
         with warnings.catch_warnings():  # DCP warns when it runs without a process group (one process): expected
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             if self.async_save:
@@ -160,21 +163,26 @@ class CheckpointWriter:
         _barrier()
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer]) -> tuple[dict, dict]:
-    """Load model and optimizer state in place; returns (meta, this rank's state)."""
+def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer],
+                    dp_rank: int | None = None, dp: int | None = None) -> tuple[dict, dict]:
+    """Load model and optimizer state in place (only the parameters `model` holds: a pipeline stage
+    loads its own blocks); returns (meta, this data-parallel rank's state)."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no .metadata); pick a step_* "
                                 f"directory under <run dir>/checkpoints")
-    rank = _rank()
+    dp_rank = _rank() if dp_rank is None else dp_rank
     md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    rank_key = f"rank{rank}"
-    if rank_key not in md:
-        raise ValueError(f"checkpoint {path} has no state for rank {rank}: it was written with fewer ranks; "
-                         f"resume with the same number of processes")
+    rank_key = f"dp{dp_rank}"
+    saved = sorted(int(k[2:]) for k in md if re.fullmatch(r"dp\d+", k))
+    if rank_key not in md or (dp is not None and len(saved) != dp):
+        raise ValueError(f"checkpoint {path} was written with {len(saved)} data-parallel rank(s) and this run has "
+                         f"{dp if dp is not None else 'more'}: resume with the same data-parallel size "
+                         f"(world size / parallel.pp = {len(saved)}); the pipeline degree may differ")
+    params = {n for n, _ in model.named_parameters()}
     optim_tmpl = {}
     for key, m in md.items():
-        if key.startswith("optim."):
+        if key.startswith("optim.") and key.split(".", 2)[2].rsplit(".", 1)[0] in params:
             optim_tmpl[key[len("optim."):]] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
     state = {"model": model.state_dict(), "optim": optim_tmpl, "meta": b"", rank_key: b""}
     with warnings.catch_warnings():

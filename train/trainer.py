@@ -12,8 +12,13 @@ LR / ViT-freeze schedule -> metrics -> checkpoint.
   behaves the same), then trained with `optim.vision_lr_mult`.
 - Checkpoints every `train.checkpoint.interval` steps, at the end and on SIGTERM (train/checkpoint.py);
   a run directory with checkpoints resumes from the newest complete one, or from `train.resume_from`.
-- Data parallel over any number of ranks (gloo on CPU, NCCL on CUDA); pipeline and expert parallelism
-  land with their issues.
+- Data parallel over any number of ranks (gloo on CPU, NCCL on CUDA), and pipeline parallel
+  (`parallel.pp`, parallel/pipeline.py) on a ("pp", "dp") DeviceMesh: each optimizer step runs its
+  micro-batches through the configured schedule in rounds of `parallel.microbatches`; every rank of a
+  pipeline reads the same batches (its dp rank's), the last stage computes the cross-entropy, each
+  stage's aux losses ride on its own backward, gradients are reduced over dp, the clipping norm over
+  the whole model (all stages), and the expert loads over everyone. Expert parallelism lands with its
+  issue.
 """
 
 from __future__ import annotations
@@ -40,12 +45,17 @@ from model import Transformer
 from model.aux import StepStats
 from model.config import ConfigError, reject_unknown_fields
 from model.vision import set_vision_body_trainable
+from parallel.config import ParallelConfig
+from parallel.mesh import build_mesh, mesh_shape
+from parallel.partition import PartitionCosts, partition, unit_costs
+from parallel.pipeline import build_pipeline
 from train.balancing import accumulate_loads, global_loads, update_biases
 from train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from train.config import data_config, model_config, optim_config, schedule, token_spec
 from train.engram_map import load_or_build_engram_map
 from train.metrics import LoggingConfig, MetricsLogger, load_statistics
 from train.optim import build_optimizers
+from train.optim.routing import route_parameters
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "FLASHTRAIN_FAULT_KILL_AFTER_CHECKPOINT_WRITE"  # tests only: SIGKILL after writing step N's shards
@@ -78,27 +88,32 @@ class TrainConfig:
 
 
 @dataclass
-class ParallelConfig:
-    pp: int = 1
-    ep: int = 1
-    stage_layers: list | None = None
-
-
-@dataclass
 class Layout:
     world: int
     dp: int
     micro_batch: int
-    accumulation: int
+    accumulation: int  # micro-batches per optimizer step on each dp rank
     global_sequences: int
+    pp: int = 1
+    round_microbatches: int = 1  # pipeline: micro-batches per schedule step
+
+    @property
+    def rounds(self) -> int:
+        return self.accumulation // self.round_microbatches
 
 
-def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: ParallelConfig, world: int) -> Layout:
+def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: ParallelConfig, world: int,
+                n_layers: int = 40, n_routed_experts: int = 1) -> Layout:
     """Validate the process layout and the fixed batch before anything is built."""
-    if parallel.pp != 1 or parallel.ep != 1:
-        raise ConfigError(f"parallel.pp={parallel.pp}, parallel.ep={parallel.ep}: pipeline and expert parallelism "
-                          f"are not built yet; use parallel.pp=1 parallel.ep=1")
-    dp = world
+    if parallel.ep != 1:
+        raise ConfigError(f"parallel.ep={parallel.ep}: expert parallelism is not built yet; use parallel.ep=1")
+    dp = mesh_shape(world, parallel.pp, parallel.ep, n_layers, n_routed_experts).dp
+    if parallel.stage_layers is not None and (len(parallel.stage_layers) != parallel.n_stages
+                                              or sum(parallel.stage_layers) != n_layers
+                                              or min(parallel.stage_layers) < 1):
+        raise ConfigError(f"parallel.stage_layers={parallel.stage_layers}: needs {parallel.n_stages} positive layer "
+                          f"counts (pp={parallel.pp} x {parallel.stages_per_rank} stage(s) per rank for "
+                          f"{parallel.schedule}) summing to {n_layers}")
     g = max(1, round(train.global_batch_tokens / seq_len))
     if g % (dp * micro_batch):
         raise ConfigError(
@@ -107,7 +122,8 @@ def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: Pa
             f"a multiple of {dp * micro_batch * seq_len} tokens or change data.batch_size / the number of processes")
     if train.checkpoint.interval <= 0 or train.checkpoint.keep <= 0:
         raise ConfigError("train.checkpoint.interval and train.checkpoint.keep must be positive")
-    return Layout(world, dp, micro_batch, g // (dp * micro_batch), g)
+    accumulation = g // (dp * micro_batch)
+    return Layout(world, dp, micro_batch, accumulation, g, parallel.pp, parallel.round_microbatches(accumulation))
 
 
 def _init_distributed() -> tuple[int, int, torch.device]:
@@ -148,10 +164,11 @@ class Trainer:
         self.data_cfg = data_config(cfg)
         self.train_cfg = TrainConfig.from_mapping(self.cfg_dict["train"])
         self.log_cfg = LoggingConfig.from_mapping(self.cfg_dict.get("logging", {}))
-        self.parallel = ParallelConfig(**self.cfg_dict.get("parallel", {}))
+        self.parallel = ParallelConfig.from_mapping(self.cfg_dict.get("parallel", {}))
         self.schedule = schedule(cfg)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.layout = plan_layout(self.train_cfg, self.data_cfg.seq_len, self.data_cfg.batch_size, self.parallel, world)
+        self.layout = plan_layout(self.train_cfg, self.data_cfg.seq_len, self.data_cfg.batch_size, self.parallel, world,
+                                  self.model_cfg.n_layers, self.model_cfg.n_routed_experts)
         resolve_shards(self.data_cfg.text_shards, "text_shards")  # a bad shard path fails here, not mid-run
         resolve_shards(self.data_cfg.mm_shards, "mm_shards")
         if self.train_cfg.resume_from and not Path(self.train_cfg.resume_from).is_dir():
@@ -160,6 +177,13 @@ class Trainer:
 
         self.rank, world, self.device = _init_distributed()
         self.is_main = self.rank == 0
+        self.pp_group = self.dp_group = None
+        self.pp_rank, self.dp_rank = 0, self.rank
+        if self.layout.pp > 1:
+            mesh = build_mesh(mesh_shape(world, self.layout.pp, 1, self.model_cfg.n_layers,
+                                         self.model_cfg.n_routed_experts), self.device.type)
+            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+            self.pp_rank, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
         torch.manual_seed(self.train_cfg.seed)
         random.seed(self.train_cfg.seed)
         np.random.seed(self.train_cfg.seed)
@@ -171,8 +195,9 @@ class Trainer:
                 token_map = load_or_build_engram_map(tok) if self.model_cfg.engram_layer_ids else None
             self._barrier()
         self.model = Transformer(self.model_cfg, token_map=token_map).to(self.device)
+        self.pipe = self._build_pipeline() if self.layout.pp > 1 else None
         self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg)
-        self.loader = PackedLoader(self.data_cfg, self.spec, text, mm, self.rank, self.layout.dp)
+        self.loader = PackedLoader(self.data_cfg, self.spec, text, mm, self.dp_rank, self.layout.dp)
         self.checkpoints = CheckpointWriter(self.run_dir, self.train_cfg.checkpoint.keep,
                                             self.train_cfg.checkpoint.async_save)
         self.step = 0
@@ -180,21 +205,46 @@ class Trainer:
         self._stop = False
         self._resume()
 
+    def _build_pipeline(self):
+        """Partition the (full, identically seeded) model into parallel.n_stages cost-balanced stages
+        (or the pinned parallel.stage_layers), keep this rank's, and wrap them in the schedule."""
+        optimizer_of = {n: g.optimizer for g in route_parameters(self.model, self.model_cfg, self.optim_cfg)
+                        for n in g.names}
+        units = unit_costs(self.model, self.model_cfg, optimizer_of, self.data_cfg.seq_len, self.data_cfg.batch_size,
+                           PartitionCosts())
+        bounds = partition(units, self.parallel.n_stages, self.parallel.stage_layers)
+        accum = self.layout.accumulation
+
+        def loss_fn(logits, labels):
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE) / accum
+
+        pipe = build_pipeline(self.model, self.parallel, bounds, self.pp_rank, self.pp_group, self.device,
+                              self.data_cfg.batch_size, self.data_cfg.seq_len, self.layout.round_microbatches, loss_fn)
+        if self.is_main:
+            print(f"pipeline: {self.parallel.schedule}, pp={self.layout.pp} x {self.parallel.stages_per_rank} "
+                  f"stage(s) per rank, layers per stage {[b - a for a, b in bounds]}, "
+                  f"{self.layout.round_microbatches} micro-batches per round x {self.layout.rounds} round(s)",
+                  flush=True)
+        return pipe
+
     # --- helpers -----------------------------------------------------------------------------
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
 
-    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, op=None, group=None) -> torch.Tensor:
+        """In place over `group` (default: every rank), through the device (NCCL reduces device tensors only)."""
         if dist.is_initialized():
-            dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+            on_device = t.to(self.device)
+            dist.all_reduce(on_device, op=op or dist.ReduceOp.SUM, group=group)
+            t.copy_(on_device)
         return t
 
     def _resume(self) -> None:
         path = self.train_cfg.resume_from or latest_checkpoint(self.run_dir)
         if path is None:
             return
-        meta, mine = load_checkpoint(path, self.model, self.optim.optimizers)
+        meta, mine = load_checkpoint(path, self.model, self.optim.optimizers, self.dp_rank, self.layout.dp)
         saved_model = meta["config"]["model"]
         if saved_model != self.cfg_dict["model"]:
             diff = sorted(k for k in set(saved_model) | set(self.cfg_dict["model"])
@@ -214,9 +264,9 @@ class Trainer:
             if fault is not None and int(fault) == self.step:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict}
+        meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict, "dp": self.layout.dp}
         self.checkpoints.save(self.step, self.model, self.optim.optimizers, meta,
-                              {"data": self.loader.state_dict(), "rng": _rng_state()}, hook)
+                              {"data": self.loader.state_dict(), "rng": _rng_state()}, self.dp_rank, fault_hook=hook)
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop = True
@@ -226,14 +276,14 @@ class Trainer:
         gradient on some rank only (e.g. the aligner, when another rank's micro-batches held no image)
         takes part with zeros elsewhere, so every rank ends with the same gradients and steps alike; one
         that got none anywhere stays without a gradient, as in a single process."""
-        if not dist.is_initialized():
+        if not dist.is_initialized() or self.layout.dp == 1:
             return
         params = [p for p in self.model.parameters() if p.requires_grad]
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        has = self._all_reduce(torch.tensor([p.grad is not None for p in params], dtype=torch.float32),
+                               dist.ReduceOp.MAX, self.dp_group)
         live = [p for p, h in zip(params, has.tolist()) if h]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in live])
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=self.dp_group)
         flat /= self.layout.dp
         offset = 0
         for p in live:
@@ -244,6 +294,66 @@ class Trainer:
                 p.grad.copy_(g)
             offset += p.numel()
 
+    def _clip_gradients(self) -> float:
+        """Clip to train.grad_clip by the norm over the whole model: with a pipeline, the squared norms
+        of every stage's gradients are summed over the pp group first (gradients are already equal
+        over dp). Returns the norm before clipping."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        sq = torch.stack([g.detach().float().norm() for g in grads]).square().sum() if grads else \
+            torch.zeros((), device=self.device)
+        if self.pp_group is not None:
+            sq = self._all_reduce(sq.reshape(1), group=self.pp_group).reshape(())
+        norm = sq.sqrt()
+        coef = (self.train_cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return norm.item()
+
+    def _local_passes(self) -> tuple[torch.Tensor, dict]:
+        """Forward/backward of every micro-batch of the step, one after another (no pipeline)."""
+        accum = self.layout.accumulation
+        loads: dict[int, torch.Tensor] = {}
+        sums = torch.zeros(5, dtype=torch.float64)  # ce, balance, indexer, pad tokens, positions
+        for _ in range(accum):
+            batch = next(self.loader)
+            stats = StepStats()
+            tokens = batch["tokens"].to(self.device)
+            types = batch["token_types"].to(self.device)
+            images = [[img.to(self.device) for img in row] for row in batch["images"]]
+            logits = self.model(tokens, types, images, stats, aux_grad_scale=1.0 / accum)
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].to(self.device).reshape(-1),
+                                 ignore_index=IGNORE)
+            (ce / accum).backward()
+            accumulate_loads(loads, {k: v.cpu() for k, v in stats.expert_load.items()})
+            sums += torch.tensor([ce.item(), float(sum(v.item() for v in stats.balance_loss.values())),
+                                  float(sum(v.item() for v in stats.indexer_loss.values())),
+                                  batch["pad_tokens"], batch["tokens"].numel() + batch["tokens"].shape[0]],
+                                 dtype=torch.float64)
+        return sums, loads
+
+    def _pipeline_passes(self) -> tuple[torch.Tensor, dict]:
+        """The step's micro-batches through the schedule, `round_microbatches` per round. Every rank of
+        the pipeline reads the same batches; the last stage's losses give the CE, each stage reports
+        the aux values and loads of its own layers, and the data counters are taken on pp rank 0 only,
+        so the all-reduces over every rank count each quantity once per dp rank."""
+        accum, m = self.layout.accumulation, self.layout.round_microbatches
+        self.pipe.set_aux_grad_scale(1.0 / accum)
+        self.pipe.stats.reset()
+        sums = torch.zeros(5, dtype=torch.float64)
+        for _ in range(self.layout.rounds):
+            batches = [next(self.loader) for _ in range(m)]
+            tokens = torch.cat([b["tokens"] for b in batches]).to(self.device)
+            types = torch.cat([b["token_types"] for b in batches]).to(self.device)
+            labels = torch.cat([b["labels"] for b in batches]).to(self.device)
+            images = [[img.to(self.device) for img in row] for b in batches for row in b["images"]]
+            losses = self.pipe.run_round(tokens, types, labels, images)
+            sums[0] += sum(loss.item() for loss in losses) * accum  # the schedule's losses are CE / accum
+            if self.pp_rank == 0:
+                sums[3] += sum(b["pad_tokens"] for b in batches)
+                sums[4] += sum(b["tokens"].numel() + b["tokens"].shape[0] for b in batches)
+        sums[1], sums[2] = self.pipe.stats.balance, self.pipe.stats.indexer
+        return sums, dict(self.pipe.stats.expert_load)
+
     # --- the loop ----------------------------------------------------------------------------
     def train_step(self) -> tuple[dict, dict]:
         t0 = time.perf_counter()
@@ -253,38 +363,21 @@ class Trainer:
         self.optim.set_lr(lr)
         self.optim.zero_grad(set_to_none=True)
         accum = self.layout.accumulation
-        loads: dict[int, torch.Tensor] = {}
-        sums = torch.zeros(5, dtype=torch.float64)  # ce, balance, indexer, pad tokens, positions
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast(
             "cpu", enabled=False)
-        for _ in range(accum):
-            batch = next(self.loader)
-            stats = StepStats()
-            tokens = batch["tokens"].to(self.device)
-            types = batch["token_types"].to(self.device)
-            images = [[img.to(self.device) for img in row] for row in batch["images"]]
-            with autocast:
-                logits = self.model(tokens, types, images, stats, aux_grad_scale=1.0 / accum)
-                ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].to(self.device).reshape(-1),
-                                     ignore_index=IGNORE)
-            (ce / accum).backward()
-            accumulate_loads(loads, {k: v.cpu() for k, v in stats.expert_load.items()})
-            sums += torch.tensor([ce.item(), float(sum(v.item() for v in stats.balance_loss.values())),
-                                  float(sum(v.item() for v in stats.indexer_loss.values())),
-                                  batch["pad_tokens"], batch["tokens"].numel() + batch["tokens"].shape[0]],
-                                 dtype=torch.float64)
+        with autocast:
+            sums, loads = self._pipeline_passes() if self.pipe else self._local_passes()
         self._reduce_gradients()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.train_cfg.grad_clip).item()
+        grad_norm = self._clip_gradients()
         self.optim.step()
-        loads = global_loads(loads)
+        loads = global_loads(loads, self.model_cfg.n_layers, self.model_cfg.n_routed_experts, device=self.device)
         update_biases(self.model, loads, self.train_cfg.balance_rate)
         self._all_reduce(sums)
         n_micro = accum * self.layout.dp
         self.step += 1
         self.tokens_seen += self.schedule.tokens_per_step
         dt = time.perf_counter() - t0
-        counters = torch.tensor([self.loader.counters().get(k, 0) for k in
+        counters = torch.tensor([self.loader.counters().get(k, 0) if self.pp_rank == 0 else 0 for k in
                                  ("skipped_empty", "skipped_bad_image", "skipped_oversized_image", "bad_samples",
                                   "corrupt_shards")], dtype=torch.float64)
         self._all_reduce(counters)
