@@ -25,7 +25,8 @@ from model.config import ConfigError  # noqa: E402
 from model.inspect import inspect_model  # noqa: E402
 from train.config import compose, model_config, optim_config, schedule  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
-from parallel.partition import PartitionCosts, partition, partition_report, unit_costs  # noqa: E402
+from parallel.partition import (PartitionCosts, in_flight_microbatches, partition, partition_report,  # noqa: E402
+                                unit_costs)
 from parallel.pipeline import stage_ids  # noqa: E402
 from train.optim.routing import route_parameters, routing_summary  # noqa: E402
 
@@ -45,7 +46,9 @@ def build_report(overrides: list[str]) -> dict:
         optimizer_of = {n: g.optimizer for g in groups for n in g.names}
         units = unit_costs(model, cfg, optimizer_of, int(conf.data.seq_len), int(conf.data.batch_size),
                            PartitionCosts())
-        report["pipeline"] = partition_report(units, partition(units, parallel.n_stages, parallel.stage_layers))
+        flight = in_flight_microbatches(parallel.pp, parallel.schedule)
+        report["pipeline"] = partition_report(units, partition(units, parallel.n_stages, parallel.stage_layers, flight),
+                                              flight)
         report["pipeline"].update(pp=parallel.pp, schedule=parallel.schedule, n_stages=parallel.n_stages,
                                   stages_of_rank=[stage_ids(parallel, r) for r in range(parallel.pp)])
         if parallel.stages_per_rank > 1:  # what a rank holds: the sum of its stages

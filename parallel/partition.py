@@ -12,8 +12,8 @@ Cost model (an estimate, documented here; the pipeline issue's measurements refi
   2 for AdamW;
 - activation bytes of a block per micro-batch = tokens x `activation_bytes` x (the 4 residual streams
   in and out, the sublayer inputs/outputs, queries and attention output, the activated experts'
-  intermediate values, plus the compressor / indexer values of Full and Reindex layers); with 1F1B,
-  stage s of P holds P - s micro-batches in flight;
+  intermediate values, plus the compressor / indexer values of Full and Reindex layers), times the
+  micro-batches a stage holds in flight (`in_flight_microbatches`, from the schedule's warm-up);
 - compute per token of a block = 2 x its activated parameters + attention (4 x heads x head_dim x
   (window + selected compressed entries)) + indexer scoring (Full / Reindex: 2 x index heads x index
   head_dim x visible compressed entries, on average seq_len / (2 m)).
@@ -77,15 +77,32 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
     return units
 
 
-def _stage_cost(units: list[dict], a: int, b: int, stage: int, pp: int) -> float:
-    in_flight = pp - stage  # 1F1B: stage s holds P - s micro-batches' activations
+def in_flight_microbatches(pp: int, schedule: str = "1f1b") -> list[int]:
+    """Micro-batches whose activations each stage holds at its peak, from the warm-up of the
+    torch.distributed.pipelining schedules (an estimate for the partitioner):
+    - 1F1B: stage s of P holds P - s;
+    - interleaved 1F1B (2 looped stages per rank, rank r = s mod P): the rank runs P + 2 (P - 1 - r)
+      forwards before its first backward, shared by its two stages;
+    - ZBV / DualPipeV (rank r holds stage r and 2P - 1 - r): 2P - 1 - r forwards of its first stage and
+      P of its second before the first backward."""
+    if schedule == "1f1b":
+        return [pp - s for s in range(pp)]
+    if schedule == "interleaved_1f1b":
+        return [-(-(pp + 2 * (pp - 1 - s % pp)) // 2) for s in range(2 * pp)]
+    return [2 * pp - 1 - s if s < pp else pp for s in range(2 * pp)]
+
+
+def _stage_cost(units: list[dict], a: int, b: int, in_flight: int) -> float:
     return sum(u["state_bytes"] + in_flight * u["activation_bytes"] for u in units[a:b])
 
 
-def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None) -> list[tuple[int, int]]:
-    """Contiguous [start, end) unit ranges for `pp` stages minimising the maximum stage cost (exact DP),
-    or the ranges given by `stage_layers` (layer counts per stage)."""
+def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
+              in_flight: list[int] | None = None) -> list[tuple[int, int]]:
+    """Contiguous [start, end) unit ranges for `pp` stages (virtual stages included) minimising the
+    maximum stage cost (exact DP), or the ranges given by `stage_layers` (layer counts per stage).
+    `in_flight`: micro-batches in flight per stage (default: 1F1B's)."""
     n = len(units)
+    in_flight = in_flight or in_flight_microbatches(pp)
     if not 1 <= pp <= n:
         raise ConfigError(f"parallel.pp={pp}: a stage needs at least one of the {n} blocks")
     if stage_layers is not None:
@@ -105,7 +122,7 @@ def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None)
             for i in range(s - 1, j):
                 if best[s - 1][i] == INF:
                     continue
-                c = max(best[s - 1][i], _stage_cost(units, i, j, s - 1, pp))
+                c = max(best[s - 1][i], _stage_cost(units, i, j, in_flight[s - 1]))
                 if c < best[s][j]:
                     best[s][j], cut[s][j] = c, i
     bounds, j = [], n
@@ -116,14 +133,16 @@ def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None)
     return bounds[::-1]
 
 
-def partition_report(units: list[dict], bounds: list[tuple[int, int]]) -> dict:
+def partition_report(units: list[dict], bounds: list[tuple[int, int]], in_flight: list[int] | None = None) -> dict:
     pp = len(bounds)
+    in_flight = in_flight or in_flight_microbatches(pp)
     stages = []
     for s, (a, b) in enumerate(bounds):
         stages.append({"stage": s, "layers": [a, b - 1], "n_layers": b - a,
                        "state_bytes": sum(u["state_bytes"] for u in units[a:b]),
-                       "activation_bytes": (pp - s) * sum(u["activation_bytes"] for u in units[a:b]),
-                       "bytes": _stage_cost(units, a, b, s, pp),
+                       "in_flight": in_flight[s],
+                       "activation_bytes": in_flight[s] * sum(u["activation_bytes"] for u in units[a:b]),
+                       "bytes": _stage_cost(units, a, b, in_flight[s]),
                        "flops_per_token": sum(u["flops_per_token"] for u in units[a:b])})
 
     def imbalance(key):

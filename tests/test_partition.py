@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model.config import ConfigError
-from parallel.partition import _stage_cost, partition
+from parallel.partition import _stage_cost, in_flight_microbatches, partition
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,14 +22,23 @@ def _units(seed, n):
     return [{"state_bytes": a * 10, "activation_bytes": b, "flops_per_token": a + b} for a, b in vals]
 
 
-@pytest.mark.parametrize("seed, n, pp", [(0, 8, 3), (1, 9, 4), (2, 7, 2), (3, 10, 5)])
-def test_dp_matches_brute_force(seed, n, pp):
+@pytest.mark.parametrize("seed, n, pp, flight", [(0, 8, 3, None), (1, 9, 4, None), (2, 7, 2, None),
+                                                 (3, 10, 5, None), (4, 10, 4, [3, 2, 1, 2])])
+def test_dp_matches_brute_force(seed, n, pp, flight):
     units = _units(seed, n)
-    best = min(max(_stage_cost(units, a, b, s, pp) for s, (a, b) in enumerate(zip((0,) + cuts, cuts + (n,))))
+    flight = flight or [pp - s for s in range(pp)]
+    best = min(max(_stage_cost(units, a, b, flight[s]) for s, (a, b) in enumerate(zip((0,) + cuts, cuts + (n,))))
                for cuts in itertools.combinations(range(1, n), pp - 1))
-    bounds = partition(units, pp)
+    bounds = partition(units, pp, in_flight=flight)
     assert bounds[0][0] == 0 and bounds[-1][1] == n and all(b[1] == c[0] for b, c in zip(bounds, bounds[1:]))
-    assert max(_stage_cost(units, a, b, s, pp) for s, (a, b) in enumerate(bounds)) == best
+    assert max(_stage_cost(units, a, b, flight[s]) for s, (a, b) in enumerate(bounds)) == best
+
+
+def test_in_flight_counts_from_the_schedules_warm_up():
+    assert in_flight_microbatches(4) == [4, 3, 2, 1]
+    # V-shaped, pp=2: rank 0 runs 3 forwards of stage 0 and 2 of stage 3 before its first backward
+    assert in_flight_microbatches(2, "dualpipev") == [3, 2, 2, 2]
+    assert in_flight_microbatches(2, "interleaved_1f1b") == [2, 1, 2, 1]
 
 
 def test_pinned_stage_layers_and_validation():

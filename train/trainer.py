@@ -47,7 +47,7 @@ from model.config import ConfigError, reject_unknown_fields
 from model.vision import set_vision_body_trainable
 from parallel.config import ParallelConfig
 from parallel.mesh import build_mesh, mesh_shape
-from parallel.partition import PartitionCosts, partition, unit_costs
+from parallel.partition import PartitionCosts, in_flight_microbatches, partition, unit_costs
 from parallel.pipeline import build_pipeline
 from train.balancing import accumulate_loads, global_loads, update_biases
 from train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
@@ -212,7 +212,8 @@ class Trainer:
                         for n in g.names}
         units = unit_costs(self.model, self.model_cfg, optimizer_of, self.data_cfg.seq_len, self.data_cfg.batch_size,
                            PartitionCosts())
-        bounds = partition(units, self.parallel.n_stages, self.parallel.stage_layers)
+        bounds = partition(units, self.parallel.n_stages, self.parallel.stage_layers,
+                           in_flight_microbatches(self.parallel.pp, self.parallel.schedule))
         accum = self.layout.accumulation
 
         def loss_fn(logits, labels):
