@@ -48,7 +48,7 @@ from model.vision import set_vision_body_trainable
 from parallel.config import ParallelConfig
 from parallel.mesh import build_mesh, mesh_shape
 from parallel.partition import PartitionCosts, in_flight_microbatches, partition, unit_costs
-from parallel.pipeline import build_pipeline
+from parallel.pipeline import build_pipeline, prune_to_stages, stage_ids, stage_ranges
 from train.balancing import accumulate_loads, global_loads, update_biases
 from train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from train.config import data_config, model_config, optim_config, schedule, token_spec
@@ -194,8 +194,14 @@ class Trainer:
                 text, mm, tok = data_sources(self.data_cfg, self.spec)
                 token_map = load_or_build_engram_map(tok) if self.model_cfg.engram_layer_ids else None
             self._barrier()
-        self.model = Transformer(self.model_cfg, token_map=token_map).to(self.device)
-        self.pipe = self._build_pipeline() if self.layout.pp > 1 else None
+        self.model = Transformer(self.model_cfg, token_map=token_map)  # built whole on the CPU, same seed everywhere
+        self.pipe = None
+        if self.layout.pp > 1:
+            bounds = self._partition()
+            prune_to_stages(self.model, [stage_ranges(bounds)[i] for i in stage_ids(self.parallel, self.pp_rank)])
+        self.model.to(self.device)  # a pipeline rank moves only its own stages
+        if self.layout.pp > 1:
+            self.pipe = self._build_pipeline(bounds)
         self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg)
         self.loader = PackedLoader(self.data_cfg, self.spec, text, mm, self.dp_rank, self.layout.dp)
         self.checkpoints = CheckpointWriter(self.run_dir, self.train_cfg.checkpoint.keep,
@@ -205,15 +211,18 @@ class Trainer:
         self._stop = False
         self._resume()
 
-    def _build_pipeline(self):
-        """Partition the (full, identically seeded) model into parallel.n_stages cost-balanced stages
-        (or the pinned parallel.stage_layers), keep this rank's, and wrap them in the schedule."""
+    def _partition(self) -> list[tuple[int, int]]:
+        """[start, end) blocks of the parallel.n_stages stages: cost-balanced over the whole model, or
+        the pinned parallel.stage_layers."""
         optimizer_of = {n: g.optimizer for g in route_parameters(self.model, self.model_cfg, self.optim_cfg)
                         for n in g.names}
         units = unit_costs(self.model, self.model_cfg, optimizer_of, self.data_cfg.seq_len, self.data_cfg.batch_size,
                            PartitionCosts())
-        bounds = partition(units, self.parallel.n_stages, self.parallel.stage_layers,
-                           in_flight_microbatches(self.parallel.pp, self.parallel.schedule))
+        return partition(units, self.parallel.n_stages, self.parallel.stage_layers,
+                         in_flight_microbatches(self.parallel.pp, self.parallel.schedule))
+
+    def _build_pipeline(self, bounds: list[tuple[int, int]]):
+        """This rank's stages wrapped in the configured schedule."""
         accum = self.layout.accumulation
 
         def loss_fn(logits, labels):
