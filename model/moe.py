@@ -56,33 +56,44 @@ class Gate(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """E stacked SwiGLU experts, dispatched locally (the ep=1 reference path)."""
+    """Stacked SwiGLU experts. Whole ([E, ...], dispatched locally: the ep=1 reference path) or, under
+    expert parallelism, this rank's slice [E / ep, ...] of global experts [offset, offset + E / ep),
+    with `dispatcher` (parallel/experts.py) moving tokens to the rank that holds their expert."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         E, D, I = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
         self.limit = cfg.swiglu_limit
+        self.n_global = E
+        self.offset = 0  # global index of local expert 0
+        self.dispatcher = None
         self.w1 = nn.Parameter(torch.empty(E, I, D))
         self.w2 = nn.Parameter(torch.empty(E, D, I))
         self.w3 = nn.Parameter(torch.empty(E, I, D))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """x [N, D], weights/indices [N, k] -> fp32 [N, D] = sum_k w_k * expert_{i_k}(x)."""
-        flat = indices.flatten()
-        order = flat.argsort(stable=True)
-        token = order // indices.shape[1]
-        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
-        xs = x[token]  # tokens grouped by expert
-        ws = weights.flatten()[order].unsqueeze(-1)
+    def local_experts(self, xs: torch.Tensor, ws: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by local expert (`counts[e]` rows for expert e, in order) with their routing
+        weights [n] -> the weighted expert outputs [n, D] (the weight multiplies before w2)."""
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
                 xe = xs[start:start + n]
-                act = swiglu_clamped(xe @ self.w1[e].t(), xe @ self.w3[e].t(), self.limit) * ws[start:start + n]
-                outs.append(act.to(x.dtype) @ self.w2[e].t())
+                act = swiglu_clamped(xe @ self.w1[e].t(), xe @ self.w3[e].t(), self.limit) * ws[start:start + n, None]
+                outs.append(act.to(xs.dtype) @ self.w2[e].t())
             start += n
+        return torch.cat(outs) if outs else xs.new_zeros(0, self.w2.shape[1])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """x [N, D], weights/indices [N, k] (global expert ids) -> fp32 [N, D] = sum_k w_k * expert_{i_k}(x)."""
+        if self.dispatcher is not None:
+            return self.dispatcher(self, x, weights, indices)
+        flat = indices.flatten()
+        order = flat.argsort(stable=True)
+        token = order // indices.shape[1]
+        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
+        ys = self.local_experts(x[token], weights.flatten()[order], counts)  # tokens grouped by expert
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        return out.index_add(0, token, torch.cat(outs).float())
+        return out.index_add(0, token, ys.float())
 
 
 class SharedExpert(nn.Module):

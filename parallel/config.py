@@ -6,7 +6,7 @@
 - `microbatches`: micro-batches per pipeline round; null = every micro-batch of the optimizer step in
   one round (the gradient-accumulation count). It must divide that count and meet the schedule's rule.
 - `stage_layers`: layer counts per stage (pp x stages per rank entries) to pin the partition by hand.
-- `ep`: expert parallelism (its own issue).
+- `ep`: expert parallelism: routed experts sharded over ep ranks (it divides dp), parallel/experts.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The process mesh (DESIGN.md "Parallelism"): one DeviceMesh with dims ("pp", "dp"); expert parallelism
-`ep` divides `dp` (experts sharded over ep, replicated over dp / ep). Degrees are checked against the
+"""The process mesh (DESIGN.md "Parallelism"): one DeviceMesh with dims ("pp", "dp_rep", "ep"), dp = dp_rep x ep
+also addressable as "dp"; expert parallelism `ep` divides `dp` (experts sharded over ep, replicated over
+dp / ep). Degrees are checked against the
 world size and the model before anything is built, with messages that name the numbers.
 """
 
@@ -34,8 +35,28 @@ def mesh_shape(world: int, pp: int, ep: int, n_layers: int, n_routed_experts: in
     return MeshShape(world, pp, dp, ep)
 
 
-def build_mesh(shape: MeshShape, device_type: str = "cpu"):
-    """The ("pp", "dp") DeviceMesh; the process group must already be initialised."""
+@dataclass
+class ProcessMesh:
+    """The run's DeviceMesh ("pp", "dp_rep", "ep") with dp = dp_rep x ep flattened as "dp", and the
+    groups the trainer reduces over: non-expert gradients over `dp`, expert gradients over `dp_rep`
+    (the replicas of one expert shard), expert-parallel all-to-alls over `ep`, pipeline P2P over `pp`.
+    Ranks are laid out pp-major, then dp_rep, then ep: an EP group is `ep` consecutive ranks."""
+
+    device_mesh: object
+    shape: MeshShape
+
+    def group(self, name: str):
+        return self.device_mesh[name].get_group()
+
+    def local_rank(self, name: str) -> int:
+        return self.device_mesh[name].get_local_rank()
+
+
+def build_mesh(shape: MeshShape, device_type: str = "cpu") -> ProcessMesh:
+    """The process group must already be initialised."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (shape.pp, shape.dp), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(device_type, (shape.pp, shape.dp // shape.ep, shape.ep),
+                            mesh_dim_names=("pp", "dp_rep", "ep"))
+    mesh["dp_rep", "ep"]._flatten("dp")  # torch's public way to name a product of dims (private-named API)
+    return ProcessMesh(mesh, shape)

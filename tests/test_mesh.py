@@ -28,10 +28,14 @@ def test_two_process_mesh():
 import torch.distributed as dist
 from parallel.mesh import build_mesh, mesh_shape
 dist.init_process_group("gloo")
-for pp in (1, 2):
-    mesh = build_mesh(mesh_shape(dist.get_world_size(), pp, 1, 40, 8))
-    assert mesh.mesh_dim_names == ("pp", "dp") and tuple(mesh.mesh.shape) == (pp, 2 // pp), mesh
-    assert mesh["dp"].size() == 2 // pp and mesh["pp"].size() == pp
+r = dist.get_rank()
+for pp, ep in ((1, 1), (2, 1), (1, 2)):
+    mesh = build_mesh(mesh_shape(dist.get_world_size(), pp, ep, 40, 8))
+    dm = mesh.device_mesh
+    assert dm.mesh_dim_names == ("pp", "dp_rep", "ep") and tuple(dm.mesh.shape) == (pp, 2 // pp // ep, ep), dm
+    assert dm["dp"].size() == 2 // pp and dm["pp"].size() == pp and dm["ep"].size() == ep
+    assert mesh.local_rank("dp") == (r if pp == 1 else 0) and mesh.local_rank("pp") == (r if pp == 2 else 0)
+    assert dist.get_world_size(mesh.group("dp_rep")) == 2 // pp // ep
 dist.destroy_process_group()
 '''
     root = Path(__file__).resolve().parent.parent

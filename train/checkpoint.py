@@ -13,6 +13,9 @@ Contents (DCP keys):
 - `optim.<optimizer>.<parameter FQN>.<state>`: optimizer state tensors keyed by parameter name, so the
   checkpoint does not depend on parameter order; on load the template is built from the checkpoint's
   own metadata (a parameter without state -- e.g. a frozen ViT body -- has no key);
+- expert parallelism: a rank holds rows [r E/ep, (r+1) E/ep) of every stacked expert tensor; those
+  tensors (and their optimizer states) are written as DTensors sharded on dim 0 over the EP mesh, so
+  the checkpoint holds global [E, ...] tensors with global expert indices and loads with any `ep`;
 - `meta`: step, tokens seen, the data-parallel size, the resolved config, written once;
 - `dp<r>`: data-parallel rank r's data-loader state and RNG states (the ranks of one pipeline read the
   same batches; any of them writes it), so resuming needs the same dp size but any pp.
@@ -34,6 +37,36 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+
+class RowShards:
+    """Tensors this rank holds a dim-0 slice of (routed experts under EP): `names` (parameter FQNs)
+    over the 1-D DeviceMesh `mesh`, each rank the slice of its mesh coordinate, equal sizes."""
+
+    def __init__(self, mesh, names: set[str]):
+        self.mesh, self.names = mesh, set(names)
+
+    def wrap(self, t: torch.Tensor):
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
+
+    def local_template(self, size, dtype):
+        n = self.mesh.size()
+        if size[0] % n:
+            raise ValueError(f"checkpoint tensor of {size[0]} rows cannot be split over parallel.ep={n}")
+        return self.wrap(torch.empty((size[0] // n,) + tuple(size[1:]), dtype=dtype))
+
+
+def _unwrap(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _sharded_model_state(model: nn.Module, shards: RowShards | None) -> dict:
+    state = model.state_dict()
+    if shards is not None:
+        state = {k: shards.wrap(v) if k in shards.names else v for k, v in state.items()}
+    return state
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -111,7 +144,7 @@ class CheckpointWriter:
         self.pending = None
 
     def save(self, step: int, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], meta: dict,
-             rank_state: dict, dp_rank: int | None = None, fault_hook=None) -> Path:
+             rank_state: dict, dp_rank: int | None = None, fault_hook=None, shards: RowShards | None = None) -> Path:
         """Collective: every rank calls it."""
         self.wait()
         final = step_dir(self.run_dir, step)
@@ -121,7 +154,14 @@ class CheckpointWriter:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        state = {"model": model.state_dict(), "optim": optimizer_state_flat(optimizers, model),
+        optim = optimizer_state_flat(optimizers, model)
+        if shards is not None:
+            params = dict(model.named_parameters())
+            for key, v in optim.items():
+                fqn = key.split(".", 1)[1].rsplit(".", 1)[0]
+                if fqn in shards.names and v.shape == params[fqn].shape:
+                    optim[key] = shards.wrap(v)
+        state = {"model": _sharded_model_state(model, shards), "optim": optim,
                  "meta": _blob(meta), f"dp{rank if dp_rank is None else dp_rank}": _blob(rank_state)}
         with warnings.catch_warnings():  # DCP warns when it runs without a process group (one process): expected
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -164,7 +204,8 @@ class CheckpointWriter:
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer],
-                    dp_rank: int | None = None, dp: int | None = None) -> tuple[dict, dict]:
+                    dp_rank: int | None = None, dp: int | None = None,
+                    shards: RowShards | None = None) -> tuple[dict, dict]:
     """Load model and optimizer state in place (only the parameters `model` holds: a pipeline stage
     loads its own blocks); returns (meta, this data-parallel rank's state)."""
     path = Path(path)
@@ -179,15 +220,22 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict[str, to
         raise ValueError(f"checkpoint {path} was written with {len(saved)} data-parallel rank(s) and this run has "
                          f"{dp if dp is not None else 'more'}: resume with the same data-parallel size "
                          f"(world size / parallel.pp = {len(saved)}); the pipeline degree may differ")
-    params = {n for n, _ in model.named_parameters()}
+    params = dict(model.named_parameters())
     optim_tmpl = {}
     for key, m in md.items():
-        if key.startswith("optim.") and key.split(".", 2)[2].rsplit(".", 1)[0] in params:
+        if not key.startswith("optim."):
+            continue
+        fqn = key.split(".", 2)[2].rsplit(".", 1)[0]
+        if fqn not in params:
+            continue  # another pipeline stage's parameter
+        if shards is not None and fqn in shards.names and len(m.size) == params[fqn].dim():
+            optim_tmpl[key[len("optim."):]] = shards.local_template(tuple(m.size), m.properties.dtype)
+        else:
             optim_tmpl[key[len("optim."):]] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-    state = {"model": model.state_dict(), "optim": optim_tmpl, "meta": b"", rank_key: b""}
+    state = {"model": _sharded_model_state(model, shards), "optim": optim_tmpl, "meta": b"", rank_key: b""}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(state, checkpoint_id=str(path))
-    model.load_state_dict(state["model"])
-    load_optimizer_state_flat(optimizers, model, state["optim"])
+    model.load_state_dict({k: _unwrap(v) for k, v in state["model"].items()})
+    load_optimizer_state_flat(optimizers, model, {k: _unwrap(v) for k, v in state["optim"].items()})
     return _unblob(state["meta"]), _unblob(state[rank_key])

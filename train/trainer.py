@@ -17,8 +17,10 @@ LR / ViT-freeze schedule -> metrics -> checkpoint.
   micro-batches through the configured schedule in rounds of `parallel.microbatches`; every rank of a
   pipeline reads the same batches (its dp rank's), the last stage computes the cross-entropy, each
   stage's aux losses ride on its own backward, gradients are reduced over dp, the clipping norm over
-  the whole model (all stages), and the expert loads over everyone. Expert parallelism lands with its
-  issue.
+  the whole model (all stages), and the expert loads over everyone.
+- Expert parallel (`parallel.ep`, parallel/experts.py): each EP rank holds E / ep experts of every MoE
+  layer and dispatches tokens by all-to-all; expert gradients are reduced over the replicas of the
+  shard only, and checkpoints hold the experts as global tensors (loadable with any ep).
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ from model.vision import set_vision_body_trainable
 from parallel.config import ParallelConfig
 from parallel.mesh import build_mesh, mesh_shape
 from parallel.partition import PartitionCosts, in_flight_microbatches, partition, unit_costs
+from parallel.experts import is_expert_param, shard_experts
 from parallel.pipeline import build_pipeline, prune_to_stages, stage_ids, stage_ranges
 from train.balancing import accumulate_loads, global_loads, update_biases
-from train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
+from train.checkpoint import CheckpointWriter, RowShards, latest_checkpoint, load_checkpoint
 from train.config import data_config, model_config, optim_config, schedule, token_spec
 from train.engram_map import load_or_build_engram_map
 from train.metrics import LoggingConfig, MetricsLogger, load_statistics
@@ -96,6 +99,7 @@ class Layout:
     global_sequences: int
     pp: int = 1
     round_microbatches: int = 1  # pipeline: micro-batches per schedule step
+    ep: int = 1
 
     @property
     def rounds(self) -> int:
@@ -105,8 +109,6 @@ class Layout:
 def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: ParallelConfig, world: int,
                 n_layers: int = 40, n_routed_experts: int = 1) -> Layout:
     """Validate the process layout and the fixed batch before anything is built."""
-    if parallel.ep != 1:
-        raise ConfigError(f"parallel.ep={parallel.ep}: expert parallelism is not built yet; use parallel.ep=1")
     dp = mesh_shape(world, parallel.pp, parallel.ep, n_layers, n_routed_experts).dp
     if parallel.stage_layers is not None and (len(parallel.stage_layers) != parallel.n_stages
                                               or sum(parallel.stage_layers) != n_layers
@@ -123,7 +125,8 @@ def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: Pa
     if train.checkpoint.interval <= 0 or train.checkpoint.keep <= 0:
         raise ConfigError("train.checkpoint.interval and train.checkpoint.keep must be positive")
     accumulation = g // (dp * micro_batch)
-    return Layout(world, dp, micro_batch, accumulation, g, parallel.pp, parallel.round_microbatches(accumulation))
+    return Layout(world, dp, micro_batch, accumulation, g, parallel.pp, parallel.round_microbatches(accumulation),
+                  parallel.ep)
 
 
 def _init_distributed() -> tuple[int, int, torch.device]:
@@ -177,13 +180,15 @@ class Trainer:
 
         self.rank, world, self.device = _init_distributed()
         self.is_main = self.rank == 0
-        self.pp_group = self.dp_group = None
-        self.pp_rank, self.dp_rank = 0, self.rank
-        if self.layout.pp > 1:
-            mesh = build_mesh(mesh_shape(world, self.layout.pp, 1, self.model_cfg.n_layers,
-                                         self.model_cfg.n_routed_experts), self.device.type)
-            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-            self.pp_rank, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+        self.mesh = self.pp_group = self.dp_group = self.ep_group = self.rep_group = None
+        self.pp_rank, self.dp_rank, self.ep_rank = 0, self.rank, 0
+        if self.layout.pp > 1 or self.layout.ep > 1:
+            self.mesh = build_mesh(mesh_shape(world, self.layout.pp, self.layout.ep, self.model_cfg.n_layers,
+                                              self.model_cfg.n_routed_experts), self.device.type)
+            self.pp_group, self.dp_group = self.mesh.group("pp"), self.mesh.group("dp")
+            self.ep_group, self.rep_group = self.mesh.group("ep"), self.mesh.group("dp_rep")
+            self.pp_rank, self.dp_rank = self.mesh.local_rank("pp"), self.mesh.local_rank("dp")
+            self.ep_rank = self.mesh.local_rank("ep")
         torch.manual_seed(self.train_cfg.seed)
         random.seed(self.train_cfg.seed)
         np.random.seed(self.train_cfg.seed)
@@ -199,6 +204,8 @@ class Trainer:
         if self.layout.pp > 1:
             bounds = self._partition()
             prune_to_stages(self.model, [stage_ranges(bounds)[i] for i in stage_ids(self.parallel, self.pp_rank)])
+        if self.layout.ep > 1:
+            shard_experts(self.model, self.layout.ep, self.ep_rank, self.ep_group)
         self.model.to(self.device)  # a pipeline rank moves only its own stages
         if self.layout.pp > 1:
             self.pipe = self._build_pipeline(bounds)
@@ -250,11 +257,18 @@ class Trainer:
             t.copy_(on_device)
         return t
 
+    def _row_shards(self) -> RowShards | None:
+        """Under EP: the stacked expert tensors, sharded on dim 0 over the EP mesh."""
+        if self.layout.ep == 1:
+            return None
+        return RowShards(self.mesh.device_mesh["ep"], {n for n, _ in self.model.named_parameters() if is_expert_param(n)})
+
     def _resume(self) -> None:
         path = self.train_cfg.resume_from or latest_checkpoint(self.run_dir)
         if path is None:
             return
-        meta, mine = load_checkpoint(path, self.model, self.optim.optimizers, self.dp_rank, self.layout.dp)
+        meta, mine = load_checkpoint(path, self.model, self.optim.optimizers, self.dp_rank, self.layout.dp,
+                                     self._row_shards())
         saved_model = meta["config"]["model"]
         if saved_model != self.cfg_dict["model"]:
             diff = sorted(k for k in set(saved_model) | set(self.cfg_dict["model"])
@@ -276,25 +290,44 @@ class Trainer:
 
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict, "dp": self.layout.dp}
         self.checkpoints.save(self.step, self.model, self.optim.optimizers, meta,
-                              {"data": self.loader.state_dict(), "rng": _rng_state()}, self.dp_rank, fault_hook=hook)
+                              {"data": self.loader.state_dict(), "rng": _rng_state()}, self.dp_rank, fault_hook=hook,
+                              shards=self._row_shards())
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop = True
 
     def _reduce_gradients(self) -> None:
-        """Average gradients over the data-parallel ranks in one flat all-reduce. A parameter that got a
-        gradient on some rank only (e.g. the aligner, when another rank's micro-batches held no image)
-        takes part with zeros elsewhere, so every rank ends with the same gradients and steps alike; one
-        that got none anywhere stays without a gradient, as in a single process."""
+        """Average gradients over the data-parallel ranks: non-expert parameters over all of dp, routed
+        experts over the replicas of this rank's expert shard (dp / ep ranks; the all-to-all backward
+        already summed the EP group's contributions into the owner's gradient), both divided by dp.
+        One flat all-reduce per kind. A parameter that got a gradient on some rank only (e.g. the
+        aligner, when another rank's micro-batches held no image) takes part with zeros elsewhere, so
+        every rank ends with the same gradients and steps alike; one that got none anywhere stays
+        without a gradient, as in a single process."""
         if not dist.is_initialized() or self.layout.dp == 1:
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if self.layout.ep == 1:
+            self._average([p for _, p in named], self.dp_group, self.layout.dp)
+            return
+        self._average([p for n, p in named if not is_expert_param(n)], self.dp_group, self.layout.dp)
+        experts = [p for n, p in named if is_expert_param(n)]
+        if self.layout.dp // self.layout.ep > 1:
+            self._average(experts, self.rep_group, self.layout.dp)
+        else:
+            for p in experts:
+                if p.grad is not None:
+                    p.grad /= self.layout.dp
+
+    def _average(self, params: list[torch.Tensor], group, divisor: int) -> None:
         has = self._all_reduce(torch.tensor([p.grad is not None for p in params], dtype=torch.float32),
-                               dist.ReduceOp.MAX, self.dp_group)
+                               dist.ReduceOp.MAX, group)
         live = [p for p, h in zip(params, has.tolist()) if h]
+        if not live:
+            return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in live])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.layout.dp
+        dist.all_reduce(flat, group=group)
+        flat /= divisor
         offset = 0
         for p in live:
             g = flat[offset:offset + p.numel()].view_as(p)
@@ -305,12 +338,22 @@ class Trainer:
             offset += p.numel()
 
     def _clip_gradients(self) -> float:
-        """Clip to train.grad_clip by the norm over the whole model: with a pipeline, the squared norms
-        of every stage's gradients are summed over the pp group first (gradients are already equal
-        over dp). Returns the norm before clipping."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        sq = torch.stack([g.detach().float().norm() for g in grads]).square().sum() if grads else \
-            torch.zeros((), device=self.device)
+        """Clip to train.grad_clip by the norm over the whole model: expert gradients' squared norms are
+        summed over the EP group and every stage's over the pp group (gradients are already equal over
+        their replicas). Returns the norm before clipping."""
+        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        grads = [g for _, g in named]
+
+        def sq_norm(gs):
+            return torch.stack([g.detach().float().norm() for g in gs]).square().sum() if gs else \
+                torch.zeros((), device=self.device)
+
+        if self.layout.ep == 1:
+            sq = sq_norm(grads)
+        else:  # each EP rank holds other experts: their squared norms add up over the EP group
+            expert_sq = sq_norm([g for n, g in named if is_expert_param(n)])
+            expert_sq = self._all_reduce(expert_sq.reshape(1), group=self.ep_group).reshape(())
+            sq = sq_norm([g for n, g in named if not is_expert_param(n)]) + expert_sq
         if self.pp_group is not None:
             sq = self._all_reduce(sq.reshape(1), group=self.pp_group).reshape(())
         norm = sq.sqrt()
