@@ -12,6 +12,10 @@ Prints a table and one JSON line:
   included): SinkhornBalanced (its momentum + chunk workspace) against AdamW and a literal
   transcription of Algorithm 1 that materialises U.
 Each time is the median of `--repeats` runs in the same process.
+
+Distributed Muon (`torchrun --nproc_per_node=2 launch/bench_optim.py --distributed-muon`): on every rank
+the flash_small Muon step with every rank orthogonalising every matrix (what one rank does) against the
+same step with the Newton-Schulz work split over the ranks and all-gathered (train/optim/muon.py).
 """
 
 from __future__ import annotations
@@ -70,12 +74,41 @@ def peak_step_bytes(which: str, m: int, n: int) -> int:
     return meter.peak
 
 
+def distributed_muon(overrides: list[str], repeats: int) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    conf = compose(overrides)
+    mcfg, ocfg = model_config(conf), optim_config(conf)
+    torch.manual_seed(0)
+    groups = [g for g in route_parameters(Transformer(mcfg), mcfg, ocfg) if g.optimizer == "muon"]
+    times = {}
+    for name, shard in (("one_rank", None), ("split", lambda p: dist.group.WORLD)):
+        opt = Muon([{"params": _fresh(g.params), **g.options} for g in groups], lr=1e-3,
+                   ns_coefficients=ocfg.muon.coefficients(), shard_group_of=shard)
+        opt.step()  # warm-up (allocations, first collective)
+        dist.barrier()
+        times[name] = _median_time(opt.step, repeats)
+    t = torch.tensor([times["one_rank"], times["split"]], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
+    if dist.get_rank() == 0:
+        world = dist.get_world_size()
+        print(f"Muon step on {world} ranks, flash_small: every rank does all NS {t[0]:.3f} s, NS split over "
+              f"{world} ranks {t[1]:.3f} s, speed-up {t[0] / t[1]:.2f}x")
+        print(json.dumps({"exp": overrides, "ranks": world, "muon_step_one_rank_s": t[0].item(),
+                          "muon_step_distributed_s": t[1].item(), "speedup": (t[0] / t[1]).item()}))
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv: list[str]) -> int:
     repeats = 3
     if "--repeats" in argv:
         i = argv.index("--repeats")
         repeats = int(argv[i + 1])
         argv = argv[:i] + argv[i + 2:]
+    if "--distributed-muon" in argv:
+        return distributed_muon([a for a in argv if a != "--distributed-muon"] or ["+exp=flash_small"], repeats)
     overrides = argv or ["+exp=flash_small"]
     conf = compose(overrides)
     mcfg, ocfg = model_config(conf), optim_config(conf)

@@ -43,13 +43,17 @@ class ProcessMesh:
     Ranks are laid out pp-major, then dp_rep, then ep: an EP group is `ep` consecutive ranks."""
 
     device_mesh: object
+    dp_mesh: object  # the flattened ("dp_rep", "ep") dim
     shape: MeshShape
 
+    def _dim(self, name: str):
+        return self.dp_mesh if name == "dp" else self.device_mesh[name]
+
     def group(self, name: str):
-        return self.device_mesh[name].get_group()
+        return self._dim(name).get_group()
 
     def local_rank(self, name: str) -> int:
-        return self.device_mesh[name].get_local_rank()
+        return self._dim(name).get_local_rank()
 
 
 def build_mesh(shape: MeshShape, device_type: str = "cpu") -> ProcessMesh:
@@ -58,5 +62,5 @@ def build_mesh(shape: MeshShape, device_type: str = "cpu") -> ProcessMesh:
 
     mesh = init_device_mesh(device_type, (shape.pp, shape.dp // shape.ep, shape.ep),
                             mesh_dim_names=("pp", "dp_rep", "ep"))
-    mesh["dp_rep", "ep"]._flatten("dp")  # torch's public way to name a product of dims (private-named API)
-    return ProcessMesh(mesh, shape)
+    dp_mesh = mesh["dp_rep", "ep"]._flatten("dp")  # torch's way to name a product of dims (private-named API)
+    return ProcessMesh(mesh, dp_mesh, shape)

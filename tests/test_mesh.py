@@ -33,7 +33,7 @@ for pp, ep in ((1, 1), (2, 1), (1, 2)):
     mesh = build_mesh(mesh_shape(dist.get_world_size(), pp, ep, 40, 8))
     dm = mesh.device_mesh
     assert dm.mesh_dim_names == ("pp", "dp_rep", "ep") and tuple(dm.mesh.shape) == (pp, 2 // pp // ep, ep), dm
-    assert dm["dp"].size() == 2 // pp and dm["pp"].size() == pp and dm["ep"].size() == ep
+    assert mesh.dp_mesh.size() == 2 // pp and dm["pp"].size() == pp and dm["ep"].size() == ep
     assert mesh.local_rank("dp") == (r if pp == 1 else 0) and mesh.local_rank("pp") == (r if pp == 2 else 0)
     assert dist.get_world_size(mesh.group("dp_rep")) == 2 // pp // ep
 dist.destroy_process_group()

@@ -209,7 +209,7 @@ class Trainer:
         self.model.to(self.device)  # a pipeline rank moves only its own stages
         if self.layout.pp > 1:
             self.pipe = self._build_pipeline(bounds)
-        self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg)
+        self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg, self._muon_shard_groups())
         self.loader = PackedLoader(self.data_cfg, self.spec, text, mm, self.dp_rank, self.layout.dp)
         self.checkpoints = CheckpointWriter(self.run_dir, self.train_cfg.checkpoint.keep,
                                             self.train_cfg.checkpoint.async_save)
@@ -256,6 +256,16 @@ class Trainer:
             dist.all_reduce(on_device, op=op or dist.ReduceOp.SUM, group=group)
             t.copy_(on_device)
         return t
+
+    def _muon_shard_groups(self):
+        """Distributed Muon: the group each parameter is replicated over -- dp for the non-expert ones,
+        the replicas of the expert shard (dp / ep ranks) for routed experts; None on one rank."""
+        if self.layout.dp == 1:
+            return None
+        dp_group = self.dp_group if self.dp_group is not None else dist.group.WORLD
+        experts = {id(p) for n, p in self.model.named_parameters() if is_expert_param(n)}
+        rep_group = self.rep_group if self.layout.dp // self.layout.ep > 1 else None
+        return lambda p: rep_group if id(p) in experts else dp_group
 
     def _row_shards(self) -> RowShards | None:
         """Under EP: the stacked expert tensors, sharded on dim 0 over the EP mesh."""

@@ -12,6 +12,13 @@ What counts as "a matrix" for NS:
 All matrices of one shape within a step are orthogonalised as one batch (in slices of at most
 `ns_batch_elems` elements, which bounds the Newton-Schulz temporaries). NS runs in fp32 on CPU and in
 bf16 on CUDA unless `ns_dtype` says otherwise.
+
+Distributed (DESIGN.md "Parallelism"): with `shard_group_of(param)` returning the process group over
+which that parameter is replicated (the data-parallel group; for routed experts under EP the replicas
+of the expert shard), each same-shape batch is split by whole matrices into contiguous slices, one per
+rank of the group; every rank orthogonalises its slice and one all-gather returns all results to all
+ranks. The momentum and the update itself stay local (they are elementwise), so each matrix goes
+through exactly the single-rank computation.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ class Muon(GroupwiseOptimizer):
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, weight_decay: float = 0.1,
                  nesterov: bool = True, rms_scale: float = 0.18, ns_coefficients=V41_NS_SCHEDULE,
                  ns_eps: float = 1e-7, ns_dtype: torch.dtype | None = None, use_triton: bool | None = None,
-                 ns_batch_elems: int = 1 << 22):
+                 ns_batch_elems: int = 1 << 22, shard_group_of=None):
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0:
             raise ValueError(f"Muon: invalid lr={lr}, momentum={momentum} or weight_decay={weight_decay}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
@@ -51,6 +58,7 @@ class Muon(GroupwiseOptimizer):
         self.ns_coefficients = tuple(tuple(c) for c in ns_coefficients)
         self.ns_eps, self.ns_dtype, self.use_triton = ns_eps, ns_dtype, use_triton
         self.ns_batch_elems = ns_batch_elems
+        self.shard_group_of = shard_group_of
 
     def _step_group(self, group: dict) -> None:
         beta, heads = group["momentum"], group["num_heads"]
@@ -67,20 +75,48 @@ class Muon(GroupwiseOptimizer):
             updates.append((p, _as_matrices(ghat, heads)))
         if not updates:
             return
-        # orthogonalise every matrix of one shape as one batch
-        by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for i, (_, mats) in enumerate(updates):
-            by_shape[tuple(mats.shape[1:])].append(i)
+        # orthogonalise every matrix of one shape (and one replica group) as one batch
+        by_shape: dict[tuple, list[int]] = defaultdict(list)
+        for i, (p, mats) in enumerate(updates):
+            pg = self.shard_group_of(p) if self.shard_group_of else None
+            by_shape[(tuple(mats.shape[1:]), pg)].append(i)
         ortho: list[torch.Tensor | None] = [None] * len(updates)
-        for (rows, cols), idx in by_shape.items():
+        for ((rows, cols), pg), idx in by_shape.items():
             batch = torch.cat([updates[i][1] for i in idx])
-            per_chunk = max(1, self.ns_batch_elems // (rows * cols))  # bounds the NS temporaries
-            out = torch.cat([newton_schulz(part, self.ns_coefficients, self.ns_eps, self.ns_dtype, self.use_triton)
-                             for part in batch.split(per_chunk)])
+            out = self._orthogonalize(batch, pg)
             out = out * (group["rms_scale"] * math.sqrt(max(rows, cols)))
             for i, part in zip(idx, out.split([updates[i][1].shape[0] for i in idx])):
                 ortho[i] = part
         lr, wd = group["lr"], group["weight_decay"]
+        self._apply(updates, ortho, lr, wd)
+
+    def _ns(self, batch: torch.Tensor) -> torch.Tensor:
+        rows, cols = batch.shape[1:]
+        per_chunk = max(1, self.ns_batch_elems // (rows * cols))  # bounds the NS temporaries
+        return torch.cat([newton_schulz(part, self.ns_coefficients, self.ns_eps, self.ns_dtype, self.use_triton)
+                          for part in batch.split(per_chunk)])
+
+    def _orthogonalize(self, batch: torch.Tensor, pg) -> torch.Tensor:
+        """NS of a [n, rows, cols] batch; over `pg`, each rank computes a contiguous slice of whole
+        matrices and an all-gather assembles the batch in order."""
+        import torch.distributed as dist
+
+        world = 1 if pg is None else dist.get_world_size(pg)
+        if world == 1:
+            return self._ns(batch)
+        n = batch.shape[0]
+        per = -(-n // world)
+        rank = dist.get_rank(pg)
+        mine = batch[rank * per:(rank + 1) * per]
+        out = batch.new_zeros((per,) + tuple(batch.shape[1:]))
+        if mine.shape[0]:
+            out[:mine.shape[0]] = self._ns(mine).to(batch.dtype)
+        gathered = batch.new_empty((world * per,) + tuple(batch.shape[1:]))
+        dist.all_gather_single(gathered, out, group=pg)
+        return gathered[:n]
+
+    @staticmethod
+    def _apply(updates, ortho, lr: float, wd: float) -> None:
         for (p, _), o in zip(updates, ortho):
             if wd:
                 p.mul_(1 - lr * wd)

@@ -152,7 +152,10 @@ class OptimizerSet:
             o.load_state_dict(state[k])
 
 
-def build_optimizers(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig) -> OptimizerSet:
+def build_optimizers(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig,
+                     shard_group_of=None) -> OptimizerSet:
+    """shard_group_of(param) -> the process group a parameter is replicated over, for distributed Muon
+    (None: every rank orthogonalises everything itself)."""
     groups = route_parameters(model, model_cfg, optim_cfg)
     lr = optim_cfg.lr
 
@@ -167,7 +170,8 @@ def build_optimizers(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimC
     if by_opt["muon"]:
         opts["muon"] = Muon(by_opt["muon"], lr=lr, momentum=m.momentum, weight_decay=m.weight_decay,
                             nesterov=m.nesterov, rms_scale=m.rms_scale, ns_coefficients=m.coefficients(),
-                            ns_eps=m.ns_eps, ns_dtype=m.torch_ns_dtype(), use_triton=optim_cfg.use_triton)
+                            ns_eps=m.ns_eps, ns_dtype=m.torch_ns_dtype(), use_triton=optim_cfg.use_triton,
+                            shard_group_of=shard_group_of if m.distributed else None)
     if by_opt["sinkhorn"]:
         opts["sinkhorn"] = SinkhornBalanced(by_opt["sinkhorn"], lr=lr, momentum=s.momentum, num_steps=s.num_steps,
                                             tau=s.tau, eps=s.eps, gamma=s.gamma, use_triton=optim_cfg.use_triton,
