@@ -290,16 +290,18 @@ def test_optim_config_validation_names_the_field():
     assert cfg.muon.coefficients() == ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
 
 
-def test_distributed_muon_matches_single_rank_muon():
+def test_distributed_muon_and_row_sharded_sinkhorn_match_single_rank():
     """Two gloo ranks split the Newton-Schulz work of flash_tiny's 1440 Muon matrices by whole matrices
-    and all-gather the results: the parameters after two steps equal single-rank Muon's."""
+    and all-gather the results: the parameters after two steps equal single-rank Muon's. And a table
+    row-sharded over the two ranks gets the whole table's Sinkhorn update."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(root / "tests" / "dist" / "muon_parity.py")], cwd=root, capture_output=True, text=True,
+                          str(root / "tests" / "dist" / "optimizer_parity.py")], cwd=root, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert run.stdout.count("distributed Muon matches single-rank Muon on 1440 matrices") == 2
+    assert run.stdout.count("row-sharded Sinkhorn matches the whole table") == 2

@@ -203,17 +203,20 @@ def test_bad_pipeline_layout_is_refused_before_anything_is_built(tmp_path, corpu
     assert pinned.returncode != 0 and "parallel.stage_layers=[20, 20]: needs 4 positive layer counts" in pinned.stderr
 
 
-def test_pipeline_with_data_parallel_four_processes(tmp_path, corpus_args):
-    """pp=2 x dp=2 (4 processes) against one process reading the same global batch (2 loader workers =
-    the 2 dp ranks' readers): the same losses and grad norms; the pipelines' dp ranks read disjoint data."""
+def test_pipeline_with_data_parallel_and_experts_four_processes(tmp_path, corpus_args):
+    """pp=2 x dp=2 (4 processes), without and with ep=2 (experts sharded over each stage's 2 dp ranks),
+    against one process reading the same global batch (2 loader workers = the 2 dp ranks' readers):
+    the same losses, grad norms and expert loads."""
     one = ["data.batch_size=1", "train.max_steps=2"]
     pretrain(tmp_path / "single", corpus_args, *one, "data.num_workers=2")
-    out = pretrain(tmp_path / "pp2dp2", corpus_args, *one, "data.num_workers=1", "parallel.pp=2", procs=4)
-    assert "2 micro-batches per round" in out.stdout
-    for x, y in zip(records(tmp_path / "single"), records(tmp_path / "pp2dp2")):
-        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
-        assert y["expert_load"] == x["expert_load"]
+    for ep in (1, 2):
+        out = pretrain(tmp_path / f"ep{ep}", corpus_args, *one, "data.num_workers=1", "parallel.pp=2",
+                       f"parallel.ep={ep}", procs=4)
+        assert "2 micro-batches per round" in out.stdout
+        for x, y in zip(records(tmp_path / "single"), records(tmp_path / f"ep{ep}"), strict=True):
+            assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
+            assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+            assert y["expert_load"] == x["expert_load"]
 
 
 def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path, corpus_args):

@@ -13,7 +13,12 @@ t_j = sum_i r_i^2 G^_ij^2, giving c_j <- c_j / (c_j sqrt(t_j) + eps). Each row p
 on load from M and G) once for s and a second time, in the same pass, to accumulate t for the column
 step that follows -- so column steps are vector operations, and the last row pass applies the update
 to W in place. Passes over the m x n data: 1 (momentum + rho) + (K + 1) / 2 (row steps, the last one
-applying). With row-sharded tables the column statistics t would be all-reduced between passes.
+applying).
+
+Row-sharded tables (`row_group`: the process group over which a table's rows are split, each rank
+holding a slice): the row statistics are per row and stay local; the mean of rho and the column
+statistics t are all-reduced over the group (one tiny all-reduce per column step), so every shard sees
+the whole table's column scales -- the same update as on the unsharded table.
 
 `sinkhorn_update_reference` is the plain-PyTorch path (rows in chunks, so its workspace is
 chunk x n, never m x n); `sinkhorn_update_triton` fuses each pass into one kernel.
@@ -24,9 +29,24 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from train.optim.base import GroupwiseOptimizer
 from train.optim.triton_util import HAS_TRITON, interpreting, use_triton
+
+
+def _row_mean(rho: torch.Tensor, row_group) -> torch.Tensor:
+    if row_group is None:
+        return rho.mean()
+    stats = torch.stack([rho.sum(), torch.tensor(float(rho.numel()), device=rho.device)])
+    dist.all_reduce(stats, group=row_group)
+    return stats[0] / stats[1]
+
+
+def _sum_over_shards(t: torch.Tensor, row_group) -> torch.Tensor:
+    if row_group is not None:
+        dist.all_reduce(t, group=row_group)
+    return t
 
 
 def _check_steps(num_steps: int) -> None:
@@ -38,7 +58,7 @@ def _check_steps(num_steps: int) -> None:
 @torch.no_grad()
 def sinkhorn_update_reference(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor, lr: float, beta: float,
                               num_steps: int, tau: float, eps: float, gamma: float,
-                              chunk_elems: int = 1 << 18) -> None:
+                              chunk_elems: int = 1 << 18, row_group=None) -> None:
     """In place: M <- momentum, W <- W - gamma lr sqrt(n) U (Algorithm 1)."""
     _check_steps(num_steps)
     m, n = W.shape
@@ -52,7 +72,7 @@ def sinkhorn_update_reference(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor,
     for r0, r1 in chunks:
         M[r0:r1].lerp_(G[r0:r1].to(M.dtype), 1 - beta)
         rho[r0:r1] = ghat(r0, r1).norm(dim=1)
-    r = (rho > tau * rho.mean()).float()  # masked rows: r_i = 0 keeps them 0 forever
+    r = (rho > tau * _row_mean(rho, row_group)).float()  # masked rows: r_i = 0 keeps them 0 forever
     c = torch.ones(n, dtype=torch.float32, device=W.device)
     scale = gamma * lr * math.sqrt(n)
     for step in range(1, num_steps + 1, 2):  # row steps; the column step after each is a vector op
@@ -67,6 +87,7 @@ def sinkhorn_update_reference(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor,
             else:
                 t += (r[r0:r1, None] * gh).square().sum(0)
         if not last:
+            t = _sum_over_shards(t, row_group)
             c = c / (c * t.sqrt() + eps)
 
 
@@ -133,7 +154,7 @@ if HAS_TRITON:
 
 @torch.no_grad()
 def sinkhorn_update_triton(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor, lr: float, beta: float,
-                           num_steps: int, tau: float, eps: float, gamma: float) -> None:
+                           num_steps: int, tau: float, eps: float, gamma: float, row_group=None) -> None:
     _check_steps(num_steps)
     m, n = W.shape
     dev = W.device
@@ -143,7 +164,7 @@ def sinkhorn_update_triton(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor, lr
         return (triton.cdiv(m, meta["BLOCK_M"]),)
 
     _momentum_rownorm_kernel[grid](G, M, rho, m, n, *G.stride(), *M.stride(), beta)
-    r = (rho > tau * rho.mean()).float()
+    r = (rho > tau * _row_mean(rho, row_group)).float()
     c = torch.ones(n, dtype=torch.float32, device=dev)
     t = torch.zeros(n, dtype=torch.float32, device=dev)
     scale = gamma * lr * math.sqrt(n)
@@ -153,28 +174,31 @@ def sinkhorn_update_triton(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor, lr
         _row_pass_kernel[grid](G, M, W, r, c, t, m, n, *G.stride(), *M.stride(), *W.stride(), beta, eps, scale,
                                LAST=last)
         if not last:
+            _sum_over_shards(t, row_group)
             c = c / (c * t.sqrt() + eps)
 
 
 def sinkhorn_update(W, G, M, lr, beta, num_steps, tau, eps, gamma, triton: bool | None = None,
-                    chunk_elems: int = 1 << 18) -> None:
+                    chunk_elems: int = 1 << 18, row_group=None) -> None:
     if use_triton(W, triton):
-        sinkhorn_update_triton(W, G, M, lr, beta, num_steps, tau, eps, gamma)
+        sinkhorn_update_triton(W, G, M, lr, beta, num_steps, tau, eps, gamma, row_group)
     else:
-        sinkhorn_update_reference(W, G, M, lr, beta, num_steps, tau, eps, gamma, chunk_elems)
+        sinkhorn_update_reference(W, G, M, lr, beta, num_steps, tau, eps, gamma, chunk_elems, row_group)
 
 
 class SinkhornBalanced(GroupwiseOptimizer):
-    """Algorithm 1 per 2-D parameter; no weight decay; one momentum buffer per parameter."""
+    """Algorithm 1 per 2-D parameter; no weight decay; one momentum buffer per parameter.
+    `row_group_of(param)`: the process group a row-sharded table is split over (None: whole here)."""
 
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, num_steps: int = 11,
                  tau: float = 1e-3, eps: float = 1e-20, gamma: float = 0.18, use_triton: bool | None = None,
-                 chunk_elems: int = 1 << 18):
+                 chunk_elems: int = 1 << 18, row_group_of=None):
         _check_steps(num_steps)
         if lr < 0 or not 0 <= momentum < 1:
             raise ValueError(f"SinkhornBalanced: invalid lr={lr} or momentum={momentum}")
         super().__init__(params, dict(lr=lr, momentum=momentum, num_steps=num_steps, tau=tau, eps=eps, gamma=gamma))
         self.use_triton, self.chunk_elems = use_triton, chunk_elems
+        self.row_group_of = row_group_of
 
     def _step_group(self, group: dict) -> None:
         for p in group["params"]:
@@ -187,4 +211,4 @@ class SinkhornBalanced(GroupwiseOptimizer):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
             sinkhorn_update(p, p.grad, state["momentum_buffer"], group["lr"], group["momentum"],
                             group["num_steps"], group["tau"], group["eps"], group["gamma"], self.use_triton,
-                            self.chunk_elems)
+                            self.chunk_elems, self.row_group_of(p) if self.row_group_of else None)
