@@ -24,6 +24,15 @@ SCHEDULE = ["schedule.warmup_fraction=0.002", "schedule.decay_start_fraction=0.0
             "data.mix=[1,1]"]  # plenty of images in every step, so the unfrozen ViT body surely gets gradients
 
 
+@pytest.fixture(scope="module")
+def two_reader_reference(tmp_path_factory, corpus_args):
+    """One process, 2 loader workers, one-sequence micro-batches, 4 steps: the global batch that 2
+    data-parallel ranks with 1 worker each read."""
+    run = tmp_path_factory.mktemp("two_reader_reference")
+    pretrain(run, corpus_args, "train.max_steps=4", "data.num_workers=2", "data.batch_size=1")
+    return records(run), final_model(run, 4)
+
+
 def pretrain(run_dir, corpus_args, *overrides, procs=1, env=None, check=True):
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
            if procs > 1 else [sys.executable])
@@ -203,39 +212,37 @@ def test_bad_pipeline_layout_is_refused_before_anything_is_built(tmp_path, corpu
     assert pinned.returncode != 0 and "parallel.stage_layers=[20, 20]: needs 4 positive layer counts" in pinned.stderr
 
 
-def test_pipeline_with_data_parallel_and_experts_four_processes(tmp_path, corpus_args):
+def test_pipeline_with_data_parallel_and_experts_four_processes(tmp_path, corpus_args, two_reader_reference):
     """pp=2 x dp=2 (4 processes), without and with ep=2 (experts sharded over each stage's 2 dp ranks),
     against one process reading the same global batch (2 loader workers = the 2 dp ranks' readers):
     the same losses, grad norms and expert loads."""
     one = ["data.batch_size=1", "train.max_steps=2"]
-    pretrain(tmp_path / "single", corpus_args, *one, "data.num_workers=2")
     for ep in (1, 2):
         out = pretrain(tmp_path / f"ep{ep}", corpus_args, *one, "data.num_workers=1", "parallel.pp=2",
                        f"parallel.ep={ep}", procs=4)
         assert "2 micro-batches per round" in out.stdout
-        for x, y in zip(records(tmp_path / "single"), records(tmp_path / f"ep{ep}"), strict=True):
+        for x, y in zip(two_reader_reference[0][:2], records(tmp_path / f"ep{ep}"), strict=True):
             assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
             assert y["expert_load"] == x["expert_load"]
 
 
-def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path, corpus_args):
+def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path, corpus_args, two_reader_reference):
     """ep=2 on 2 processes (4 of 8 experts per rank, all-to-all dispatch) for steps 1-2, then ep=1 for
     step 3, then ep=2 again for step 4, against one process reading the same global batch (2 loader
     workers): the same losses, grad norms, expert loads and MoE biases; the expert checkpoints hold
     global [8, ...] tensors."""
-    straight = tmp_path / "straight"
-    pretrain(straight, corpus_args, "train.max_steps=4", "data.num_workers=2")
     run = tmp_path / "ep"
     for steps, ep in ((2, 2), (3, 1), (4, 2)):
-        out = pretrain(run, corpus_args, f"train.max_steps={steps}", f"parallel.ep={ep}", "data.num_workers=1", procs=2)
+        out = pretrain(run, corpus_args, f"train.max_steps={steps}", f"parallel.ep={ep}", "data.num_workers=1",
+                       "data.batch_size=1", procs=2)
         if steps > 2:
             assert f"resumed from {run}/checkpoints/step_{steps - 1:08d} at step {steps - 1}" in out.stdout
-    for x, y in zip(records(straight), records(run), strict=True):
+    ref, (ma, oa) = two_reader_reference
+    for x, y in zip(ref, records(run), strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
         assert y["expert_load"] == x["expert_load"]
-    ma, oa = final_model(straight, 4)
     mb, ob = final_model(run, 4)
     assert mb["layers.5.ffn.experts.w1"].shape[0] == 8 and ob.keys() == oa.keys()
     assert all(torch.equal(mb[k], ma[k]) for k in ma if k.endswith(("ffn.gate.bias", "ffn.gate.bias_vl")))
