@@ -204,6 +204,8 @@ class StageModule(nn.Module):
             self.embed = model.embed
             if model.cfg.vision_n_layers:
                 self.vision, self.aligner = model.vision, model.aligner
+                self.image_start, self.image_newline = model.image_start, model.image_newline
+                self.image_end = model.image_end
         if rng.is_last:
             self.norm, self.head = model.norm, model.head
         self.in_names = list(FIRST_INPUTS) if rng.is_first else [s.name for s in in_specs]
