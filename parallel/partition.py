@@ -77,6 +77,15 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
     return units
 
 
+def bounds_from_counts(counts: list[int]) -> list[tuple[int, int]]:
+    """Layer counts per stage -> contiguous [start, end) ranges."""
+    bounds, at = [], 0
+    for k in counts:
+        bounds.append((at, at + k))
+        at += k
+    return bounds
+
+
 def in_flight_microbatches(pp: int, schedule: str = "1f1b") -> list[int]:
     """Micro-batches whose activations each stage holds at its peak, from the warm-up of the
     torch.distributed.pipelining schedules (an estimate for the partitioner):
@@ -108,11 +117,7 @@ def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
     if stage_layers is not None:
         if len(stage_layers) != pp or sum(stage_layers) != n or min(stage_layers) < 1:
             raise ConfigError(f"parallel.stage_layers={stage_layers}: needs {pp} positive counts summing to {n}")
-        bounds, at = [], 0
-        for k in stage_layers:
-            bounds.append((at, at + k))
-            at += k
-        return bounds
+        return bounds_from_counts(stage_layers)
     INF = float("inf")
     best = [[INF] * (n + 1) for _ in range(pp + 1)]  # best[s][j]: first j units in s stages
     cut = [[0] * (n + 1) for _ in range(pp + 1)]

@@ -150,6 +150,19 @@ class StageRange:
         return self.index == self.n_stages - 1
 
 
+def stage_ranges(bounds: list[tuple[int, int]]) -> list[StageRange]:
+    return [StageRange(i, a, b, len(bounds)) for i, (a, b) in enumerate(bounds)]
+
+
+def local_stage_ranges(parallel: ParallelConfig, bounds: list[tuple[int, int]], pp_rank: int) -> list[StageRange]:
+    """The stages (of all `bounds`) that pipeline rank `pp_rank` holds."""
+    if len(bounds) != parallel.n_stages:
+        raise ConfigError(f"{len(bounds)} stage ranges for parallel.pp={parallel.pp} x "
+                          f"{parallel.stages_per_rank} stages per rank ({parallel.schedule})")
+    ranges = stage_ranges(bounds)
+    return [ranges[i] for i in stage_ids(parallel, pp_rank)]
+
+
 def prune_to_stages(model: Transformer, ranges: list[StageRange]) -> Transformer:
     """Drop, in place, every block and top-level module no local stage runs. Names are unchanged
     (`layers.{i}.*` keeps its index); dropped blocks become parameter-free `nn.Identity`."""
@@ -285,22 +298,15 @@ class Pipeline:
         return losses
 
 
-def stage_ranges(bounds: list[tuple[int, int]]) -> list[StageRange]:
-    return [StageRange(i, a, b, len(bounds)) for i, (a, b) in enumerate(bounds)]
-
-
 def build_pipeline(model: Transformer, parallel: ParallelConfig, bounds: list[tuple[int, int]], pp_rank: int,
                    group: dist.ProcessGroup, device: torch.device, micro_batch: int, seq_len: int,
                    n_microbatches: int, loss_fn: Callable) -> Pipeline:
-    """Prune `model` to this rank's stages (in place) and wrap them in PipelineStages and the
-    configured schedule. `bounds`: [start, end) blocks of every stage (parallel.n_stages of them)."""
+    """Prune `model` to this rank's stages (in place; a no-op when already pruned) and wrap them in
+    PipelineStages and the configured schedule. `bounds`: [start, end) blocks of every stage
+    (parallel.n_stages of them)."""
     from torch.distributed.pipelining import PipelineStage
 
-    if len(bounds) != parallel.n_stages:
-        raise ConfigError(f"{len(bounds)} stage ranges for parallel.pp={parallel.pp} x "
-                          f"{parallel.stages_per_rank} stages per rank ({parallel.schedule})")
-    ranges = stage_ranges(bounds)
-    mine = [ranges[i] for i in stage_ids(parallel, pp_rank)]
+    mine = local_stage_ranges(parallel, bounds, pp_rank)
     prune_to_stages(model, mine)
     cfg, plan = model.cfg, model.plan
     stats = RoundStats()

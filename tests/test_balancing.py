@@ -48,7 +48,7 @@ from train.balancing import global_loads
 dist.init_process_group("gloo")
 r = dist.get_rank()
 loads = {2: torch.tensor([[r + 1, 0], [0, 5 * r]]), 7: torch.tensor([[3, 3], [r, r]])}
-out = global_loads(loads)
+out = global_loads(loads, n_layers=8, n_experts=2)
 assert out[2].tolist() == [[3, 0], [0, 5]], out
 assert out[7].tolist() == [[6, 6], [1, 1]], out
 # pipeline: rank 0 owns layers 0-1, rank 1 owns layer 3 (of 4); everyone gets every owned layer's sum

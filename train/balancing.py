@@ -25,22 +25,17 @@ def accumulate_loads(total: dict[int, torch.Tensor], step_loads: dict[int, torch
         total[layer] = total[layer] + load if layer in total else load.clone()
 
 
-def global_loads(loads: dict[int, torch.Tensor], n_layers: int | None = None, n_experts: int | None = None,
-                 group=None, device: torch.device | None = None) -> dict[int, torch.Tensor]:
+def global_loads(loads: dict[int, torch.Tensor], n_layers: int, n_experts: int, group=None,
+                 device: torch.device | None = None) -> dict[int, torch.Tensor]:
     """Sum the loads over `group` (default: every rank) in one all-reduce for all layers.
 
-    With pipeline stages each rank holds the loads of its own layers only: pass `n_layers` and
-    `n_experts`, and the sum runs over a dense [n_layers, 2, n_experts] tensor, so every rank ends
-    with every layer's global load (what the metrics report; each rank updates the biases it owns)."""
+    With pipeline stages each rank holds the loads of its own layers only, so the sum runs over a
+    dense [n_layers, 2, n_experts] tensor (plus a column marking the layers someone reported) and
+    every rank ends with every layer's global load (what the metrics report; each rank updates the
+    biases it owns). The sum runs on `device` (NCCL reduces device tensors only); the result is on
+    the CPU."""
     if not (dist.is_available() and dist.is_initialized()):
         return loads
-    if n_layers is None:
-        if not loads:
-            return loads
-        layers = sorted(loads)
-        flat = torch.stack([loads[l] for l in layers]).to(device)
-        dist.all_reduce(flat, group=group)
-        return dict(zip(layers, flat.cpu().unbind(0)))
     dense = torch.zeros(n_layers, 2 * n_experts + 1, dtype=torch.long)  # last column: the layer is present
     for layer, load in loads.items():
         dense[layer, :-1] = load.reshape(-1)

@@ -51,7 +51,7 @@ from parallel.config import ParallelConfig
 from parallel.mesh import build_mesh, mesh_shape
 from parallel.partition import PartitionCosts, in_flight_microbatches, partition, unit_costs
 from parallel.experts import is_expert_param, shard_experts
-from parallel.pipeline import build_pipeline, prune_to_stages, stage_ids, stage_ranges
+from parallel.pipeline import build_pipeline, local_stage_ranges, prune_to_stages
 from train.balancing import accumulate_loads, global_loads, update_biases
 from train.checkpoint import CheckpointWriter, RowShards, latest_checkpoint, load_checkpoint
 from train.config import data_config, model_config, optim_config, schedule, token_spec
@@ -203,7 +203,7 @@ class Trainer:
         self.pipe = None
         if self.layout.pp > 1:
             bounds = self._partition()
-            prune_to_stages(self.model, [stage_ranges(bounds)[i] for i in stage_ids(self.parallel, self.pp_rank)])
+            prune_to_stages(self.model, local_stage_ranges(self.parallel, bounds, self.pp_rank))
         if self.layout.ep > 1:
             shard_experts(self.model, self.layout.ep, self.ep_rank, self.ep_group)
         self.model.to(self.device)  # a pipeline rank moves only its own stages

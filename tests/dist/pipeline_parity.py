@@ -17,6 +17,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 
 from parity_batch import IGNORE, MICROBATCHES, batch, tiny_model  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
+from parallel.partition import bounds_from_counts  # noqa: E402
 from parallel.pipeline import build_pipeline  # noqa: E402
 
 
@@ -34,10 +35,7 @@ def main(out: Path, specs: list[str]) -> None:
         name, counts = spec.split(":")
         counts = [int(c) for c in counts.split(",")]
         parallel = ParallelConfig(pp=pp, schedule=name, stage_layers=counts)
-        bounds, at = [], 0
-        for c in counts:
-            bounds.append((at, at + c))
-            at += c
+        bounds = bounds_from_counts(counts)
         model = tiny_model()
         pipe = build_pipeline(model, parallel, bounds, rank, dist.group.WORLD, torch.device("cpu"),
                               micro_batch=tokens.shape[0] // M, seq_len=tokens.shape[1], n_microbatches=M,
