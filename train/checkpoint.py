@@ -16,7 +16,7 @@ Contents (DCP keys):
 - expert parallelism: a rank holds rows [r E/ep, (r+1) E/ep) of every stacked expert tensor; those
   tensors (and their optimizer states) are written as DTensors sharded on dim 0 over the EP mesh, so
   the checkpoint holds global [E, ...] tensors with global expert indices and loads with any `ep`;
-- `meta`: step, tokens seen, the data-parallel size, the resolved config, written once;
+- `meta`: step, tokens seen, the resolved config, written once;
 - `dp<r>`: data-parallel rank r's data-loader state and RNG states (the ranks of one pipeline read the
   same batches; any of them writes it), so resuming needs the same dp size but any pp.
 """

@@ -13,7 +13,7 @@ LR / ViT-freeze schedule -> metrics -> checkpoint.
 - Checkpoints every `train.checkpoint.interval` steps, at the end and on SIGTERM (train/checkpoint.py);
   a run directory with checkpoints resumes from the newest complete one, or from `train.resume_from`.
 - Data parallel over any number of ranks (gloo on CPU, NCCL on CUDA), and pipeline parallel
-  (`parallel.pp`, parallel/pipeline.py) on a ("pp", "dp") DeviceMesh: each optimizer step runs its
+  (`parallel.pp`, parallel/pipeline.py) on a ("pp", "dp_rep", "ep") DeviceMesh: each optimizer step runs its
   micro-batches through the configured schedule in rounds of `parallel.microbatches`; every rank of a
   pipeline reads the same batches (its dp rank's), the last stage computes the cross-entropy, each
   stage's aux losses ride on its own backward, gradients are reduced over dp, the clipping norm over
@@ -298,7 +298,7 @@ class Trainer:
             if fault is not None and int(fault) == self.step:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict, "dp": self.layout.dp}
+        meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict}
         self.checkpoints.save(self.step, self.model, self.optim.optimizers, meta,
                               {"data": self.loader.state_dict(), "rng": _rng_state()}, self.dp_rank, fault_hook=hook,
                               shards=self._row_shards())
