@@ -3,6 +3,7 @@
 import dataclasses
 import math
 
+import pytest
 import torch
 
 from model.attention import Attention, Compressor, SharedKV, select_candidate_blocks, sparse_attention
@@ -169,3 +170,101 @@ def test_causality_every_layer(tiny_cfg, tiny_model):
                 torch.testing.assert_close(outs[l][0, :t + 1], base[l][0, :t + 1], atol=1e-5, rtol=1e-5,
                                            msg=lambda m, l=l, t=t: f"layer {l} ({tiny_model.plan[l].role.value}) t={t}: {m}")
             assert not torch.allclose(logits[0, t + 1:], base_logits[0, t + 1:])
+
+
+def test_index_scores_by_hand():
+    """score(t, j) = sum_h ReLU(q_th . k_j) * w_th: a negative dot product contributes nothing, a
+    negative weight subtracts."""
+    from model.attention import index_scores
+
+    q = torch.tensor([[[[1.0, 0.0], [0.5, -1.0]]]])  # [B=1, C=1, H=2, d=2]
+    k = torch.tensor([[[2.0, 1.0], [-1.0, 3.0], [0.0, -2.0]]])  # [B=1, N=3, d=2]
+    w = torch.tensor([[[0.5, -2.0]]])
+    # head 0 dots: 2, -1, 0 -> relu 2, 0, 0; head 1 dots: 0, -3.5, 2 -> relu 0, 0, 2
+    want = [0.5 * 2 + -2.0 * 0, 0.0, 0.5 * 0 + -2.0 * 2]
+    torch.testing.assert_close(index_scores(q, w, k), torch.tensor([[want]]))
+
+
+def _literal_topk(scores, n_vis, k):
+    """Per query: the k largest scores among the visible entries (ties broken by index)."""
+    return [sorted(range(int(n_vis[t])), key=lambda j: (-row[j], j))[:k] for t, row in enumerate(scores)]
+
+
+def _is_top_k(chosen, row, n_vis, k, tol=1e-6):
+    """Is `chosen` a top-k set of the visible entries of `row`? (Entries whose scores tie at the
+    boundary -- ReLU makes exact zeros common -- may be either in or out.)"""
+    visible = range(int(n_vis))
+    if len(chosen) != len(set(chosen)) or len(chosen) != min(k, int(n_vis)) or any(j not in visible for j in chosen):
+        return False
+    rest = [row[j] for j in visible if j not in chosen]
+    return not rest or min(row[j] for j in chosen) >= max(rest) - tol
+
+
+def test_indexer_selects_the_literal_top_k_of_visible_entries(tiny_cfg):
+    """A Full layer (ratio 2) with random weights: its published top-k is, per query, a set of the k best
+    visible compressed entries under score(t, j) = sum_h ReLU(q_th . k_j) * w_th, with
+    q = RoPE(wq_b(q_norm(wq_a(x)))), w = weights_proj(x) / sqrt(H d), k_j = RoPE_{2j}(k_norm(wk(latent_j)));
+    queries that see fewer than k groups get exactly that many -1 slots. The inputs are checked to
+    tell the formula from plausible variants (no ReLU, unweighted heads, one group of look-ahead)."""
+    from model.attention import visible_compressed
+    from model.rope import apply_rope, rope_angles
+
+    k_sel = 5
+    cfg = dataclasses.replace(tiny_cfg, index_topk=k_sel)
+    role = _role(cfg, 2)
+    assert role.role is Role.FULL and role.compress_ratio == 2
+    torch.manual_seed(3)
+    attn = Attention(cfg, role)
+    _randomize(attn)
+    S = 40
+    x = torch.randn(1, S, cfg.dim)
+    shared = SharedKV()
+    with torch.no_grad():
+        attn(x, shared)
+        H, d = cfg.index_n_heads, cfg.index_head_dim
+        ix = attn.indexer
+        cos, sin = rope_angles(attn.rope_freqs, torch.arange(S))
+        q = apply_rope(ix.wq_b(attn.q_norm(attn.wq_a(x))).view(1, S, H, d), cos, sin)[0]
+        w = ix.weights_proj(x)[0] / math.sqrt(H * d)
+        torch.testing.assert_close(ix.queries(x, attn.q_norm(attn.wq_a(x)), cos, sin)[1][0], w)  # the KL's logits scale
+        latent = attn.compressor(x)
+        n = latent.shape[1]
+        ccos, csin = rope_angles(attn.rope_freqs, torch.arange(n) * 2)
+        keys = apply_rope(ix.k_norm(ix.wk(latent)), ccos, csin)[0]
+    dots = torch.einsum("thd,jd->thj", q.double(), keys.double())
+    scores = (dots.clamp_min(0) * w.double().unsqueeze(-1)).sum(1).tolist()
+    n_vis = [(t + 1) // 2 for t in range(S)]  # group j complete at t >= 2j + 1
+    assert visible_compressed(S, 2).tolist() == n_vis
+    topk = shared.topk[0]
+    assert topk.shape == (S, k_sel)
+    for t in range(S):
+        got = [j for j in topk[t].tolist() if j >= 0]
+        assert _is_top_k(got, scores[t], n_vis[t], k_sel), (t, got, scores[t][:n_vis[t]])
+        assert (topk[t] < 0).sum().item() == k_sel - min(k_sel, n_vis[t]), t
+    assert any(v < k_sel for v in n_vis) and sum(v > k_sel for v in n_vis) > S // 2
+    # the input distinguishes the formula from plausible wrong ones
+    no_relu = _literal_topk((dots * w.double().unsqueeze(-1)).sum(1).tolist(), n_vis, k_sel)
+    unweighted = _literal_topk(dots.clamp_min(0).sum(1).tolist(), n_vis, k_sel)
+    ahead = _literal_topk(scores, [min(n, v + 1) for v in n_vis], k_sel)
+    for variant in (no_relu, unweighted, ahead):
+        assert not all(_is_top_k(variant[t], scores[t], n_vis[t], k_sel) for t in range(S))
+
+
+def test_indexer_kl_by_hand():
+    """KL(p || softmax(logits)) over each query's valid entries, p = main-attention probability summed
+    over heads and renormalised; averaged over the queries that have any valid entry."""
+    from model.attention import indexer_kl
+
+    probs = torch.tensor([[[[0.1, 0.2, 0.3], [0.3, 0.0, 0.05]],    # query 0: 2 heads x 3 slots
+                           [[0.5, 0.1, 0.0], [0.1, 0.2, 0.0]],     # query 1: slot 2 invalid
+                           [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]]])   # query 2: nothing valid
+    logits = torch.tensor([[[1.0, -0.5, 2.0], [0.3, 0.7, 9.0], [0.0, 0.0, 0.0]]])
+    valid = torch.tensor([[[True, True, True], [True, True, False], [False, False, False]]])
+
+    def kl(p, z):
+        p = [v / sum(p) for v in p]
+        lz = math.log(sum(math.exp(v) for v in z))
+        return sum(pi * (math.log(pi) - (zi - lz)) for pi, zi in zip(p, z) if pi > 0)
+
+    want = (kl([0.4, 0.2, 0.35], [1.0, -0.5, 2.0]) + kl([0.6, 0.3], [0.3, 0.7])) / 2
+    assert indexer_kl(probs, logits, valid).item() == pytest.approx(want, rel=1e-5)
