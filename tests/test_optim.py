@@ -10,6 +10,7 @@ import torch
 
 from train.optim import Muon, SinkhornBalanced, newton_schulz_reference
 from train.optim.newton_schulz import V41_NS_SCHEDULE
+from train.config import model_config
 from train.optim.sinkhorn import sinkhorn_update_reference
 
 
@@ -57,6 +58,93 @@ def test_muon_step_matches_hand_rolled_loop_over_two_steps():
         W = W * (1 - 0.02 * 0.1) - 0.02 * (U @ Vh) * 0.18 * math.sqrt(20)
     torch.testing.assert_close(p.detach(), W, atol=5e-4, rtol=0)
     torch.testing.assert_close(opt.state[p]["momentum_buffer"], M)
+
+
+PUBLISHED_NS = ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2  # V41_SPEC §7, written out
+
+
+def literal_ns_singular_value(s, coefficients, eps=1e-7, frob=1.0):
+    """Newton-Schulz acts on each singular value alone: s <- a s + b s^3 + c s^5, from s / (||G||_F + eps)."""
+    s = s / (frob + eps)
+    for a, b, c in coefficients:
+        s = a * s + b * s ** 3 + c * s ** 5
+    return s
+
+
+def test_the_optimizer_runs_the_published_newton_schulz_constants():
+    """The constants in the code and the ones the config builds are the published ones, and the
+    optimizer really applies them: one Muon step (no weight decay, so the update is the whole change)
+    moves a matrix G = U diag(s) V^T by lr * 0.18 * sqrt(max(rows, cols)) * U diag(f(s)) V^T, with f the
+    scalar iteration above -- exact, unlike the approximate polar factor."""
+    from model import Transformer
+    from train.config import compose, optim_config
+    from train.optim import build_optimizers
+
+    assert V41_NS_SCHEDULE == PUBLISHED_NS
+    assert Muon([torch.nn.Parameter(torch.zeros(2, 2))]).ns_coefficients == PUBLISHED_NS
+    ocfg = optim_config(compose(["+exp=flash_tiny"]))
+    assert ocfg.muon.coefficients() == PUBLISHED_NS
+    with torch.device("meta"):
+        model = Transformer(model_config(compose(["+exp=flash_tiny"])), init=False)
+    muon = build_optimizers(model, model_config(compose(["+exp=flash_tiny"])), ocfg).optimizers["muon"]
+    assert muon.ns_coefficients == PUBLISHED_NS and muon.ns_eps == 1e-7
+    for m, n in ((24, 10), (10, 24)):  # tall and wide
+        svals = torch.tensor([3.0, 1.0, 0.5, 0.2, 0.05, 0.01, 1e-3, 1e-4, 3e-5, 0.3], dtype=torch.float64)
+        G = _with_singular_values(m, n, svals.float(), seed=m)
+        U, s, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+        f = literal_ns_singular_value(s, PUBLISHED_NS, frob=s.norm().item())
+        W0 = torch.randn(m, n)
+        p = torch.nn.Parameter(W0.clone())
+        p.grad = G.clone()
+        Muon([p], lr=0.01, weight_decay=0.0, ns_coefficients=muon.ns_coefficients).step()
+        want = W0.double() - 0.01 * 0.18 * math.sqrt(max(m, n)) * (U * f) @ Vh
+        torch.testing.assert_close(p.detach().double(), want, atol=1e-5, rtol=0)
+        # the schedule matters at this precision: 7 main steps, or the two sets swapped, give other numbers
+        for other in (PUBLISHED_NS[1:], PUBLISHED_NS[8:] + PUBLISHED_NS[:8]):
+            moved = 0.01 * 0.18 * math.sqrt(max(m, n)) * (U * (literal_ns_singular_value(s, other, frob=s.norm().item()) - f)) @ Vh
+            assert moved.abs().max() > 10 * 1e-5
+
+
+@pytest.mark.parametrize("shape", [(20, 12), (12, 20)])
+def test_muon_update_scale_uses_the_longer_side(shape):
+    """Tall and wide: O = UV^T * 0.18 * sqrt(max(rows, cols)) (so its RMS is 0.18 for any aspect)."""
+    m, n = shape
+    torch.manual_seed(1)
+    W0, g = torch.randn(m, n), torch.randn(m, n)
+    p = torch.nn.Parameter(W0.clone())
+    p.grad = g.clone()
+    _muon([p]).step()
+    Gh = 0.9 * (0.1 * g) + 0.1 * g
+    U, _, Vh = torch.linalg.svd(Gh, full_matrices=False)
+    want = W0 * (1 - 0.02 * 0.1) - 0.02 * (U @ Vh) * 0.18 * math.sqrt(max(m, n))
+    torch.testing.assert_close(p.detach(), want, atol=5e-4, rtol=0)
+    update = (W0 * (1 - 0.02 * 0.1) - p.detach()) / 0.02
+    assert update.pow(2).mean().sqrt().item() == pytest.approx(0.18, rel=2e-2)
+
+
+def test_tall_head_blocks_and_tall_experts_are_scaled_by_their_own_longer_side():
+    """Head-wise Muon on a [H * d, in] weight with d > in (tall blocks), and stacked experts [E, out, in]
+    with out > in: each block / expert gets its own U V^T * 0.18 * sqrt(max(d, in)), checked by SVD."""
+    torch.manual_seed(2)
+    H, d, k = 3, 16, 6
+    W0, g = torch.randn(H * d, k), torch.randn(H * d, k)
+    p = torch.nn.Parameter(W0.clone())
+    p.grad = g.clone()
+    _muon([{"params": [p], "num_heads": H}]).step()
+    E, o, i = 2, 18, 7
+    X0, gx = torch.randn(E, o, i), torch.randn(E, o, i)
+    q = torch.nn.Parameter(X0.clone())
+    q.grad = gx.clone()
+    _muon([q]).step()
+
+    def by_svd(W, G, rows, cols):
+        U, _, Vh = torch.linalg.svd(0.19 * G, full_matrices=False)  # Nesterov first step: (1-b)(1+b) G
+        return W * (1 - 0.02 * 0.1) - 0.02 * (U @ Vh) * 0.18 * math.sqrt(max(rows, cols))
+
+    want = torch.cat([by_svd(W0[h * d:(h + 1) * d], g[h * d:(h + 1) * d], d, k) for h in range(H)])
+    torch.testing.assert_close(p.detach(), want, atol=5e-4, rtol=0)
+    torch.testing.assert_close(q.detach(), torch.stack([by_svd(X0[e], gx[e], o, i) for e in range(E)]),
+                               atol=5e-4, rtol=0)
 
 
 def test_headwise_muon_equals_muon_on_separate_head_blocks():
