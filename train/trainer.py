@@ -53,6 +53,7 @@ from parallel.partition import PartitionCosts, in_flight_microbatches, partition
 from parallel.experts import is_expert_param, shard_experts
 from parallel.pipeline import build_pipeline, local_stage_ranges, prune_to_stages
 from train.balancing import accumulate_loads, global_loads, update_biases
+from train.clipping import clip_grad_norm_
 from train.checkpoint import CheckpointWriter, RowShards, latest_checkpoint, load_checkpoint
 from train.config import data_config, model_config, optim_config, schedule, token_spec
 from train.engram_map import load_or_build_engram_map
@@ -348,29 +349,12 @@ class Trainer:
             offset += p.numel()
 
     def _clip_gradients(self) -> float:
-        """Clip to train.grad_clip by the norm over the whole model: expert gradients' squared norms are
-        summed over the EP group and every stage's over the pp group (gradients are already equal over
-        their replicas). Returns the norm before clipping."""
+        """Clip to train.grad_clip by the norm over the whole model (train/clipping.py): expert
+        gradients' squared norms summed over the EP group, every stage's over the pp group (gradients
+        are already equal over their replicas). Returns the norm before clipping."""
         named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
-        grads = [g for _, g in named]
-
-        def sq_norm(gs):
-            return torch.stack([g.detach().float().norm() for g in gs]).square().sum() if gs else \
-                torch.zeros((), device=self.device)
-
-        if self.layout.ep == 1:
-            sq = sq_norm(grads)
-        else:  # each EP rank holds other experts: their squared norms add up over the EP group
-            expert_sq = sq_norm([g for n, g in named if is_expert_param(n)])
-            expert_sq = self._all_reduce(expert_sq.reshape(1), group=self.ep_group).reshape(())
-            sq = sq_norm([g for n, g in named if not is_expert_param(n)]) + expert_sq
-        if self.pp_group is not None:
-            sq = self._all_reduce(sq.reshape(1), group=self.pp_group).reshape(())
-        norm = sq.sqrt()
-        coef = (self.train_cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return norm.item()
+        return clip_grad_norm_(named, self.train_cfg.grad_clip, self.device, is_expert_param,
+                               self.ep_group if self.layout.ep > 1 else None, self.pp_group)
 
     def _local_passes(self) -> tuple[torch.Tensor, dict]:
         """Forward/backward of every micro-batch of the step, one after another (no pipeline)."""
