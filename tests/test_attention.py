@@ -268,3 +268,44 @@ def test_indexer_kl_by_hand():
 
     want = (kl([0.4, 0.2, 0.35], [1.0, -0.5, 2.0]) + kl([0.6, 0.3], [0.3, 0.7])) / 2
     assert indexer_kl(probs, logits, valid).item() == pytest.approx(want, rel=1e-5)
+
+
+def test_swa_layer_equals_the_literal_per_head_computation(tiny_cfg):
+    """A ratio-0 layer written out from the spec, per query and head: q = RoPE(wq_b(q_norm(wq_a x))),
+    k = v = RoPE(kv_norm(wkv x)) at the key's position, softmax over the window with scale
+    head_dim^-1/2 and exp(sink) in the denominator, inverse RoPE at the query position, then the
+    block-diagonal grouped wo_a and wo_b. Pins the softmax scale and the head / group layout."""
+    from model.rope import apply_rope, rope_angles
+
+    W = 4
+    cfg = dataclasses.replace(tiny_cfg, window_size=W)
+    role = _role(cfg, 0)
+    assert role.compress_ratio == 0
+    torch.manual_seed(5)
+    attn = Attention(cfg, role)
+    _randomize(attn, std=0.2)
+    with torch.no_grad():
+        attn.attn_sink.copy_(torch.tensor([0.5, -0.7]))
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+        attn.kv_norm.weight.uniform_(0.5, 1.5)
+    S, H, D = 10, cfg.n_heads, cfg.head_dim
+    x = torch.randn(1, S, cfg.dim)
+    with torch.no_grad():
+        out = attn(x, SharedKV())[0].double()
+        cos, sin = rope_angles(attn.rope_freqs, torch.arange(S))
+        q = apply_rope(attn.wq_b(attn.q_norm(attn.wq_a(x))).view(1, S, H, D), cos, sin)[0].double()
+        kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)[0].double()
+        wo_a = attn.wo_a.weight.double().view(cfg.o_groups, cfg.o_lora_rank, -1)
+        wo_b = attn.wo_b.weight.double()
+    heads_per_group = H // cfg.o_groups
+    for t in range(S):
+        keys = range(max(0, t - W + 1), t + 1)
+        o = []
+        for h in range(H):
+            logits = [float(q[t, h] @ kv[p]) / math.sqrt(D) for p in keys]
+            den = sum(math.exp(v) for v in logits) + math.exp(attn.attn_sink[h].item())
+            o.append(sum(math.exp(v) / den * kv[p] for v, p in zip(logits, keys)))
+        o = apply_rope(torch.stack(o).unsqueeze(0).float(), cos[t:t + 1], sin[t:t + 1], inverse=True)[0].double()
+        grouped = torch.cat([wo_a[g] @ o[g * heads_per_group:(g + 1) * heads_per_group].flatten()
+                             for g in range(cfg.o_groups)])
+        torch.testing.assert_close(out[t], wo_b @ grouped, atol=1e-5, rtol=1e-4)

@@ -21,16 +21,49 @@ def corpus_args(tmp_path_factory):
 
 # unfreeze the ViT at 0-based step ceil(1200 / 512) = 3 (the 4th), so resuming after 2 steps crosses it
 SCHEDULE = ["schedule.warmup_fraction=0.002", "schedule.decay_start_fraction=0.006", "schedule.decay_end_fraction=0.5",
-            "data.mix=[1,1]"]  # plenty of images in every step, so the unfrozen ViT body surely gets gradients
+            "data.mix=[1,1]",  # plenty of images in every step, so the unfrozen ViT body surely gets gradients
+            "train.grad_clip=0.5"]  # flash_tiny's gradient norms are ~0.8 here: every step is clipped
+GRAD_CLIP = 0.5
 
 
 @pytest.fixture(scope="module")
-def two_reader_reference(tmp_path_factory, corpus_args):
-    """One process, 2 loader workers, one-sequence micro-batches, 4 steps: the global batch that 2
-    data-parallel ranks with 1 worker each read."""
-    run = tmp_path_factory.mktemp("two_reader_reference")
-    pretrain(run, corpus_args, "train.max_steps=4", "data.num_workers=2", "data.batch_size=1")
-    return records(run), final_model(run, 4)
+def four_reader_reference(tmp_path_factory, corpus_args):
+    """One process, 4 loader workers, one-sequence micro-batches, 4 steps, a checkpoint after each: the
+    global batch that 4 readers (4 data-parallel ranks x 1 worker, or 2 x 2) read. Returns the run
+    directory and its records."""
+    run = tmp_path_factory.mktemp("four_reader_reference")
+    pretrain(run, corpus_args, "train.max_steps=4", "data.num_workers=4", "data.batch_size=1",
+             "train.checkpoint.interval=1", "train.checkpoint.keep=4")
+    return run, records(run)
+
+
+# AdamW parameters whose gradients are rounding-level while the 4 mHC streams are still nearly identical
+ROUNDING_DRIVEN = ("hc_attn_base", "hc_attn_scale", "hc_ffn_base", "hc_ffn_scale")
+ADAMW_MAX_STEP = 1.17  # |m_hat / sqrt(v_hat)| <= (1 - b1) / sqrt(1 - b2) / sqrt(1 - b1^2 / b2) for b = (0.9, 0.95)
+
+
+def assert_params_close(got, ref_run, ref_records, step, rel=0.1):
+    """For runs that are equal only up to rounding (gradients summed in another order), at `step`:
+    every parameter tensor differs from the reference by at most `rel` of how far the reference moved
+    it since step 1 (a tensor that did not move must be equal). The exception is the mHC bases and
+    scales: AdamW normalises their rounding-level gradients into lr-sized steps of either sign, so two
+    runs may part by up to twice the largest AdamW step per element and step, and no more.
+    Bit-identical runs (resume) compare with torch.equal instead."""
+    ref, _ = final_model(ref_run, step)
+    first, _ = final_model(ref_run, 1)
+    lr_sum = sum(r["lr"] for r in ref_records[:step])
+    assert got.keys() == ref.keys()
+    for k in ref:
+        diff = got[k].double() - ref[k].double()
+        if k.endswith(ROUNDING_DRIVEN):
+            assert diff.abs().max().item() <= 2 * ADAMW_MAX_STEP * lr_sum, f"{k}: differs by {diff.abs().max():.3g}"
+            continue
+        moved = (ref[k].double() - first[k].double()).norm().item()
+        assert diff.norm().item() <= rel * moved, f"{k}: differs by {diff.norm():.3g}, the reference moved it by {moved:.3g}"
+
+
+def assert_clipped(recs):
+    assert all(r["grad_norm"] > GRAD_CLIP for r in recs), [r["grad_norm"] for r in recs]  # clipping was active
 
 
 def pretrain(run_dir, corpus_args, *overrides, procs=1, env=None, check=True):
@@ -168,7 +201,8 @@ def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, c
     and expert loads at every step, checkpoints loading across the layouts."""
     one = ["data.batch_size=1"]
     straight = tmp_path / "straight"
-    pretrain(straight, corpus_args, "train.max_steps=4", *one)
+    pretrain(straight, corpus_args, "train.max_steps=4", "train.checkpoint.interval=1", "train.checkpoint.keep=4", *one)
+    ma, _ = final_model(straight, 4)
     a = tmp_path / "pp2_then_pp1"
     first = pretrain(a, corpus_args, "train.max_steps=2", "parallel.pp=2", "parallel.stage_layers=[17,23]", *one,
                      procs=2)
@@ -191,16 +225,10 @@ def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, c
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
             assert y["expert_load"] == x["expert_load"]
             assert y["padding_fraction"] == x["padding_fraction"]
-    # Parameters agree to within a few optimizer steps, not bit for bit: gradients summed in another
-    # order differ by rounding, and normalised updates (AdamW's m / sqrt(v), Muon's orthogonalisation)
-    # turn rounding-level gradients -- e.g. the mHC bases while the 4 streams are still nearly
-    # identical -- into lr-sized steps of either sign (lr <= 1.3e-4 here).
-    ma, _ = final_model(straight, 4)
+    assert_clipped(ref)
     for run in (a, b):
         mb, _ = final_model(run, 4)
-        assert ma.keys() == mb.keys()
-        for k in ma:
-            torch.testing.assert_close(mb[k], ma[k], rtol=0, atol=2e-3, msg=lambda m, k=k: f"{k}: {m}")
+        assert_params_close(mb, straight, ref, 4)
         assert all(torch.equal(mb[k], ma[k]) for k in ma if k.endswith(("ffn.gate.bias", "ffn.gate.bias_vl")))
 
 
@@ -212,33 +240,47 @@ def test_bad_pipeline_layout_is_refused_before_anything_is_built(tmp_path, corpu
     assert pinned.returncode != 0 and "parallel.stage_layers=[20, 20]: needs 4 positive layer counts" in pinned.stderr
 
 
-def test_pipeline_with_data_parallel_and_experts_four_processes(tmp_path, corpus_args, two_reader_reference):
-    """pp=2 x dp=2 (4 processes), without and with ep=2 (experts sharded over each stage's 2 dp ranks),
-    against one process reading the same global batch (2 loader workers = the 2 dp ranks' readers):
-    the same losses, grad norms and expert loads."""
-    one = ["data.batch_size=1", "train.max_steps=2"]
-    for ep in (1, 2):
-        out = pretrain(tmp_path / f"ep{ep}", corpus_args, *one, "data.num_workers=1", "parallel.pp=2",
-                       f"parallel.ep={ep}", procs=4)
-        assert "2 micro-batches per round" in out.stdout
-        for x, y in zip(two_reader_reference[0][:2], records(tmp_path / f"ep{ep}"), strict=True):
+def test_data_parallel_with_expert_replicas_and_pipeline_with_experts_four_processes(tmp_path, corpus_args,
+                                                                                   four_reader_reference):
+    """4 processes, two layouts, against one process reading the same global batch (4 loader workers):
+    - dp=4, ep=2: each expert shard lives on 2 of the 4 data-parallel ranks, so expert gradients are
+      averaged over the shard's replicas (the dp > ep branch) while the rest is averaged over all 4;
+    - pp=2 x dp=2 with ep=2 (experts sharded over each stage's 2 dp ranks, 2 loader workers per rank).
+    The same losses, grad norms and expert loads; for dp=4 x ep=2 also the MoE biases (exact) and the
+    parameters after 2 steps."""
+    ref_run, ref = four_reader_reference
+    runs = {"dp4_ep2": ["parallel.ep=2", "data.num_workers=1"],
+            "pp2_dp2_ep2": ["parallel.pp=2", "parallel.ep=2", "data.num_workers=2"]}
+    for name, layout in runs.items():
+        out = pretrain(tmp_path / name, corpus_args, "data.batch_size=1", "train.max_steps=2", *layout, procs=4)
+        if name.startswith("pp2"):
+            assert "2 micro-batches per round" in out.stdout
+        got = records(tmp_path / name)
+        assert_clipped(got)
+        for x, y in zip(ref[:2], got, strict=True):
             assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
             assert y["expert_load"] == x["expert_load"]
+    mb, _ = final_model(tmp_path / "dp4_ep2", 2)
+    ma, _ = final_model(ref_run, 2)
+    assert mb["layers.5.ffn.experts.w1"].shape[0] == 8
+    assert all(torch.equal(mb[k], ma[k]) for k in ma if k.endswith(("ffn.gate.bias", "ffn.gate.bias_vl")))
+    assert_params_close(mb, ref_run, ref, 2)
 
 
-def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path, corpus_args, two_reader_reference):
-    """ep=2 on 2 processes (4 of 8 experts per rank, all-to-all dispatch) for steps 1-2, then ep=1 for
-    step 3, then ep=2 again for step 4, against one process reading the same global batch (2 loader
-    workers): the same losses, grad norms, expert loads and MoE biases; the expert checkpoints hold
-    global [8, ...] tensors."""
+def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path, corpus_args, four_reader_reference):
+    """ep=2 on 2 processes (4 of 8 experts per rank, all-to-all dispatch, 2 loader workers each) for
+    steps 1-2, then ep=1 for step 3, then ep=2 again for step 4, against one process reading the same
+    global batch (4 loader workers): the same losses, grad norms, expert loads and MoE biases, and
+    parameters within rounding of the reference; the expert checkpoints hold global [8, ...] tensors."""
     run = tmp_path / "ep"
     for steps, ep in ((2, 2), (3, 1), (4, 2)):
-        out = pretrain(run, corpus_args, f"train.max_steps={steps}", f"parallel.ep={ep}", "data.num_workers=1",
+        out = pretrain(run, corpus_args, f"train.max_steps={steps}", f"parallel.ep={ep}", "data.num_workers=2",
                        "data.batch_size=1", procs=2)
         if steps > 2:
             assert f"resumed from {run}/checkpoints/step_{steps - 1:08d} at step {steps - 1}" in out.stdout
-    ref, (ma, oa) = two_reader_reference
+    ref_run, ref = four_reader_reference
+    ma, oa = final_model(ref_run, 4)
     for x, y in zip(ref, records(run), strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
@@ -246,5 +288,4 @@ def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path,
     mb, ob = final_model(run, 4)
     assert mb["layers.5.ffn.experts.w1"].shape[0] == 8 and ob.keys() == oa.keys()
     assert all(torch.equal(mb[k], ma[k]) for k in ma if k.endswith(("ffn.gate.bias", "ffn.gate.bias_vl")))
-    for k in ma:  # see the pipeline test: normalised updates amplify rounding-level gradient differences
-        torch.testing.assert_close(mb[k], ma[k], rtol=0, atol=2e-3, msg=lambda m, k=k: f"{k}: {m}")
+    assert_params_close(mb, ref_run, ref, 4)
