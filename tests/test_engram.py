@@ -80,6 +80,8 @@ def test_gate_is_zero_at_image_positions_and_update_by_hand(tiny_cfg):
     with torch.no_grad():
         eng.embed.weight.normal_()
         eng.wkv.weight.normal_(0, 0.05)
+        eng.q_weight.uniform_(-1.5, 1.5)  # per-stream, per-channel: ones (the init) would hide their use
+        eng.k_weight.uniform_(-1.5, 1.5)
     h = torch.randn(1, 5, 4, cfg.dim)
     ids = torch.randint(0, eng.embed.weight.shape[0], (1, 5, eng.wkv.in_features // cfg.engram_head_dim))
     image = torch.tensor([[False, True, False, True, False]])
@@ -92,7 +94,8 @@ def test_gate_is_zero_at_image_positions_and_update_by_hand(tiny_cfg):
     keys, value = kv[:4 * D].view(4, D), kv[4 * D:]
     for i in range(4):
         x, k = h[0, t, i], keys[i]
-        dot = (x * k).sum() / torch.sqrt((x * x).mean() + cfg.norm_eps) / torch.sqrt((k * k).mean() + cfg.norm_eps) / D ** 0.5
+        qk = eng.q_weight[i] * eng.k_weight[i]
+        dot = (x * qk * k).sum() / torch.sqrt((x * x).mean() + cfg.norm_eps) / torch.sqrt((k * k).mean() + cfg.norm_eps) / D ** 0.5
         g = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
         torch.testing.assert_close(out[0, t, i], x + g * value, atol=1e-5, rtol=1e-5)
 

@@ -106,3 +106,44 @@ def test_expert_load_counts_per_modality_and_aux_gradient(tiny_cfg):
     names = {n for n, _ in moe.named_parameters()}
     assert "gate.bias" not in names and "gate.bias_vl" not in names
     assert "gate.bias" in moe.state_dict() and "gate.bias_vl" in moe.state_dict()
+
+
+def test_moe_layer_equals_the_literal_sum_of_routed_and_shared_experts(tiny_cfg):
+    """A whole MoE layer with random weights and random biases, per token from the spec: scores
+    s = sqrt(softplus(x W^T)); select the top-k of s + bias (text) or s + bias_vl (image); weights =
+    the selected unbiased s normalised to 1, times route_scale; output = sum_k w_k expert_k(x) + the
+    shared expert, each a clamped SwiGLU (the routing weight multiplies before w2)."""
+    cfg = _cfg(tiny_cfg, route_scale=1.5)
+    torch.manual_seed(4)
+    moe = MoE(cfg, layer_id=3)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.5)
+        moe.gate.bias.normal_(0, 0.3)
+        moe.gate.bias_vl.normal_(0, 0.3)
+    S, k = 12, cfg.n_activated_experts
+    x = torch.randn(1, S, cfg.dim)
+    image = torch.zeros(1, S, dtype=torch.bool)
+    image[0, 4:9] = True
+    with torch.no_grad():
+        y = moe(x, image)[0].double()
+    W = moe.gate.weight.double()
+    silu = lambda v: v / (1 + torch.exp(-v))
+    lim = cfg.swiglu_limit
+
+    def swiglu(w1, w3, w2, v, weight=1.0):
+        return w2 @ (silu(torch.clamp(w1 @ v, max=lim)) * torch.clamp(w3 @ v, -lim, lim) * weight)
+
+    ex, sh = moe.experts, moe.shared_experts
+    differs = 0
+    for t in range(S):
+        v = x[0, t].double()
+        s = torch.sqrt(torch.nn.functional.softplus(W @ v))
+        bias = (moe.gate.bias_vl if image[0, t] else moe.gate.bias).double()
+        chosen = sorted(range(cfg.n_routed_experts), key=lambda e: -(s[e] + bias[e]).item())[:k]
+        differs += chosen != sorted(range(cfg.n_routed_experts), key=lambda e: -s[e].item())[:k]
+        w = s[chosen] / (s[chosen].sum() + 1e-20) * 1.5
+        want = sum(swiglu(ex.w1[e].double(), ex.w3[e].double(), ex.w2[e].double(), v, w[i]) for i, e in enumerate(chosen))
+        want = want + swiglu(sh.w1.weight.double(), sh.w3.weight.double(), sh.w2.weight.double(), v)
+        torch.testing.assert_close(y[t], want, atol=1e-4, rtol=1e-4)
+    assert differs > 0  # the biases changed some selections, so the test sees which scores weight the experts

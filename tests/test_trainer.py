@@ -117,6 +117,7 @@ def test_data_parallel_parity(tmp_path, corpus_args):
                    "train.checkpoint.async_save=true", procs=2)  # also: a background save on its own gloo group
     assert one.returncode == two.returncode == 0
     a, b = records(tmp_path / "dp1"), records(tmp_path / "dp2")
+    assert_clipped(a)
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6)
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)

@@ -194,3 +194,37 @@ def test_token_type_values_agree_between_data_and_model():
     for name in ("TEXT", "IMAGE_START", "IMAGE", "IMAGE_NEWLINE", "IMAGE_END"):
         assert getattr(d, name) == getattr(m, name), name
     assert (d.TEXT, d.IMAGE_START, d.IMAGE, d.IMAGE_NEWLINE, d.IMAGE_END) == (-1, 0, 1, 2, 3)  # V41_SPEC §6
+
+
+def test_aligner_is_unshuffle_linear_exact_gelu_linear_by_hand(tiny_cfg):
+    """Aligner on random features, written out: each 3 x 3 cell (zero-padded) flattened as
+    c * 9 + kh * 3 + kw, then w1 (+ bias), the exact (erf) GELU, w2 (+ bias). Pre-activations are
+    spread over [-3, 3], where the tanh approximation of GELU is off by up to ~1e-3."""
+    from model.vision import Aligner
+
+    torch.manual_seed(0)
+    al = Aligner(tiny_cfg)
+    with torch.no_grad():
+        for p in al.parameters():
+            p.normal_(0, 0.3)
+    n_h, n_w, C = 4, 5, tiny_cfg.vision_dim
+    feats = torch.randn(n_h * n_w, C)
+    with torch.no_grad():
+        out = al(feats, n_h, n_w).double()
+    gelu = lambda v: 0.5 * v * (1 + math.erf(v / math.sqrt(2)))
+    cells = [(ci, cj) for ci in range(2) for cj in range(2)]
+    assert out.shape == (len(cells), tiny_cfg.dim)
+    spread = 0.0
+    for cell, (ci, cj) in enumerate(cells):
+        v = torch.zeros(C * 9, dtype=torch.float64)
+        for c in range(C):
+            for kh in range(3):
+                for kw in range(3):
+                    i, j = 3 * ci + kh, 3 * cj + kw
+                    if i < n_h and j < n_w:
+                        v[c * 9 + kh * 3 + kw] = feats[i * n_w + j, c].item()
+        pre = al.w1.weight.double() @ v + al.w1.bias.double()
+        spread = max(spread, pre.abs().max().item())
+        hidden = torch.tensor([gelu(a) for a in pre.tolist()], dtype=torch.float64)
+        torch.testing.assert_close(out[cell], al.w2.weight.double() @ hidden + al.w2.bias.double(), atol=1e-5, rtol=1e-5)
+    assert spread > 1.5
