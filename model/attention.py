@@ -225,11 +225,16 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg, owns_k=role.role is Role.FULL)
 
         if self.ratio:
-            freqs = rope_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.original_seq_len,
-                                     cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+            self._rope_args = (cfg.rope_head_dim, cfg.compress_rope_theta, cfg.original_seq_len, cfg.rope_factor,
+                               cfg.beta_fast, cfg.beta_slow)
         else:
-            freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta)
-        self.register_buffer("rope_freqs", freqs, persistent=False)
+            self._rope_args = (cfg.rope_head_dim, cfg.rope_theta)
+        self.register_buffer("rope_freqs", rope_frequencies(*self._rope_args), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute the RoPE frequencies (after materialising a meta-device model)."""
+        with torch.device("cpu"):
+            self.rope_freqs.copy_(rope_frequencies(*self._rope_args))
 
     # -------------------------------------------------------------------------------------------
     def _select(self, x, qr, shared: SharedKV, cos, sin, n_vis):

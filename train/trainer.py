@@ -43,15 +43,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.config import resolve_shards
 from data.loader import IGNORE, PackedLoader, data_sources
-from model import Transformer
 from model.aux import StepStats
 from model.config import ConfigError, reject_unknown_fields
 from model.vision import set_vision_body_trainable
 from parallel.config import ParallelConfig
 from parallel.mesh import build_mesh, mesh_shape
 from parallel.partition import PartitionCosts, in_flight_microbatches, partition, unit_costs
-from parallel.experts import is_expert_param, shard_experts
-from parallel.pipeline import build_pipeline, local_stage_ranges, prune_to_stages
+from parallel.construct import build_rank_model, model_template
+from parallel.experts import is_expert_param
+from parallel.pipeline import build_pipeline, local_stage_ranges
 from train.balancing import accumulate_loads, global_loads, update_biases
 from train.clipping import clip_grad_norm_
 from train.checkpoint import CheckpointWriter, RowShards, latest_checkpoint, load_checkpoint
@@ -118,11 +118,15 @@ def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: Pa
                           f"counts (pp={parallel.pp} x {parallel.stages_per_rank} stage(s) per rank for "
                           f"{parallel.schedule}) summing to {n_layers}")
     g = max(1, round(train.global_batch_tokens / seq_len))
-    if g % (dp * micro_batch):
+    unit = dp * micro_batch
+    if g % unit:
+        nearest = sorted({max(unit, g // unit * unit), (g // unit + 1) * unit}, key=lambda n: (abs(n - g), n))
         raise ConfigError(
             f"train.global_batch_tokens={train.global_batch_tokens:g} is {g} sequences of data.seq_len={seq_len}, "
             f"which {dp} data-parallel rank(s) x data.batch_size={micro_batch} do not divide; use a global batch of "
-            f"a multiple of {dp * micro_batch * seq_len} tokens or change data.batch_size / the number of processes")
+            f"a multiple of {unit * seq_len} tokens -- the nearest is train.global_batch_tokens={nearest[0] * seq_len} "
+            f"({nearest[0]} sequences)" + (f" or {nearest[1] * seq_len}" if len(nearest) > 1 else "") +
+            " -- or change data.batch_size / the number of processes")
     if train.checkpoint.interval <= 0 or train.checkpoint.keep <= 0:
         raise ConfigError("train.checkpoint.interval and train.checkpoint.keep must be positive")
     accumulation = g // (dp * micro_batch)
@@ -200,14 +204,16 @@ class Trainer:
                 text, mm, tok = data_sources(self.data_cfg, self.spec)
                 token_map = load_or_build_engram_map(tok) if self.model_cfg.engram_layer_ids else None
             self._barrier()
-        self.model = Transformer(self.model_cfg, token_map=token_map)  # built whole on the CPU, same seed everywhere
+        # a meta-device template, pruned to this rank's stages and expert shard, then materialised
+        # (parallel/construct.py): no rank allocates what it does not own, every layout the same weights
+        self.model = model_template(self.model_cfg, token_map)
         self.pipe = None
+        stages = None
         if self.layout.pp > 1:
             bounds = self._partition()
-            prune_to_stages(self.model, local_stage_ranges(self.parallel, bounds, self.pp_rank))
-        if self.layout.ep > 1:
-            shard_experts(self.model, self.layout.ep, self.ep_rank, self.ep_group)
-        self.model.to(self.device)  # a pipeline rank moves only its own stages
+            stages = local_stage_ranges(self.parallel, bounds, self.pp_rank)
+        build_rank_model(self.model, self.device, self.train_cfg.seed, stages, self.layout.ep, self.ep_rank,
+                         self.ep_group)
         if self.layout.pp > 1:
             self.pipe = self._build_pipeline(bounds)
         self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg, self._muon_shard_groups())

@@ -1,0 +1,36 @@
+"""Per-rank model construction (DESIGN.md "Construction at scale").
+
+The model is built as a shape-only template on the meta device, pruned to the rank's pipeline stages
+and sharded to its experts there, and only then materialised on the target device and initialised
+(`Transformer.materialize`: buffers recomputed, each parameter block drawn from a generator seeded by
+the run seed and its global name and row, model/init.py). No rank allocates a parameter it does not
+own, and every layout starts from the weights one process building the whole model would have.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from model import Transformer
+from model.config import ModelConfig
+from parallel.experts import shard_experts
+from parallel.pipeline import StageRange, prune_to_stages
+
+
+def model_template(cfg: ModelConfig, token_map: list[int] | None = None) -> Transformer:
+    """The whole model on the meta device: shapes, names and roles, no storage."""
+    with torch.device("meta"):
+        return Transformer(cfg, token_map=token_map, init=False)
+
+
+def build_rank_model(template: Transformer, device: torch.device | str, seed: int,
+                     stages: list[StageRange] | None = None, ep: int = 1, ep_rank: int = 0,
+                     ep_group: dist.ProcessGroup | None = None) -> Transformer:
+    """Prune `template` (in place) to `stages` and to expert shard `ep_rank` of `ep`, then materialise
+    what is left on `device` with the run `seed`."""
+    if stages is not None:
+        prune_to_stages(template, stages)
+    if ep > 1:
+        shard_experts(template, ep, ep_rank, ep_group)
+    return template.materialize(device, seed)
