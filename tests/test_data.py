@@ -152,17 +152,22 @@ def test_mix_ratio_and_padding_on_the_default_corpus(corpus):
     assert c["rows"] == 300 and c["pad_tokens"] / c["tokens"] < 0.01, c
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_restore_mid_stream_reproduces_the_next_batches(corpus, workers, monkeypatch):
-    cfg, text, mm, _ = corpus
-    cfg = dataclasses.replace(cfg, num_workers=workers)
+def _advanced_and_saved(cfg, text, mm, batches=7):
+    """A loader `batches` batches into the stream, and its state after a round trip through torch.save."""
     a = PackedLoader(cfg, SPEC, text, mm)
-    for _ in range(7):
+    for _ in range(batches):
         next(a)
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
     buf.seek(0)
-    state = torch.load(buf, weights_only=False)
+    return a, torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_restore_mid_stream_reproduces_the_next_batches(corpus, workers, monkeypatch):
+    cfg, text, mm, _ = corpus
+    cfg = dataclasses.replace(cfg, num_workers=workers)
+    a, state = _advanced_and_saved(cfg, text, mm)
     want = [next(a) for _ in range(4)]
 
     if workers:
@@ -205,13 +210,7 @@ def test_restore_reproduces_batches_until_every_saved_piece_has_drained(corpus):
     compare the restored loader with the uninterrupted one for as long as any piece held at the save
     is still held, then one batch more."""
     cfg, text, mm, _ = corpus
-    a = PackedLoader(cfg, SPEC, text, mm)
-    for _ in range(7):
-        next(a)
-    buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
-    buf.seek(0)
-    state = torch.load(buf, weights_only=False)
+    a, state = _advanced_and_saved(cfg, text, mm)
     saved = _piece_keys(state["worker_states"][0])
     assert len(saved) >= cfg.pack_buffer
     b = PackedLoader(cfg, SPEC, text, mm, state=state)
