@@ -26,7 +26,8 @@ DeepSeek): per query, target = main attention probability over its selected comp
 summed over heads and renormalised; prediction = softmax of the indexer logits over the same set;
 the indexer's inputs are detached, so only indexer weights receive this gradient.
 
-This file is the plain-PyTorch reference path; a fused kernel slots in behind `sparse_attention`.
+The attention core (window + selected slots + sink) is model/sparse_attention.py: a reference and the
+memory-lean training path (saves q, output, log-sum-exp and indices; recomputes the rest in backward).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from model.config import ModelConfig
 from model.layer_plan import LayerRole, Role
 from model.norm import RMSNorm
 from model.rope import apply_rope, rope_angles, rope_frequencies
+from model.sparse_attention import gather_rows, sparse_attention, sparse_attention_lean  # noqa: F401 (re-export)
 
 
 @dataclass
@@ -137,59 +139,11 @@ def select_candidate_blocks(scores: torch.Tensor, n_vis: torch.Tensor, topk_bloc
     return torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
 
 
-def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """table [B, N, D], idx [B, C, k] (-1 allowed, read as row 0) -> [B, C, k, D].
-
-    An embedding lookup into the flattened table: its backward accumulates into a [B*N, D] buffer,
-    never into a [B, C, N, D] scratch as a gather on an expanded view would."""
-    B, N, D = table.shape
-    offset = (torch.arange(B, device=idx.device) * N).view(-1, 1, 1)
-    return F.embedding(idx.clamp_min(0) + offset, table.reshape(B * N, D))
-
-
-def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, q_start: int, window: int,
-                     comp_kv: torch.Tensor | None, comp_idx: torch.Tensor | None, sink: torch.Tensor,
-                     scale: float):
-    """One softmax over window slots + selected compressed slots + sink, for a chunk of queries.
-
-    q [B, C, H, D] for positions q_start..q_start+C-1; window_kv [B, S, D] (all positions);
-    comp_kv [B, N, D]; comp_idx [B, C, k] (-1 = empty). Returns (out [B, C, H, D],
-    probabilities of the compressed slots [B, C, H, k] or None).
-
-    The window part is computed as a band: the chunk's queries against the contiguous key range
-    [q_start - W + 1, q_start + C), masked to t - W < p <= t (one dense matmul per chunk instead of a
-    per-query gather); the compressed part gathers each query's k selected entries once, shared by
-    all heads.
-    """
-    B, C, H, D = q.shape
-    lo = max(0, q_start - window + 1)
-    keys = window_kv[:, lo:q_start + C]  # [B, L, D]
-    t = torch.arange(q_start, q_start + C, device=q.device).unsqueeze(-1)
-    p = torch.arange(lo, q_start + C, device=q.device)
-    band = (p <= t) & (p > t - window)  # [C, L]
-    logits = torch.einsum("bchd,bld->bchl", q.float(), keys.float()) * scale
-    logits = logits.masked_fill(~band.view(1, C, 1, -1), float("-inf"))
-    n_win = logits.shape[-1]
-    gathered = None
-    if comp_idx is not None and comp_idx.shape[-1] > 0:
-        gathered = gather_rows(comp_kv, comp_idx).float()  # [B, C, k, D]
-        clog = torch.einsum("bchd,bckd->bchk", q.float(), gathered) * scale
-        clog = clog.masked_fill((comp_idx < 0).unsqueeze(2), float("-inf"))
-        logits = torch.cat([logits, clog], dim=-1)
-    sink_col = sink.float().view(1, 1, H, 1).expand(B, C, H, 1)
-    probs = torch.cat([logits, sink_col], dim=-1).softmax(dim=-1)[..., :-1]
-    out = torch.einsum("bchl,bld->bchd", probs[..., :n_win], keys.float())
-    comp_probs = None
-    if gathered is not None:
-        comp_probs = probs[..., n_win:]
-        out = out + torch.einsum("bchk,bckd->bchd", comp_probs, gathered)
-    return out.to(q.dtype), comp_probs
-
-
 def indexer_kl(target_probs: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """sum over queries of KL(p || softmax(logits)) over each query's valid selected entries, divided by
-    the number of queries that have any. target_probs [B, S, H, k] (detached), logits/valid [B, S, k]."""
-    p = target_probs.sum(dim=2).masked_fill(~valid, 0.0)
+    the number of queries that have any. target_probs [B, S, k]: the main attention's probabilities of
+    the selected entries summed over heads (no gradient); logits/valid [B, S, k]."""
+    p = target_probs.masked_fill(~valid, 0.0)
     has = valid.any(-1)
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
     logq = logits.masked_fill(~valid, float("-inf")).log_softmax(-1)
@@ -302,22 +256,16 @@ class Attention(nn.Module):
             else:
                 topk = shared.topk
 
-        outs, comp_probs = [], []
-        for t0 in range(0, S, self.chunk):
-            t1 = min(S, t0 + self.chunk)
-            o, cp = sparse_attention(q[:, t0:t1], window_kv, t0, self.window, comp_kv,
-                                     None if topk is None else topk[:, t0:t1], self.attn_sink, self.scale)
-            outs.append(o)
-            if sel_logits is not None and cp is not None:
-                comp_probs.append(cp.detach())
-        o = apply_rope(torch.cat(outs, dim=1), cos, sin, inverse=True)
+        o, kl_target = sparse_attention_lean(q, window_kv, comp_kv, topk, self.attn_sink, self.window, self.scale,
+                                             self.chunk)
+        o = apply_rope(o, cos, sin, inverse=True)
 
         o = o.reshape(B, S, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         out = self.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
 
-        if comp_probs and self.kl_weight > 0 and torch.is_grad_enabled():
-            loss = self.kl_weight * indexer_kl(torch.cat(comp_probs, dim=1), sel_logits, sel_valid)
+        if sel_logits is not None and kl_target.shape[-1] and self.kl_weight > 0 and torch.is_grad_enabled():
+            loss = self.kl_weight * indexer_kl(kl_target, sel_logits, sel_valid)
             if stats is not None:
                 stats.indexer_loss[self.role.id] = loss.detach()
             out = attach_aux_loss(out, loss, aux_grad_scale)

@@ -251,8 +251,9 @@ def test_indexer_selects_the_literal_top_k_of_visible_entries(tiny_cfg):
 
 
 def test_indexer_kl_by_hand():
-    """KL(p || softmax(logits)) over each query's valid entries, p = main-attention probability summed
-    over heads and renormalised; averaged over the queries that have any valid entry."""
+    """KL(p || softmax(logits)) over each query's valid entries, p = the main-attention probability summed
+    over heads (by the attention core) and renormalised; averaged over the queries that have any valid
+    entry."""
     from model.attention import indexer_kl
 
     probs = torch.tensor([[[[0.1, 0.2, 0.3], [0.3, 0.0, 0.05]],    # query 0: 2 heads x 3 slots
@@ -267,7 +268,7 @@ def test_indexer_kl_by_hand():
         return sum(pi * (math.log(pi) - (zi - lz)) for pi, zi in zip(p, z) if pi > 0)
 
     want = (kl([0.4, 0.2, 0.35], [1.0, -0.5, 2.0]) + kl([0.6, 0.3], [0.3, 0.7])) / 2
-    assert indexer_kl(probs, logits, valid).item() == pytest.approx(want, rel=1e-5)
+    assert indexer_kl(probs.sum(dim=2), logits, valid).item() == pytest.approx(want, rel=1e-5)
 
 
 def test_swa_layer_equals_the_literal_per_head_computation(tiny_cfg):
