@@ -43,7 +43,8 @@ from model.config import ModelConfig
 from model.layer_plan import LayerRole, Role
 from model.norm import RMSNorm
 from model.rope import apply_rope, rope_angles, rope_frequencies
-from model.sparse_attention import gather_rows, sparse_attention, sparse_attention_lean  # noqa: F401 (re-export)
+from model.index_logits import index_logits_lean
+from model.sparse_attention import sparse_attention, sparse_attention_lean  # noqa: F401 (re-export)
 
 
 @dataclass
@@ -200,7 +201,7 @@ class Attention(nn.Module):
         N = k_i.shape[1]
         k = min(self.index_topk, N)
         restrict = self.role.uses_candidates and shared.candidates is not None
-        topk, logits, cands = [], [], []
+        topk, cands = [], []
         pos = torch.arange(N, device=x.device)
         for t0 in range(0, S, self.chunk):
             t1 = min(S, t0 + self.chunk)
@@ -215,14 +216,11 @@ class Attention(nn.Module):
                 top = sc.topk(k, dim=-1)
                 idx = torch.where(top.values > float("-inf"), top.indices, -1)
             topk.append(idx)
-            # grad-carrying logits of the selected entries only (for the KL loss)
-            kg = gather_rows(k_i, idx)
-            s = torch.einsum("bchd,bckd->bchk", q_i[:, t0:t1].float(), kg.float()).relu()
-            logits.append((s * w_i[:, t0:t1].unsqueeze(-1)).sum(dim=2))
         if cands:
             shared.candidates = torch.cat(cands, dim=1)
         topk = torch.cat(topk, dim=1)
-        return topk, torch.cat(logits, dim=1), topk >= 0
+        # grad-carrying logits of the selected entries only (for the KL loss), memory-lean
+        return topk, index_logits_lean(q_i, w_i, k_i, topk, self.chunk), topk >= 0
 
     def forward(self, x: torch.Tensor, shared: SharedKV, stats: StepStats | None = None,
                 aux_grad_scale: float = 1.0) -> torch.Tensor:

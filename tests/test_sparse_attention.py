@@ -94,3 +94,34 @@ def test_lean_path_saves_only_q_output_lse_and_indices():
     lse = q.shape[0] * q.shape[1] * q.shape[2] * 4
     assert lean == nbytes(q) * 2 + lse + nbytes(topk) + nbytes(kv) + nbytes(comp) + nbytes(sink)
     assert ref > 3 * lean, (ref, lean)
+
+
+@pytest.mark.parametrize("chunk", [5, 32])
+def test_lean_index_logits_equal_the_reference_and_finite_differences(chunk):
+    """The KL's indexer logits of the selected entries: values and gradients (q, w, index keys) equal the
+    chunked reference; empty slots (-1) send no gradient to key row 0; gradcheck in float64."""
+    from model.index_logits import index_logits_lean, index_logits_reference
+
+    g = torch.Generator().manual_seed(2)
+    B, S, H, d, N, k = 2, 21, 3, 6, 8, 4
+    q = torch.randn(B, S, H, d, generator=g, requires_grad=True)
+    w = torch.randn(B, S, H, generator=g, requires_grad=True)
+    keys = torch.randn(B, N, d, generator=g, requires_grad=True)
+    idx = torch.randint(0, N, (B, S, k), generator=g)
+    idx[:, :5, 2:] = -1
+    valid = idx >= 0
+    ref = torch.cat([index_logits_reference(q[:, t0:t0 + 7], w[:, t0:t0 + 7], keys, idx[:, t0:t0 + 7])
+                     for t0 in range(0, S, 7)], 1)
+    out = index_logits_lean(q, w, keys, idx, chunk)
+    torch.testing.assert_close(out[valid], ref[valid], atol=1e-6, rtol=1e-5)
+    gout = torch.randn_like(out).masked_fill(~valid, 0.0)  # the KL never looks at empty slots
+    want = torch.autograd.grad(ref, (q, w, keys), gout)
+    got = torch.autograd.grad(out, (q, w, keys), gout)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # an empty slot with a non-zero incoming gradient still sends nothing to key row 0
+    only_empty = torch.zeros_like(out)
+    only_empty[~valid] = 1.0
+    assert torch.autograd.grad(index_logits_lean(q, w, keys, idx, chunk), keys, only_empty)[0].abs().sum() == 0
+    small = [t.detach().double()[:1, :6].requires_grad_() for t in (q, w)] + [keys.detach().double()[:1].requires_grad_()]
+    assert torch.autograd.gradcheck(lambda a, b, c: index_logits_lean(a, b, c, idx[:1, :6], 4), small)
