@@ -7,7 +7,7 @@ follows their `LayerRole` (model/layer_plan.py):
 - FULL:    `Compressor` pools its own compressed KV; its `Indexer` derives index-K from the pre-RoPE
            latent, scores and selects top-k; both are published in the carry (`SharedKV`).
            The candidate source also ranks blocks of `candidate_block_size` positions and publishes
-           the best `candidate_topk_blocks` as a block mask.
+           the best `candidate_topk_blocks` as block indices ([S, n_cand], not an [S, S/8] mask).
 - REUSE:   reads the carry's KV and top-k (gradients flow back into the owner's compressor).
 - REINDEX: own indexer query and weights over the carry's index-K, scoring only inside the
            candidate pool when restriction is on; publishes its top-k for the Reuse layers after it.
@@ -54,7 +54,7 @@ class SharedKV:
     kv: torch.Tensor | None = None  # [B, N, head_dim] compressed KV, RoPE'd at j*m
     index_k: torch.Tensor | None = None  # [B, N, index_head_dim] index keys, RoPE'd
     topk: torch.Tensor | None = None  # [B, S, k] int64 compressed indices, -1 = empty slot
-    candidates: torch.Tensor | None = None  # [B, S, n_blocks] bool block mask of the candidate pool
+    candidates: torch.Tensor | None = None  # [B, S, n_cand] int32 block indices of the candidate pool, -1 = empty
 
 
 def visible_compressed(seq_len: int, ratio: int, device=None) -> torch.Tensor:
@@ -129,7 +129,8 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Ten
 def select_candidate_blocks(scores: torch.Tensor, n_vis: torch.Tensor, topk_blocks: int, block: int):
     """scores [B, C, N] with invisible entries at -inf; n_vis [C]. Keep the best `topk_blocks` blocks
     by their max score, always pinning the block that holds the newest visible position.
-    Returns a [B, C, ceil(N / block)] bool mask."""
+    Returns the kept block indices [B, C, min(topk_blocks, ceil(N / block))] int32, -1 for an empty slot
+    (fewer visible blocks than slots) -- not a [B, C, ceil(N / block)] mask, which grows with S^2."""
     N = scores.shape[-1]
     padded = F.pad(scores, (0, -N % block), value=float("-inf"))
     blocks = padded.unflatten(-1, (-1, block)).amax(dim=-1)
@@ -137,7 +138,17 @@ def select_candidate_blocks(scores: torch.Tensor, n_vis: torch.Tensor, topk_bloc
     newest = ((n_vis - 1) // block).unsqueeze(-1)  # -1 when nothing is visible: pins nothing
     blocks = blocks.masked_fill(torch.arange(nb, device=scores.device) == newest, float("inf"))
     top = blocks.topk(min(topk_blocks, nb), dim=-1)
-    return torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return torch.where(top.values > float("-inf"), top.indices, -1).to(torch.int32)
+
+
+def candidate_mask(candidates: torch.Tensor, n_entries: int, block: int) -> torch.Tensor:
+    """Block indices [B, C, n] (-1 = empty) -> [B, C, n_entries] bool: entry j is in the pool iff its
+    block j // block is."""
+    nb = -(-n_entries // block)
+    idx = candidates.long()
+    hit = torch.zeros(*idx.shape[:-1], nb + 1, dtype=torch.bool, device=idx.device)
+    hit.scatter_(-1, torch.where(idx >= 0, idx, nb), True)  # empty slots land in the spare column nb
+    return hit[..., :nb].repeat_interleave(block, dim=-1)[..., :n_entries]
 
 
 def indexer_kl(target_probs: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -211,7 +222,7 @@ class Attention(nn.Module):
                 if self.role.is_candidate_source:
                     cands.append(select_candidate_blocks(sc, n_vis[t0:t1], self.cand_blocks, self.cand_block_size))
                 if restrict:
-                    keep = shared.candidates[:, t0:t1].repeat_interleave(self.cand_block_size, dim=-1)[..., :N]
+                    keep = candidate_mask(shared.candidates[:, t0:t1], N, self.cand_block_size)
                     sc = sc.masked_fill(~keep, float("-inf"))
                 top = sc.topk(k, dim=-1)
                 idx = torch.where(top.values > float("-inf"), top.indices, -1)

@@ -8,7 +8,7 @@ tensors. What crosses a boundary:
   h, pre_mix            [b, S, 4, D], [b, S, 4] fp32, with gradients
   kv, index_k           [b, S/m, head_dim], [b, S/m, index_head_dim] fp32, with gradients   } only when
   topk                  [b, S, k] int64                                                      } a later
-  candidates            [b, S, ceil((S/m) / candidate_block_size)] bool                      } layer reads
+  candidates            [b, S, min(candidate_topk_blocks, ceil((S/m) / block))] int32        } layer reads
                                                                                                them
 So when a Full layer and its Reuse / Reindex layers sit on different stages, the compressed KV,
 index-K, top-k and candidate pool travel with the activations, and the gradients of kv / index_k flow
@@ -119,7 +119,8 @@ def boundary_specs(cfg: ModelConfig, plan: tuple[LayerRole, ...], boundary: int,
         elif name == "topk":
             specs.append(FieldSpec(name, (b, S, min(cfg.index_topk, n)), torch.long))
         else:
-            specs.append(FieldSpec(name, (b, S, -(-n // cfg.candidate_block_size)), torch.bool))
+            specs.append(FieldSpec(name, (b, S, min(cfg.candidate_topk_blocks, -(-n // cfg.candidate_block_size))),
+                                   torch.int32))
     return specs
 
 

@@ -38,6 +38,14 @@ class Mutant:
 
 
 MUTANTS = [
+    Mutant('candidate pool keeps invisible blocks', 'model/attention.py',
+           'return torch.where(top.values > float("-inf"), top.indices, -1).to(torch.int32)',
+           'return top.indices.to(torch.int32)',
+           ['tests/test_attention.py']),
+    Mutant('reindex ignores the candidate pool', 'model/attention.py',
+           'sc = sc.masked_fill(~keep, float("-inf"))',
+           'sc = sc',
+           ['tests/test_attention.py']),
     Mutant('lean attention backward forgets rowsum(dout * out)', 'model/sparse_attention.py',
            'dsw = pw * (torch.einsum("bchd,bld->bchl", do, keys) - row)',
            'dsw = pw * torch.einsum("bchd,bld->bchl", do, keys)',

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from model.attention import Attention, Compressor, SharedKV, select_candidate_blocks, sparse_attention
+from model.attention import Attention, Compressor, SharedKV, candidate_mask, select_candidate_blocks, sparse_attention
 from model.layer_plan import Role, layer_plan
 
 
@@ -122,12 +122,17 @@ def test_reindex_layers_select_only_inside_candidate_pool(tiny_cfg, tiny_model):
     S, bs = 128, tiny_cfg.candidate_block_size
     with torch.no_grad():
         tiny_model(torch.randint(0, tiny_cfg.vocab_size, (2, S)))
-    cands = seen[cand_layer][1]
-    assert cands.shape == (2, S, S // bs)
-    kept = cands.sum(-1)
-    assert (kept <= tiny_cfg.candidate_topk_blocks).all() and (kept >= 1).all()
-    # the block holding the newest visible position (t itself at ratio 1) is always in the pool
+    idx = seen[cand_layer][1]
+    n_cand = tiny_cfg.candidate_topk_blocks
+    assert idx.shape == (2, S, n_cand) and idx.dtype == torch.int32
     t = torch.arange(S)
+    # query t sees t + 1 positions, i.e. t // bs + 1 blocks: slots beyond that are empty (-1)
+    torch.testing.assert_close((idx >= 0).sum(-1), torch.clamp(t // bs + 1, max=n_cand).expand(2, S))
+    valid_idx = idx[idx >= 0]
+    assert ((valid_idx >= 0) & (valid_idx < S // bs)).all()
+    cands = candidate_mask(idx, S, bs).unflatten(-1, (S // bs, bs))[..., 0]  # [2, S, S // bs] block mask
+    assert (cands.sum(-1) == (idx >= 0).sum(-1)).all()  # no duplicate blocks
+    # the block holding the newest visible position (t itself at ratio 1) is always in the pool
     assert cands[:, t, t // bs].all()
     restricted = 0
     for l in reindex:
@@ -147,7 +152,12 @@ def test_select_candidate_blocks_by_hand():
     n_vis = torch.tensor([7])
     keep = select_candidate_blocks(scores, n_vis, topk_blocks=2, block=2)
     # block maxima: [5, 0, 9, 3]; newest visible position 6 lies in block 3 (pinned); best other: block 2
-    assert keep[0, 0].tolist() == [False, False, True, True]
+    assert sorted(keep[0, 0].tolist()) == [2, 3]
+    # fewer visible blocks than slots: empty slots are -1; the mask expands blocks to entries
+    scores = torch.tensor([[[1.0, 4.0, float("-inf"), float("-inf"), float("-inf")]]])
+    keep = select_candidate_blocks(scores, torch.tensor([2]), topk_blocks=3, block=2)
+    assert keep[0, 0].tolist() == [0, -1, -1]
+    assert candidate_mask(keep, 5, 2)[0, 0].tolist() == [True, True, False, False, False]
 
 
 def test_causality_every_layer(tiny_cfg, tiny_model):
