@@ -169,14 +169,25 @@ class Transformer(nn.Module):
             carry = block(carry, ctx)
         return carry
 
+    def final_hidden(self, carry: Carry) -> torch.Tensor:
+        """Collapse with the last pending pre, then the final RMSNorm: the head's input [B, S, D]."""
+        return self.norm(hc_collapse(carry.h, carry.pre_mix))
+
     def logits(self, carry: Carry) -> torch.Tensor:
-        """Collapse with the last pending pre, final RMSNorm, head (fp32 logits)."""
-        return self.head(self.norm(hc_collapse(carry.h, carry.pre_mix))).float()
+        """The head on the final hidden states (fp32 logits [B, S, vocab]; training never builds them
+        whole, it runs the head inside the tiled loss, train/loss.py)."""
+        return self.head(self.final_hidden(carry)).float()
 
     def forward(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,
                 images: list[list[torch.Tensor]] | None = None, stats: StepStats | None = None,
                 aux_grad_scale: float = 1.0) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab]. Aux losses ride on the backward pass; their values
         and the expert loads land in `stats`."""
+        return self.logits(self.run(tokens, token_types, images, stats, aux_grad_scale))
+
+    def run(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,
+            images: list[list[torch.Tensor]] | None = None, stats: StepStats | None = None,
+            aux_grad_scale: float = 1.0) -> Carry:
+        """Embedding and every block: the carry the head reads (`final_hidden`, `logits`)."""
         ctx = self.context(tokens, token_types, stats, aux_grad_scale)
-        return self.logits(self.run_blocks(self.embed_inputs(tokens, token_types, images), ctx))
+        return self.run_blocks(self.embed_inputs(tokens, token_types, images), ctx)

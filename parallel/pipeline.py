@@ -19,16 +19,18 @@ integer tensors).
 
 The first stage additionally takes `rows` [b] int64 (row indices into the round's batch) and looks the
 images of its rows up in a per-round side table: images are lists of variable-size tensors that cannot
-be chunked into micro-batches by the schedule. The last stage returns fp32 logits; the schedule's loss
-function applies the cross-entropy.
+be chunked into micro-batches by the schedule. The last stage returns the final hidden states [b, S, D]
+(fp32), never logits: the schedule's loss function runs the head and the cross-entropy tiled over the
+sequence (train/loss.py), so no [b, S, vocab] tensor exists on any rank.
 
 Placement (SCHEDULES in parallel/config.py): `1f1b` one stage per rank; `interleaved_1f1b` two stages
 per rank, looped (rank r holds r and r + pp); `zbv` and `dualpipev` two per rank, V-shaped (rank r holds
 r and 2 pp - 1 - r, so rank 0 holds the embedding and the head).
 
-Each rank builds the whole model with the run's seed (so every layout starts from the same weights) and
-then drops what it does not own (`prune_to_stages`); parameter names are unchanged, so checkpoints,
-optimizer routing and the MoE bias update see the same FQNs under any layout.
+Each rank builds a meta-device template of the model, drops what it does not own (`prune_to_stages`)
+and only then materialises the rest (parallel/construct.py), seeded by parameter name so every layout
+starts from the same weights; parameter names are unchanged, so checkpoints, optimizer routing and
+the MoE bias update see the same FQNs under any layout.
 """
 
 from __future__ import annotations
@@ -220,8 +222,8 @@ class StageModule(nn.Module):
                 self.vision, self.aligner = model.vision, model.aligner
                 self.image_start, self.image_newline = model.image_start, model.image_newline
                 self.image_end = model.image_end
-        if rng.is_last:
-            self.norm, self.head = model.norm, model.head
+        if rng.is_last:  # the head runs inside the schedule's loss function (tiled, train/loss.py)
+            self.norm = model.norm
         self.in_names = list(FIRST_INPUTS) if rng.is_first else [s.name for s in in_specs]
         self.out_specs = out_specs
         self.stats = stats
@@ -241,7 +243,7 @@ class StageModule(nn.Module):
         carry = model.run_blocks(carry, ctx, self.range.start, self.range.end)
         self.stats.add(ctx.stats)
         if self.range.is_last:
-            return model.logits(carry)
+            return model.final_hidden(carry).float()
         out = []
         for spec in self.out_specs:
             if spec.name in ("tokens", "token_types"):
@@ -322,7 +324,7 @@ def build_pipeline(model: Transformer, parallel: ParallelConfig, bounds: list[tu
         else:
             ex_in = tuple(s.example(device) for s in in_specs)
         if r.is_last:
-            ex_out = (torch.zeros(micro_batch, seq_len, cfg.vocab_size, device=device, requires_grad=True),)
+            ex_out = (torch.zeros(micro_batch, seq_len, cfg.dim, device=device, requires_grad=True),)
         else:
             ex_out = tuple(s.example(device) for s in out_specs)
         stages.append(PipelineStage(module, r.index, r.n_stages, device, input_args=ex_in, output_args=ex_out,

@@ -38,6 +38,14 @@ class Mutant:
 
 
 MUTANTS = [
+    Mutant('tiled loss averages per tile', 'train/loss.py',
+           'reduction="sum") * (scale / n_valid)',
+           'reduction="mean") * scale',
+           ['tests/test_loss.py']),
+    Mutant('tiled loss counts ignored positions', 'train/loss.py',
+           'n_valid = max(1, int((labels != IGNORE).sum()))',
+           'n_valid = labels.numel()',
+           ['tests/test_loss.py']),
     Mutant('candidate pool keeps invisible blocks', 'model/attention.py',
            'return torch.where(top.values > float("-inf"), top.indices, -1).to(torch.int32)',
            'return top.indices.to(torch.int32)',

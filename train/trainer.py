@@ -38,11 +38,10 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from data.config import resolve_shards
-from data.loader import IGNORE, PackedLoader, data_sources
+from data.loader import PackedLoader, data_sources
 from model.aux import StepStats
 from model.config import ConfigError, reject_unknown_fields
 from model.vision import set_vision_body_trainable
@@ -54,6 +53,7 @@ from parallel.experts import is_expert_param
 from parallel.pipeline import build_pipeline, local_stage_ranges
 from train.balancing import accumulate_loads, global_loads, update_biases
 from train.clipping import clip_grad_norm_
+from train.loss import tiled_lm_loss
 from train.checkpoint import CheckpointWriter, RowShards, latest_checkpoint, load_checkpoint
 from train.config import data_config, model_config, optim_config, schedule, token_spec
 from train.engram_map import load_or_build_engram_map
@@ -78,6 +78,7 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many optimizer steps (the schedule is unchanged)
     seed: int = 0
     grad_clip: float = 1.0
+    loss_tile_tokens: int = 2048  # head + cross-entropy over tiles of this many positions (train/loss.py)
     balance_rate: float = 1e-3
     resume_from: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -127,6 +128,8 @@ def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: Pa
             f"a multiple of {unit * seq_len} tokens -- the nearest is train.global_batch_tokens={nearest[0] * seq_len} "
             f"({nearest[0]} sequences)" + (f" or {nearest[1] * seq_len}" if len(nearest) > 1 else "") +
             " -- or change data.batch_size / the number of processes")
+    if train.loss_tile_tokens <= 0:
+        raise ConfigError(f"train.loss_tile_tokens={train.loss_tile_tokens}: must be a positive number of positions")
     if train.checkpoint.interval <= 0 or train.checkpoint.keep <= 0:
         raise ConfigError("train.checkpoint.interval and train.checkpoint.keep must be positive")
     accumulation = g // (dp * micro_batch)
@@ -239,8 +242,8 @@ class Trainer:
         """This rank's stages wrapped in the configured schedule."""
         accum = self.layout.accumulation
 
-        def loss_fn(logits, labels):
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE) / accum
+        def loss_fn(hidden, labels):  # the last stage returns the final hidden states, not logits
+            return tiled_lm_loss(hidden, self.model.head, labels, self.train_cfg.loss_tile_tokens, 1.0 / accum)
 
         pipe = build_pipeline(self.model, self.parallel, bounds, self.pp_rank, self.pp_group, self.device,
                               self.data_cfg.batch_size, self.data_cfg.seq_len, self.layout.round_microbatches, loss_fn)
@@ -373,10 +376,11 @@ class Trainer:
             tokens = batch["tokens"].to(self.device)
             types = batch["token_types"].to(self.device)
             images = [[img.to(self.device) for img in row] for row in batch["images"]]
-            logits = self.model(tokens, types, images, stats, aux_grad_scale=1.0 / accum)
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].to(self.device).reshape(-1),
-                                 ignore_index=IGNORE)
-            (ce / accum).backward()
+            hidden = self.model.final_hidden(self.model.run(tokens, types, images, stats, aux_grad_scale=1.0 / accum))
+            loss = tiled_lm_loss(hidden, self.model.head, batch["labels"].to(self.device),
+                                 self.train_cfg.loss_tile_tokens, 1.0 / accum)
+            loss.backward()
+            ce = loss.detach() * accum
             accumulate_loads(loads, {k: v.cpu() for k, v in stats.expert_load.items()})
             sums += torch.tensor([ce.item(), float(sum(v.item() for v in stats.balance_loss.values())),
                                   float(sum(v.item() for v in stats.indexer_loss.values())),

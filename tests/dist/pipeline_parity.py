@@ -1,6 +1,7 @@
 """Run under torchrun (gloo): one pipeline step of flash_tiny per schedule on a fixed batch, dumping
-each rank's losses, gradients, expert loads and aux-loss sums to OUT/<schedule>.rank<r>.pt.
-tests/test_pipeline_dist.py compares them with a single-process reference.
+each rank's losses, gradients, expert loads and aux-loss sums to OUT/<schedule>.rank<r>.pt. The last
+stage returns hidden states and the loss runs head + cross-entropy tiled (train/loss.py);
+tests/test_pipeline_dist.py compares them with a single-process reference that builds full logits.
 
 usage: torchrun --nproc_per_node=2 tests/dist/pipeline_parity.py OUT SCHEDULE:COUNTS [SCHEDULE:COUNTS ...]
 (COUNTS: layer counts per stage, e.g. 1f1b:17,23)"""
@@ -11,14 +12,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
-from parity_batch import IGNORE, MICROBATCHES, batch, tiny_model  # noqa: E402
+from parity_batch import MICROBATCHES, batch, tiny_model  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.partition import bounds_from_counts  # noqa: E402
 from parallel.pipeline import build_pipeline  # noqa: E402
+from train.loss import tiled_lm_loss  # noqa: E402
+
+LOSS_TILE_TOKENS = 48  # 128-token micro-batches: 3 tiles, the last one shorter
 
 
 def main(out: Path, specs: list[str]) -> None:
@@ -28,15 +31,16 @@ def main(out: Path, specs: list[str]) -> None:
     tokens, types, labels, images = batch()
     M = MICROBATCHES
 
-    def loss_fn(logits, target):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE) / M
-
     for spec in specs:
         name, counts = spec.split(":")
         counts = [int(c) for c in counts.split(",")]
         parallel = ParallelConfig(pp=pp, schedule=name, stage_layers=counts)
         bounds = bounds_from_counts(counts)
         model = tiny_model()
+
+        def loss_fn(hidden, target, model=model):  # the last stage hands over hidden states: head + CE tiled
+            return tiled_lm_loss(hidden, model.head, target, LOSS_TILE_TOKENS, 1.0 / M)
+
         pipe = build_pipeline(model, parallel, bounds, rank, dist.group.WORLD, torch.device("cpu"),
                               micro_batch=tokens.shape[0] // M, seq_len=tokens.shape[1], n_microbatches=M,
                               loss_fn=loss_fn)

@@ -1,0 +1,61 @@
+"""Head + cross-entropy tiled over the sequence (train/loss.py) against the plain full-logits loss:
+the same value and gradients (hidden states and head weight) for tile counts that do and do not
+divide the sequence, with ignored positions and a gradient-accumulation scale; and the largest tensor
+it allocates is one tile's logits, not [tokens, vocab]."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from data.loader import IGNORE
+from train.loss import tiled_lm_loss
+
+
+def _case(B=2, S=19, D=8, V=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(D, V, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, D, generator=g))
+    x = torch.randn(B, S, D, generator=g, requires_grad=True)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    labels[0, :4] = IGNORE
+    labels[1, -3:] = IGNORE
+    return head, x, labels
+
+
+@pytest.mark.parametrize("tile_tokens", [38, 7, 5, 1000])
+def test_tiled_loss_equals_the_full_logits_loss(tile_tokens):
+    head, x, labels = _case()
+    scale = 0.25
+    want = F.cross_entropy(head(x).reshape(-1, 50), labels.reshape(-1), ignore_index=IGNORE) * scale
+    gx_want, gw_want = torch.autograd.grad(want, (x, head.weight))
+    loss = tiled_lm_loss(x, head, labels, tile_tokens, scale)
+    gw_tiles = head.weight.grad.clone()  # accumulated while the tiles ran
+    loss.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(x.grad, gx_want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(head.weight.grad, gw_want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(gw_tiles, gw_want, atol=1e-6, rtol=1e-5)  # nothing more arrives in backward
+
+
+class LargestAllocation(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def test_no_full_logits_tensor_is_allocated():
+    head, x, labels = _case(B=2, S=64, D=8, V=500)
+    with LargestAllocation() as mem:
+        tiled_lm_loss(x, head, labels, 16, 1.0).backward()
+    tile_logits = 16 * 500 * 4
+    assert mem.largest <= tile_logits < 2 * 64 * 500 * 4 / 4, mem.largest

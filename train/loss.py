@@ -1,0 +1,43 @@
+"""The language-model head and cross-entropy, tiled over the sequence (DESIGN.md "Memory").
+
+`[tokens, vocab]` logits are never materialised: DeepSpeed's Arctic Long Sequence Training
+`TiledFusedLogitsLoss` runs head + cross-entropy on one tile of `train.loss_tile_tokens` positions at a
+time and back-propagates each tile right away (the head weight's gradient accumulates then, the
+hidden states' gradient is kept for the autograd backward), so the largest temporary is one tile's
+logits: 2048 x 129,280 fp32 = 1 GiB for exp=flash, against 31.6 GiB for a 64K sequence.
+
+The loss is `scale` x the mean cross-entropy over the label positions (IGNORE positions excluded),
+summed over tiles -- the same value as `F.cross_entropy(head(x), labels, ignore_index=IGNORE)`. The
+scale (1 / gradient-accumulation steps) is applied inside each tile, because the tiles' head-weight
+gradients are accumulated before the caller's backward: the caller must back-propagate the returned
+loss with gradient 1 (`loss.backward()`; a pipeline schedule does).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data.loader import IGNORE
+
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss  # noqa: E402
+
+
+def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, tile_tokens: int,
+                  scale: float = 1.0) -> torch.Tensor:
+    """hidden [B, S, D] (after the final norm), labels [B, S] -> scale x mean CE over label positions."""
+    n_valid = max(1, int((labels != IGNORE).sum()))
+    tiles = max(1, math.ceil(labels.numel() / tile_tokens))
+
+    def tile_loss(head: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = head(x).float()
+        return F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum") * (scale / n_valid)
+
+    return TiledFusedLogitsLoss.apply(tile_loss, head, hidden, labels, None, tiles, [], "sum")
