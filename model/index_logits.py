@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from model.sparse_attention import _flat_rows, gather_rows
+from model.sparse_attention import _flat_rows, gather_rows, no_autocast
 
 
 def index_logits_reference(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -26,6 +26,11 @@ def index_logits_reference(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, id
 class _LeanIndexLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, w, k, idx, chunk: int):
+        with no_autocast(q.device):
+            return _LeanIndexLogits._forward(ctx, q, w, k, idx, chunk)
+
+    @staticmethod
+    def _forward(ctx, q, w, k, idx, chunk):
         B, S = idx.shape[:2]
         acc = torch.promote_types(q.dtype, torch.float32)
         out = torch.empty(B, S, idx.shape[-1], dtype=acc, device=q.device)
@@ -41,6 +46,11 @@ class _LeanIndexLogits(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dlogits):
+        with no_autocast(dlogits.device):
+            return _LeanIndexLogits._backward(ctx, dlogits)
+
+    @staticmethod
+    def _backward(ctx, dlogits):
         q, w, k, idx = ctx.saved_tensors
         B, S = idx.shape[:2]
         acc = dlogits.dtype

@@ -39,6 +39,12 @@ def _flat_rows(idx: torch.Tensor, n_rows: int) -> torch.Tensor:
     return idx.clamp_min(0) + offset
 
 
+def no_autocast(device: torch.device):
+    """The lean functions do their own precision (fp32 accumulation): autocast would run their einsums
+    in bf16 on CUDA."""
+    return torch.autocast(device.type, enabled=False)
+
+
 def chunk_logits(q: torch.Tensor, window_kv: torch.Tensor, q_start: int, window: int,
                  comp_kv: torch.Tensor | None, comp_idx: torch.Tensor | None, scale: float, dtype: torch.dtype):
     """The masked logits of a chunk of queries q [B, C, H, D] (positions q_start..q_start+C-1), in `dtype`.
@@ -87,6 +93,11 @@ def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, q_start: int, win
 class _LeanSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, window_kv, comp_kv, sink, topk, window: int, scale: float, chunk: int):
+        with no_autocast(q.device):
+            return _LeanSparseAttention._forward(ctx, q, window_kv, comp_kv, sink, topk, window, scale, chunk)
+
+    @staticmethod
+    def _forward(ctx, q, window_kv, comp_kv, sink, topk, window, scale, chunk):
         B, S, H, D = q.shape
         acc = torch.promote_types(q.dtype, torch.float32)
         has_comp = topk is not None and topk.shape[-1] > 0
@@ -115,6 +126,11 @@ class _LeanSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dtarget):
+        with no_autocast(dout.device):
+            return _LeanSparseAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, window_kv, comp_kv, sink, topk, out, lse = ctx.saved_tensors
         B, S, H, D = q.shape
         acc = lse.dtype
