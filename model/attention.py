@@ -44,7 +44,7 @@ from model.layer_plan import LayerRole, Role
 from model.norm import RMSNorm
 from model.rope import apply_rope, rope_angles, rope_frequencies
 from model.index_logits import index_logits_lean
-from model.sparse_attention import sparse_attention, sparse_attention_lean  # noqa: F401 (re-export)
+from model.sparse_attention import sparse_attention_lean
 
 
 @dataclass

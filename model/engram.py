@@ -131,7 +131,6 @@ class NgramHasher(nn.Module):
                 raise ValueError(f"engram token map covers {token_map.numel()} ids but model.vocab_size="
                                  f"{cfg.vocab_size}; rebuild it from the model's tokenizer")
             self.compressed_vocab = int(token_map.max()) + 1
-            self.register_buffer("token_map", token_map, persistent=False)
         want = cfg.engram_compressed_vocab_size
         self.map_error = None
         if want is not None and want != self.compressed_vocab:
@@ -149,11 +148,10 @@ class NgramHasher(nn.Module):
             "offsets": torch.tensor(np.array(offsets), dtype=torch.int64, device="cpu"),
             "multipliers": hash_multipliers(cfg.engram_layer_ids, self.max_ngram, self.compressed_vocab),
         }
-        if self.token_map is not None:
+        if token_map is not None:
             self._buffer_values["token_map"] = token_map
         for name, value in self._buffer_values.items():
-            if name != "token_map":
-                self.register_buffer(name, value.clone(), persistent=False)
+            self.register_buffer(name, value.clone(), persistent=False)
         self.pad_id = cfg.engram_pad_id
         self.n_heads = cfg.engram_n_heads
 

@@ -73,14 +73,10 @@ def seeded_normal_(p: torch.Tensor, std: float, seed: int, name: str, row_offset
 
 @torch.no_grad()
 def init_mhc_site(fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig,
-                  fill_normal: Callable[[torch.Tensor, float], None] | None = None) -> None:
-    """`fill_normal(t, std)` fills fn (default: from the global RNG, for stand-alone use)."""
+                  fill_normal: Callable[[torch.Tensor, float], None]) -> None:
+    """One mHC site; `fill_normal(t, std)` draws fn."""
     n = cfg.hc_mult
-    std = cfg.hc_fn_init_scale / math.sqrt(fn.shape[1])
-    if fill_normal is None:
-        fn.normal_(0.0, std)
-    else:
-        fill_normal(fn, std)
+    fill_normal(fn, cfg.hc_fn_init_scale / math.sqrt(fn.shape[1]))
     base.zero_()
     base[:n] = -math.log(n - 1)  # sigmoid(-log(n-1)) = 1/n
     base[2 * n:].view(n, n).fill_diagonal_(cfg.hc_comb_init_logit)
@@ -88,7 +84,8 @@ def init_mhc_site(fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg
 
 
 def _rule(module: nn.Module, leaf: str, p: torch.Tensor) -> str:
-    """normal / zero / one for a parameter, by its module type and name; unknown ones are an error."""
+    """How a parameter starts (normal / expert / zero / one / an mHC site), by its module type and name;
+    unknown ones are an error."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         return "normal" if leaf == "weight" else "zero"
     if isinstance(module, RMSNorm):
@@ -103,8 +100,10 @@ def _rule(module: nn.Module, leaf: str, p: torch.Tensor) -> str:
         return "one"
     if leaf in ("image_start", "image_newline", "image_end"):
         return "normal"
-    if leaf.startswith("hc_") and leaf.endswith(("_fn", "_base", "_scale")):
-        return "mhc"
+    if leaf.startswith("hc_") and leaf.endswith("_fn"):
+        return "mhc"  # the whole site: fn, base and scale
+    if leaf.startswith("hc_") and leaf.endswith(("_base", "_scale")):
+        return "with_mhc_fn"
     raise ValueError(f"model/init.py: no initialisation rule for parameter {leaf!r} of {type(module).__name__}; "
                      f"add one to _rule")
 
@@ -125,12 +124,10 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int = 0) -> None:
                 p.zero_()
             elif rule == "one":
                 p.fill_(1.0)
-        if any(f"hc_{site}_fn" in dict(module.named_parameters(recurse=False)) for site in ("attn", "ffn")):
-            for site in ("attn", "ffn"):
-                prefix = f"{mname}.hc_{site}" if mname else f"hc_{site}"
-                init_mhc_site(getattr(module, f"hc_{site}_fn"), getattr(module, f"hc_{site}_base"),
-                              getattr(module, f"hc_{site}_scale"), cfg,
-                              lambda t, std, prefix=prefix: seeded_normal_(t, std, seed, f"{prefix}_fn"))
+            elif rule == "mhc":
+                site = leaf[:-len("_fn")]
+                init_mhc_site(p, getattr(module, f"{site}_base"), getattr(module, f"{site}_scale"), cfg,
+                              lambda t, std, name=name: seeded_normal_(t, std, seed, name))
 
 
 def reset_buffers(model: nn.Module) -> None:

@@ -1,7 +1,30 @@
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from train.config import compose, model_config
+
+
+class Allocations(TorchDispatchMode):
+    """What operators create while the mode is on: `total` storage bytes of every real (non-meta)
+    tensor created (never decreased, so whatever was allocated counts even if freed again) and the
+    `largest` single one. Views and in-place / out= results create nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not (func.is_view or func._schema.is_mutable):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    n = t.untyped_storage().nbytes()
+                    self.total += n
+                    self.largest = max(self.largest, n)
+        return out
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from model.attention import Attention, Compressor, SharedKV, candidate_mask, select_candidate_blocks, sparse_attention
+from model.attention import Attention, Compressor, SharedKV, candidate_mask, select_candidate_blocks
+from model.sparse_attention import sparse_attention
 from model.layer_plan import Role, layer_plan
 
 

@@ -6,13 +6,12 @@ exp=flash."""
 
 import pytest
 import torch
+from conftest import Allocations
 
 from model import Transformer
 from parallel.config import ParallelConfig
 from parallel.construct import build_rank_model, model_template
 from parallel.pipeline import local_stage_ranges
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 BOUNDS = [(0, 17), (17, 40)]  # a pp=2 split that cuts between layer 14 (Full, Engram) and its Reuse layers
 
@@ -83,28 +82,11 @@ def test_row_blocks_of_a_sharded_tensor_equal_the_whole(monkeypatch):
         assert torch.equal(part, full[offset:offset + rows]), offset
 
 
-class AllocatedBytes(TorchDispatchMode):
-    """Sum of the storage bytes of every real (non-meta) tensor an operator creates, never decreased:
-    whatever a rank allocates while it is built counts, even if freed again."""
-
-    def __init__(self):
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not (func.is_view or func._schema.is_mutable):
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                    self.total += t.untyped_storage().nbytes()
-        return out
-
-
 def test_a_rank_allocates_only_what_it_owns(tiny_cfg, whole):
     """Building pp rank 1 with ep rank 1 allocates, in all, its own parameters and buffers once, plus the
     seeded blocks that fill them (at most their size again) -- less than the whole model's parameters
     alone, which building the whole model and pruning it would allocate."""
-    with AllocatedBytes() as mem:
+    with Allocations() as mem:
         part = _rank_model(tiny_cfg, 7, 1, 1)
     owned = sum(p.numel() * p.element_size() for p in part.parameters())
     buffers = sum(b.numel() * b.element_size() for b in part.buffers())

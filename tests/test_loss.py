@@ -6,8 +6,7 @@ it allocates is one tile's logits, not [tokens, vocab]."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from conftest import Allocations
 
 from data.loader import IGNORE
 from train.loss import tiled_lm_loss
@@ -40,22 +39,9 @@ def test_tiled_loss_equals_the_full_logits_loss(tile_tokens):
     torch.testing.assert_close(gw_tiles, gw_want, atol=1e-6, rtol=1e-5)  # nothing more arrives in backward
 
 
-class LargestAllocation(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
-
 def test_no_full_logits_tensor_is_allocated():
     head, x, labels = _case(B=2, S=64, D=8, V=500)
-    with LargestAllocation() as mem:
+    with Allocations() as mem:
         tiled_lm_loss(x, head, labels, 16, 1.0).backward()
     tile_logits = 16 * 500 * 4
     assert mem.largest <= tile_logits < 2 * 64 * 500 * 4 / 4, mem.largest

@@ -214,7 +214,7 @@ def test_init_is_a_plain_residual(tiny_cfg):
 
     D = 8
     fn, base, scale = torch.empty(24, 4 * D), torch.empty(24), torch.empty(3)
-    init_mhc_site(fn, base, scale, tiny_cfg)
+    init_mhc_site(fn, base, scale, tiny_cfg, lambda t, std: t.normal_(0.0, std))
     assert 0 < fn.std() < 2 * tiny_cfg.hc_fn_init_scale / math.sqrt(4 * D)
     x = torch.randn(2, 3, D)
     h = x.unsqueeze(2).expand(-1, -1, 4, -1).contiguous()
