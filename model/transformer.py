@@ -37,6 +37,7 @@ from model.layer_plan import LayerRole, layer_plan
 from model.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
 from model.moe import MoE
 from model.norm import RMSNorm
+from model.recompute import recompute_block, validate_recompute
 from model.vision import Aligner, ViT, encode_images, merge_images
 
 
@@ -71,6 +72,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, role)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = MoE(cfg, role.id)
+        self.recompute = "none"  # train.recompute (model/recompute.py); set by Transformer.set_recompute
         for site in ("attn", "ffn"):
             setattr(self, f"hc_{site}_fn", nn.Parameter(torch.empty(mix, n * cfg.dim, dtype=torch.float32)))
             setattr(self, f"hc_{site}_base", nn.Parameter(torch.empty(mix, dtype=torch.float32)))
@@ -81,6 +83,11 @@ class Block(nn.Module):
                         getattr(self, f"hc_{site}_base"), self.norm_eps, self.hc_eps, self.iters)
 
     def forward(self, carry: Carry, ctx: ForwardContext) -> Carry:
+        if self.recompute != "none" and torch.is_grad_enabled():
+            return recompute_block(self._forward, carry, ctx, self.recompute)
+        return self._forward(carry, ctx)
+
+    def _forward(self, carry: Carry, ctx: ForwardContext) -> Carry:
         h = carry.h
         if self.engram is not None:
             h = self.engram(h, ctx.engram_ids[:, :, self.engram.index], ctx.image_mask)
@@ -132,6 +139,13 @@ class Transformer(nn.Module):
         reset_buffers(self)
         init_weights(self, self.cfg, seed)
         return self
+
+    def set_recompute(self, mode: str) -> None:
+        """Activation recomputation of every block: 'none' | 'selective' | 'full' (model/recompute.py)."""
+        validate_recompute(mode)
+        for block in self.layers:
+            if isinstance(block, Block):
+                block.recompute = mode
 
     # --- the three stage pieces --------------------------------------------------------------
     def context(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
 from model.moe import RoutedExperts
 
@@ -50,9 +50,8 @@ class AllToAllDispatch:
         order = flat.argsort(stable=True)
         token = order // indices.shape[1]
         per_expert = torch.bincount(flat, minlength=E)  # pairs this rank sends to each global expert
-        recv_per_expert = torch.empty_like(per_expert)
-        dist.all_to_all_single(recv_per_expert, per_expert, group=self.group)  # [ep sources x e_local]
-        recv_per_expert = recv_per_expert.view(ep, e_local)
+        # functional (an op selective recomputation can keep, so a recomputed block does not exchange again)
+        recv_per_expert = all_to_all_single(per_expert, None, None, self.group).wait().view(ep, e_local)
         in_splits = per_expert.view(ep, e_local).sum(1).tolist()
         out_splits = recv_per_expert.sum(1).tolist()
         recv_x = _a2a(x[token], out_splits, in_splits, self.group)

@@ -198,7 +198,8 @@ def test_expert_load_statistics_by_hand():
 
 def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, corpus_args):
     """flash_tiny, 4 one-sequence micro-batches per step: pp=1 straight vs (pp=2 1F1B, 2 steps, then
-    pp=1) and (pp=1, 2 steps, then pp=2 DualPipeV, stage 0 + 3 on rank 0): the same losses, grad norms
+    pp=1) and (pp=1, 2 steps, then pp=2 DualPipeV, stage 0 + 3 on rank 0, with train.recompute=full
+    under its split input / weight backward): the same losses, grad norms
     and expert loads at every step, checkpoints loading across the layouts."""
     one = ["data.batch_size=1"]
     straight = tmp_path / "straight"
@@ -212,8 +213,8 @@ def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, c
     assert f"resumed from {a}/checkpoints/step_00000002 at step 2" in second.stdout
     b = tmp_path / "pp1_then_dualpipev"
     pretrain(b, corpus_args, "train.max_steps=2", *one)
-    third = pretrain(b, corpus_args, "train.max_steps=4", "parallel.pp=2", "parallel.schedule=dualpipev", *one,
-                     procs=2)
+    third = pretrain(b, corpus_args, "train.max_steps=4", "parallel.pp=2", "parallel.schedule=dualpipev",
+                     "train.recompute=full", *one, procs=2)
     assert f"resumed from {b}/checkpoints/step_00000002 at step 2" in third.stdout
     ref = records(straight)
     for run in (a, b):
@@ -246,12 +247,13 @@ def test_data_parallel_with_expert_replicas_and_pipeline_with_experts_four_proce
     """4 processes, two layouts, against one process reading the same global batch (4 loader workers):
     - dp=4, ep=2: each expert shard lives on 2 of the 4 data-parallel ranks, so expert gradients are
       averaged over the shard's replicas (the dp > ep branch) while the rest is averaged over all 4;
-    - pp=2 x dp=2 with ep=2 (experts sharded over each stage's 2 dp ranks, 2 loader workers per rank).
+    - pp=2 x dp=2 with ep=2 (experts sharded over each stage's 2 dp ranks, 2 loader workers per rank),
+      with train.recompute=selective (kept all-to-all outputs replayed inside pipeline stages).
     The same losses, grad norms and expert loads; for dp=4 x ep=2 also the MoE biases (exact) and the
     parameters after 2 steps."""
     ref_run, ref = four_reader_reference
     runs = {"dp4_ep2": ["parallel.ep=2", "data.num_workers=1"],
-            "pp2_dp2_ep2": ["parallel.pp=2", "parallel.ep=2", "data.num_workers=2"]}
+            "pp2_dp2_ep2": ["parallel.pp=2", "parallel.ep=2", "data.num_workers=2", "train.recompute=selective"]}
     for name, layout in runs.items():
         out = pretrain(tmp_path / name, corpus_args, "data.batch_size=1", "train.max_steps=2", *layout, procs=4)
         if name.startswith("pp2"):

@@ -44,6 +44,7 @@ from data.config import resolve_shards
 from data.loader import PackedLoader, data_sources
 from model.aux import StepStats
 from model.config import ConfigError, reject_unknown_fields
+from model.recompute import validate_recompute
 from model.vision import set_vision_body_trainable
 from parallel.config import ParallelConfig
 from parallel.mesh import build_mesh, mesh_shape
@@ -79,6 +80,7 @@ class TrainConfig:
     seed: int = 0
     grad_clip: float = 1.0
     loss_tile_tokens: int = 2048  # head + cross-entropy over tiles of this many positions (train/loss.py)
+    recompute: str = "none"  # activation recomputation per block: none | selective | full (model/recompute.py)
     balance_rate: float = 1e-3
     resume_from: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -128,6 +130,7 @@ def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: Pa
             f"a multiple of {unit * seq_len} tokens -- the nearest is train.global_batch_tokens={nearest[0] * seq_len} "
             f"({nearest[0]} sequences)" + (f" or {nearest[1] * seq_len}" if len(nearest) > 1 else "") +
             " -- or change data.batch_size / the number of processes")
+    validate_recompute(train.recompute)
     if train.loss_tile_tokens <= 0:
         raise ConfigError(f"train.loss_tile_tokens={train.loss_tile_tokens}: must be a positive number of positions")
     if train.checkpoint.interval <= 0 or train.checkpoint.keep <= 0:
@@ -217,6 +220,7 @@ class Trainer:
             stages = local_stage_ranges(self.parallel, bounds, self.pp_rank)
         build_rank_model(self.model, self.device, self.train_cfg.seed, stages, self.layout.ep, self.ep_rank,
                          self.ep_group)
+        self.model.set_recompute(self.train_cfg.recompute)
         if self.layout.pp > 1:
             self.pipe = self._build_pipeline(bounds)
         self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg, self._muon_shard_groups())

@@ -32,12 +32,15 @@ class PeakTensorBytes(TorchDispatchMode):
             return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
+                try:
+                    storage = t.untyped_storage()
+                    key = storage.data_ptr()
+                except RuntimeError:  # a wrapper without storage of its own (a collective's async result)
+                    continue
                 if key and key not in self._seen:
                     n = storage.nbytes()
                     self._seen.add(key)
                     self.live += n
                     self.peak = max(self.peak, self.live)
-                    weakref.finalize(t, self._free, key, n)
+                    weakref.finalize(storage, self._free, key, n)  # the storage: a view may outlive its base
         return out

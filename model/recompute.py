@@ -1,0 +1,84 @@
+"""Activation recomputation per block (`train.recompute`; DESIGN.md "Memory").
+
+- `none`:      autograd keeps every tensor the block's backward needs.
+- `full`:      only the block's input carry is kept; the whole block runs again in backward
+               (torch's non-reentrant activation checkpoint). Under expert parallelism that re-runs the
+               dispatch all-to-alls too, in the same order on every rank of the EP group.
+- `selective`: the outputs of the large matmuls (`aten.mm` / `addmm`: every projection, gate and expert
+               matmul) and of the collectives (the expert all-to-alls) are kept; everything else -- norms,
+               activations, RoPE, mHC mixes, the indexer's selection and the sparse-attention core, whose
+               score blocks are batched matmuls -- is recomputed in backward. The kept collective outputs
+               are replayed from the cache, so the recomputation sends nothing (torch's selective
+               activation checkpoint, as torchtitan's `_save_list` / Megatron's `recompute_modules`).
+
+The block mutates the carry's `SharedKV` in place (a Full layer publishes its KV, a Reindex layer its
+top-k), so the checkpointed function takes the carry as explicit tensors and builds a fresh carry from
+them: the recomputation sees the block's original inputs, never what the forward wrote afterwards.
+
+The aux side channel (`StepStats`) is filled by the first run only; a recomputation writes into a
+throwaway one, so loads and aux values are counted once (their gradients ride on the original graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from model.aux import StepStats
+from model.config import ConfigError
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+CARRY_FIELDS = ("h", "pre_mix", "kv", "index_k", "topk", "candidates")
+
+
+def _saved_ops() -> set:
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    ops = {aten.mm.default, aten.addmm.default, c10d.all_to_all_single.default, c10d.wait_tensor.default,
+           c10d._wrap_tensor_autograd.default}
+    if hasattr(aten, "_scaled_mm"):
+        ops.add(aten._scaled_mm.default)
+    return ops
+
+
+def _selective_policy(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context():
+    return create_selective_checkpoint_contexts(partial(_selective_policy, _saved_ops()))
+
+
+def validate_recompute(mode: str) -> None:
+    if mode not in RECOMPUTE_MODES:
+        raise ConfigError(f"train.recompute={mode!r}: must be one of {', '.join(RECOMPUTE_MODES)}")
+
+
+def recompute_block(fn: Callable, carry, ctx, mode: str):
+    """`fn(carry, ctx) -> carry` under activation checkpointing of `mode` ('full' or 'selective')."""
+    from model.attention import SharedKV
+    from model.transformer import Carry
+
+    first = [True]
+
+    def run(h, pre_mix, kv, index_k, topk, candidates):
+        run_ctx = ctx if first[0] else dataclasses.replace(ctx, stats=StepStats())
+        first[0] = False
+        out = fn(Carry(h, pre_mix, SharedKV(kv, index_k, topk, candidates)), run_ctx)
+        s = out.shared
+        return out.h, out.pre_mix, s.kv, s.index_k, s.topk, s.candidates
+
+    s = carry.shared
+    # The checkpoint keeps its inputs as fresh views, and a field the block passes through unchanged comes
+    # back as the original tensor: a zero-bubble pipeline detaches a stage's outputs in place after the
+    # input backward, and such an output (e.g. a passed-on KV) may be a checkpointed block's input too.
+    originals = (carry.h, carry.pre_mix, s.kv, s.index_k, s.topk, s.candidates)
+    inputs = [t.view_as(t) if t is not None and t.requires_grad else t for t in originals]
+    kwargs = {"context_fn": selective_context} if mode == "selective" else {}
+    outs = checkpoint(run, *inputs, use_reentrant=False, **kwargs)
+    passed = {id(v): t for v, t in zip(inputs, originals) if v is not None}
+    h, pre_mix, kv, index_k, topk, candidates = (passed.get(id(o), o) for o in outs)
+    return Carry(h, pre_mix, SharedKV(kv, index_k, topk, candidates))
