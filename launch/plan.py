@@ -5,7 +5,9 @@
 
 Any Hydra override works (`model.dim=1024`). Reports parameter totals (text backbone, Engram tables,
 with text and vision separately, total), activated parameters per token, parameters and tensors per optimizer (the V4.1 routing), the
-with `parallel.pp=K` the pipeline partition (layers, estimated bytes and compute per stage, imbalance),
+with `parallel.pp=K` the pipeline partition (layers, the partitioner's cost-model bytes and compute per
+stage, imbalance -- a fast analytic view for choosing stage boundaries; the measurement of per-GPU memory
+is launch/estimate.py, which simulates the real training step),
 the LR schedule (total steps, tokens per step, step and LR at warmup end, decay start, decay end and the
 last step, the ViT unfreeze step), the per-layer role table and per-layer parameter counts.
 """
@@ -93,6 +95,8 @@ def format_report(report: dict) -> str:
              f"{st['bytes'] / 2**30:10.1f} GiB (state {st['state_bytes'] / 2**30:.1f}, activations "
              f"{st['activation_bytes'] / 2**30:.1f})  {st['flops_per_token'] / 1e9:8.2f} GFLOP/token"
              for st in report["pipeline"]["stages"]]
+          + ["    (partitioner cost model, not a measurement: per-GPU memory of a real step is "
+             "launch/estimate.py's)"]
           + ([f"    per rank: imbalance bytes {report['pipeline']['rank_imbalance_bytes']:.3f}, compute "
               f"{report['pipeline']['rank_imbalance_compute']:.3f}"] if "ranks" in report["pipeline"] else [])
           if "pipeline" in report else []),

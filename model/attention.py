@@ -160,7 +160,7 @@ def indexer_kl(target_probs: torch.Tensor, logits: torch.Tensor, valid: torch.Te
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
     logq = logits.masked_fill(~valid, float("-inf")).log_softmax(-1)
     terms = torch.where(valid, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p))
-    return terms.sum(-1)[has].sum() / has.sum().clamp_min(1)
+    return terms.sum() / has.sum().clamp_min(1)  # queries without a valid entry contribute 0 terms
 
 
 class Attention(nn.Module):

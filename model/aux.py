@@ -48,6 +48,8 @@ class StepStats:
     # layer -> [2, n_routed_experts] int64 counts of (token, expert) selections; row 0 text, row 1 image
     expert_load: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def total_aux_loss(self) -> torch.Tensor | float:
-        vals = list(self.balance_loss.values()) + list(self.indexer_loss.values())
-        return torch.stack(vals).sum() if vals else 0.0
+    def total(self, kind: str) -> torch.Tensor | float:
+        """The sum of one kind of value ('balance_loss' / 'indexer_loss') over layers, on the CPU in
+        float64 (0.0 when there is none)."""
+        vals = list(getattr(self, kind).values())
+        return torch.stack(vals).sum().detach().double().cpu() if vals else 0.0

@@ -153,6 +153,8 @@ class NgramHasher(nn.Module):
         for name, value in self._buffer_values.items():
             self.register_buffer(name, value.clone(), persistent=False)
         self.pad_id = cfg.engram_pad_id
+        # the pad token's compressed id, fixed at construction (no host read of the map per batch)
+        self.pad_value = int(cfg.engram_pad_id if token_map is None else token_map[cfg.engram_pad_id])
         self.n_heads = cfg.engram_n_heads
 
     def reset_buffers(self) -> None:
@@ -164,7 +166,7 @@ class NgramHasher(nn.Module):
         if self.map_error:
             raise ValueError(self.map_error)
         comp = tokens if self.token_map is None else self.token_map[tokens]
-        pad = int(self.pad_id if self.token_map is None else self.token_map[self.pad_id])
+        pad = self.pad_value
         B, S = tokens.shape
         dead = torch.zeros_like(tokens, dtype=torch.bool) if image_mask is None else image_mask
         pos = torch.arange(S, device=tokens.device)

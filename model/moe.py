@@ -20,9 +20,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from model.aux import StepStats, attach_aux_loss
 from model.config import ModelConfig
+
+
+def balanced_split(total: int, parts: int) -> list[int]:
+    """`total` items over `parts` as evenly as possible (the first ones get the remainder)."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def expert_counts(flat_indices: torch.Tensor, n_experts: int) -> list[int]:
+    """(token, expert) pairs per expert. A fake tensor (the memory estimator, train/estimate.py) has no
+    values: it gets the balanced split that the bias update steers routing towards."""
+    if is_fake(flat_indices):
+        return balanced_split(flat_indices.numel(), n_experts)
+    return torch.bincount(flat_indices, minlength=n_experts).tolist()
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -95,7 +109,7 @@ class RoutedExperts(nn.Module):
         flat = indices.flatten()
         order = flat.argsort(stable=True)
         token = order // indices.shape[1]
-        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
+        counts = expert_counts(flat, self.w1.shape[0])
         ys = self.local_experts(x[token], weights.flatten()[order], counts)  # tokens grouped by expert
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         return out.index_add(0, token, ys.float())
@@ -149,12 +163,11 @@ class MoE(nn.Module):
         y = y.to(x.dtype).view(B, S, D)
 
         if stats is not None:
-            with torch.no_grad():
-                img = torch.zeros(B * S, dtype=torch.bool, device=x.device) if flat_mask is None else flat_mask
-                load = torch.stack([
-                    torch.bincount(indices[~img].flatten(), minlength=self.n_experts),
-                    torch.bincount(indices[img].flatten(), minlength=self.n_experts),
-                ])
+            with torch.no_grad():  # row 0 text, row 1 image; fixed shapes (no boolean indexing)
+                row = torch.zeros_like(indices) if flat_mask is None else flat_mask.long().unsqueeze(-1).expand_as(indices)
+                load = torch.zeros(2 * self.n_experts, dtype=torch.long, device=x.device)
+                load.index_add_(0, (row * self.n_experts + indices).flatten(), torch.ones_like(indices).flatten())
+                load = load.view(2, self.n_experts)
             stats.expert_load[self.layer_id] = load
         if self.alpha > 0 and torch.is_grad_enabled():
             loss = self.alpha * sequence_balance_loss(scores.view(B, S, -1), indices.view(B, S, -1), self.n_experts)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from model.attention import Attention, SharedKV
 from model.aux import StepStats
@@ -173,7 +174,7 @@ class Transformer(nn.Module):
                 rows.append(rows_flat[k:k + len(sample)])
                 k += len(sample)
             e = merge_images(e, token_types, rows, self.image_start, self.image_newline, self.image_end)
-        elif token_types is not None and bool((token_types >= 0).any()):
+        elif token_types is not None and not is_fake(token_types) and bool((token_types >= 0).any()):
             raise ValueError("token_types marks image positions but the batch carries no images")
         h = e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         return Carry(h, one_hot_pre(h))

@@ -9,6 +9,8 @@ own, and every layout starts from the weights one process building the whole mod
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -26,11 +28,13 @@ def model_template(cfg: ModelConfig, token_map: list[int] | None = None) -> Tran
 
 def build_rank_model(template: Transformer, device: torch.device | str, seed: int,
                      stages: list[StageRange] | None = None, ep: int = 1, ep_rank: int = 0,
-                     ep_group: dist.ProcessGroup | None = None) -> Transformer:
+                     ep_group: dist.ProcessGroup | None = None, tensor_mode=None) -> Transformer:
     """Prune `template` (in place) to `stages` and to expert shard `ep_rank` of `ep`, then materialise
-    what is left on `device` with the run `seed`."""
+    what is left on `device` with the run `seed` -- under `tensor_mode` when given (the memory
+    estimator's FakeTensorMode: the pruning stays on plain meta tensors, the materialised ones are fake)."""
     if stages is not None:
         prune_to_stages(template, stages)
     if ep > 1:
         shard_experts(template, ep, ep_rank, ep_group)
-    return template.materialize(device, seed)
+    with tensor_mode or contextlib.nullcontext():
+        return template.materialize(device, seed)

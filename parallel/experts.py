@@ -26,9 +26,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
-from model.moe import RoutedExperts
+from model.moe import RoutedExperts, balanced_split
+
+
+def _chunks(xs: list[int], n: int) -> list[list[int]]:
+    return [xs[i:i + n] for i in range(0, len(xs), n)]
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -42,6 +47,23 @@ class AllToAllDispatch:
     def __init__(self, group: dist.ProcessGroup, ep: int):
         self.group, self.ep = group, ep
 
+    def _exchange_plan(self, flat: torch.Tensor, E: int, e_local: int):
+        """(rows sent to each EP rank, rows received from each, the permutation that regroups the received
+        rows by local expert, rows per local expert). Fake tensors (train/estimate.py) carry no values:
+        every rank then sends and receives the balanced split, without exchanging counts."""
+        ep = self.ep
+        if is_fake(flat):
+            splits = [sum(part) for part in _chunks(balanced_split(flat.numel(), E), e_local)]
+            n = sum(splits)
+            return splits, splits, torch.arange(n, device=flat.device), balanced_split(n, e_local)
+        per_expert = torch.bincount(flat, minlength=E)  # pairs this rank sends to each global expert
+        # functional (an op selective recomputation can keep, so a recomputed block does not exchange again)
+        recv_per_expert = all_to_all_single(per_expert, None, None, self.group).wait().view(ep, e_local)
+        # received rows: by source rank, then by expert; regroup by local expert
+        local_id = torch.arange(e_local, device=flat.device).repeat(ep).repeat_interleave(recv_per_expert.flatten())
+        return (per_expert.view(ep, e_local).sum(1).tolist(), recv_per_expert.sum(1).tolist(),
+                local_id.argsort(stable=True), recv_per_expert.sum(0).tolist())
+
     def __call__(self, experts: RoutedExperts, x: torch.Tensor, weights: torch.Tensor,
                  indices: torch.Tensor) -> torch.Tensor:
         ep, E = self.ep, experts.n_global
@@ -49,17 +71,9 @@ class AllToAllDispatch:
         flat = indices.flatten()
         order = flat.argsort(stable=True)
         token = order // indices.shape[1]
-        per_expert = torch.bincount(flat, minlength=E)  # pairs this rank sends to each global expert
-        # functional (an op selective recomputation can keep, so a recomputed block does not exchange again)
-        recv_per_expert = all_to_all_single(per_expert, None, None, self.group).wait().view(ep, e_local)
-        in_splits = per_expert.view(ep, e_local).sum(1).tolist()
-        out_splits = recv_per_expert.sum(1).tolist()
+        in_splits, out_splits, perm, counts = self._exchange_plan(flat, E, e_local)
         recv_x = _a2a(x[token], out_splits, in_splits, self.group)
         recv_w = _a2a(weights.flatten()[order], out_splits, in_splits, self.group)
-        # received rows: by source rank, then by expert; regroup by local expert
-        local_id = torch.arange(e_local, device=x.device).repeat(ep).repeat_interleave(recv_per_expert.flatten())
-        perm = local_id.argsort(stable=True)
-        counts = recv_per_expert.sum(0).tolist()
         ys = experts.local_experts(recv_x[perm], recv_w[perm], counts)
         back = torch.empty_like(ys).index_copy(0, perm, ys)  # undo the regrouping
         result = _a2a(back, in_splits, out_splits, self.group)

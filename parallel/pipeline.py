@@ -191,8 +191,8 @@ class RoundStats:
     its forward; pipelining does not recompute forwards, so nothing is counted twice)."""
 
     expert_load: dict[int, torch.Tensor] = field(default_factory=dict)
-    balance: float = 0.0
-    indexer: float = 0.0
+    balance: torch.Tensor | float = 0.0  # sums kept as tensors: no host sync per micro-batch
+    indexer: torch.Tensor | float = 0.0
 
     def reset(self) -> None:
         self.expert_load, self.balance, self.indexer = {}, 0.0, 0.0
@@ -201,8 +201,8 @@ class RoundStats:
         for layer, load in stats.expert_load.items():
             load = load.detach().cpu()
             self.expert_load[layer] = self.expert_load[layer] + load if layer in self.expert_load else load.clone()
-        self.balance += float(sum(v.item() for v in stats.balance_loss.values()))
-        self.indexer += float(sum(v.item() for v in stats.indexer_loss.values()))
+        self.balance = self.balance + stats.total("balance_loss")
+        self.indexer = self.indexer + stats.total("indexer_loss")
 
 
 class StageModule(nn.Module):
@@ -235,7 +235,7 @@ class StageModule(nn.Module):
         f = dict(zip(self.in_names, tensors))
         tokens, types = f["tokens"], f["token_types"]
         if self.range.is_first:
-            images = [self.images[i] for i in f["rows"].tolist()] if self.images else None
+            images = [self.images[i] for i in f["rows"].tolist()] if any(self.images) else None
             carry = model.embed_inputs(tokens, types, images)
         else:
             carry = Carry(f["h"], f["pre_mix"], SharedKV(**{k: f.get(k) for k in SHARED_FIELDS}))

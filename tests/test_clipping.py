@@ -38,7 +38,7 @@ def test_above_the_clip_scales_to_it(max_norm):
 def test_below_the_clip_is_left_unchanged(max_norm):
     named = _grads()
     before = [g.clone() for _, g in named]
-    assert clip_grad_norm_(named, max_norm, torch.device("cpu")) == pytest.approx(13.0, rel=1e-7)
+    assert clip_grad_norm_(named, max_norm, torch.device("cpu")).item() == pytest.approx(13.0, rel=1e-7)
     assert all(torch.equal(g, g0) for (_, g), g0 in zip(named, before))  # not scaled up towards the clip
 
 
@@ -68,7 +68,7 @@ for kind, dense, want in (("pp", [3.0 + r, 4.0], 67.0), ("ep", [3.0, 4.0], 35.0)
         assert torch.allclose(g, g0 * coef, rtol=1e-6, atol=0), (kind, r, g, g0 * coef)
     # below the clip: the same norm, nothing changes
     named = [(n, g0.clone()) for (n, _), g0 in zip(named, before)]
-    assert abs(clip_grad_norm_(named, 100.0, cpu, is_expert, **groups) - math.sqrt(want)) < 1e-5
+    assert abs(clip_grad_norm_(named, 100.0, cpu, is_expert, **groups).item() - math.sqrt(want)) < 1e-5
     assert all(torch.equal(g, g0) for (_, g), g0 in zip(named, before))
 print(f"rank {r}: clip ok", flush=True)
 dist.destroy_process_group()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 
 def accumulate_loads(total: dict[int, torch.Tensor], step_loads: dict[int, torch.Tensor]) -> None:
@@ -43,7 +44,8 @@ def global_loads(loads: dict[int, torch.Tensor], n_layers: int, n_experts: int, 
     dense = dense.to(device)
     dist.all_reduce(dense, group=group)
     dense = dense.cpu()
-    return {l: dense[l, :-1].reshape(2, n_experts) for l in range(n_layers) if dense[l, -1]}
+    present = range(n_layers) if is_fake(dense) else [l for l in range(n_layers) if dense[l, -1]]  # fake: no values
+    return {l: dense[l, :-1].reshape(2, n_experts) for l in present}
 
 
 @torch.no_grad()
@@ -58,8 +60,8 @@ def update_biases(model: nn.Module, loads: dict[int, torch.Tensor], rate: float)
         gate = ffn.gate
         for bias, counts in ((gate.bias, load[0]), (gate.bias_vl, load[1])):
             counts = counts.to(torch.float32)
-            if counts.sum() == 0:
-                continue  # this modality was absent from the step
+            if not is_fake(counts) and counts.sum() == 0:
+                continue  # this modality was absent from the step (the rule would change nothing either)
             bias += rate * torch.sign(counts.mean() - counts)
             changed += 1
     return changed

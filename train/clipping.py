@@ -44,13 +44,14 @@ def global_grad_norm(named_grads: Iterable[tuple[str, torch.Tensor]], device: to
 
 def clip_grad_norm_(named_grads: Iterable[tuple[str, torch.Tensor]], max_norm: float, device: torch.device,
                     is_sharded: Callable[[str], bool] = lambda name: False, shard_group=None,
-                    stage_group=None) -> float:
+                    stage_group=None) -> torch.Tensor:
     """Scale the gradients in place so that the global norm is at most `max_norm`; returns the norm
-    before clipping. Every rank must call it (the norm is all-reduced)."""
+    before clipping as a 0-dim tensor (no host sync here). Every rank must call it (the norm is
+    all-reduced)."""
     named = list(named_grads)
     norm = global_grad_norm(named, device, is_sharded, shard_group, stage_group)
     coef = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
     grads = [g for _, g in named]
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
-    return norm.item()
+    return norm

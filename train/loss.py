@@ -22,6 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from data.loader import IGNORE
 
@@ -30,14 +31,26 @@ logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss  # noqa: E402
 
 
+class _TiledLogitsLoss(TiledFusedLogitsLoss):
+    """DeepSpeed's tiled forward; the backward scales the kept hidden-state gradient by the incoming
+    gradient in place as a tensor op, where DeepSpeed's first compares it with 1.0 on the host -- a
+    sync per micro-batch, and a question fake tensors (the memory estimator) cannot answer."""
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (x_grad,) = ctx.saved_tensors
+        return (None, None, x_grad.mul_(grads[0]), None, None, None, None, None, None)
+
+
 def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, tile_tokens: int,
                   scale: float = 1.0) -> torch.Tensor:
     """hidden [B, S, D] (after the final norm), labels [B, S] -> scale x mean CE over label positions."""
-    n_valid = max(1, int((labels != IGNORE).sum()))
+    # fake labels (the memory estimator, train/estimate.py) have no values: every position counts
+    n_valid = labels.numel() if is_fake(labels) else max(1, int((labels != IGNORE).sum()))
     tiles = max(1, math.ceil(labels.numel() / tile_tokens))
 
     def tile_loss(head: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = head(x).float()
         return F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum") * (scale / n_valid)
 
-    return TiledFusedLogitsLoss.apply(tile_loss, head, hidden, labels, None, tiles, [], "sum")
+    return _TiledLogitsLoss.apply(tile_loss, head, hidden, labels, None, tiles, [], "sum")

@@ -25,6 +25,7 @@ LR / ViT-freeze schedule -> metrics -> checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch._subclasses.fake_tensor import is_fake
 
 from data.config import resolve_shards
 from data.loader import PackedLoader, data_sources
@@ -170,9 +172,34 @@ def _set_rng_state(s: dict) -> None:
 
 class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: str | Path):
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self._configure(cfg, run_dir, world)
+        resolve_shards(self.data_cfg.text_shards, "text_shards")  # a bad shard path fails here, not mid-run
+        resolve_shards(self.data_cfg.mm_shards, "mm_shards")
+        if self.train_cfg.resume_from and not Path(self.train_cfg.resume_from).is_dir():
+            raise FileNotFoundError(f"train.resume_from={self.train_cfg.resume_from!r} does not exist")
+
+        self.rank, world, self.device = _init_distributed()
+        self._setup_groups(world)
+        torch.manual_seed(self.train_cfg.seed)
+        random.seed(self.train_cfg.seed)
+        np.random.seed(self.train_cfg.seed)
+        # rank 0 builds the default corpus / engram map first; the others then find them cached
+        for turn in (0, 1):
+            if (turn == 0) == self.is_main:
+                text, mm, tok = data_sources(self.data_cfg, self.spec)
+                token_map = load_or_build_engram_map(tok) if self.model_cfg.engram_layer_ids else None
+            self._barrier()
+        self._build(model_template(self.model_cfg, token_map))
+        self.loader = PackedLoader(self.data_cfg, self.spec, text, mm, self.dp_rank, self.layout.dp)
+        self.checkpoints = CheckpointWriter(self.run_dir, self.train_cfg.checkpoint.keep,
+                                            self.train_cfg.checkpoint.async_save)
+        self._resume()
+
+    def _configure(self, cfg: DictConfig, run_dir: str | Path, world: int) -> None:
+        """Everything validated before a process group, a model or data exists."""
         self.run_dir = Path(run_dir)
         self.cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-        # --- everything validated before a process group, a model or data exists ---
         self.model_cfg = model_config(cfg)
         self.optim_cfg = optim_config(cfg)
         self.data_cfg = data_config(cfg)
@@ -180,17 +207,19 @@ class Trainer:
         self.log_cfg = LoggingConfig.from_mapping(self.cfg_dict.get("logging", {}))
         self.parallel = ParallelConfig.from_mapping(self.cfg_dict.get("parallel", {}))
         self.schedule = schedule(cfg)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
         self.layout = plan_layout(self.train_cfg, self.data_cfg.seq_len, self.data_cfg.batch_size, self.parallel, world,
                                   self.model_cfg.n_layers, self.model_cfg.n_routed_experts)
-        resolve_shards(self.data_cfg.text_shards, "text_shards")  # a bad shard path fails here, not mid-run
-        resolve_shards(self.data_cfg.mm_shards, "mm_shards")
-        if self.train_cfg.resume_from and not Path(self.train_cfg.resume_from).is_dir():
-            raise FileNotFoundError(f"train.resume_from={self.train_cfg.resume_from!r} does not exist")
         self.max_steps = self.train_cfg.max_steps or self.schedule.total_steps
+        self.spec = token_spec(self.model_cfg)
+        self.tensor_mode = None  # a mode every tensor of the run is made under (the estimator's FakeTensorMode)
+        self.step = 0
+        self.tokens_seen = 0
+        self._stop = False
 
-        self.rank, world, self.device = _init_distributed()
+    def _setup_groups(self, world: int) -> None:
+        """The ("pp", "dp_rep", "ep") mesh and this rank's coordinates in it (after the process group)."""
         self.is_main = self.rank == 0
+        self.mixed_precision = self.device.type == "cuda"
         self.mesh = self.pp_group = self.dp_group = self.ep_group = self.rep_group = None
         self.pp_rank, self.dp_rank, self.ep_rank = 0, self.rank, 0
         if self.layout.pp > 1 or self.layout.ep > 1:
@@ -200,37 +229,25 @@ class Trainer:
             self.ep_group, self.rep_group = self.mesh.group("ep"), self.mesh.group("dp_rep")
             self.pp_rank, self.dp_rank = self.mesh.local_rank("pp"), self.mesh.local_rank("dp")
             self.ep_rank = self.mesh.local_rank("ep")
-        torch.manual_seed(self.train_cfg.seed)
-        random.seed(self.train_cfg.seed)
-        np.random.seed(self.train_cfg.seed)
-        self.spec = token_spec(self.model_cfg)
-        # rank 0 builds the default corpus / engram map first; the others then find them cached
-        for turn in (0, 1):
-            if (turn == 0) == self.is_main:
-                text, mm, tok = data_sources(self.data_cfg, self.spec)
-                token_map = load_or_build_engram_map(tok) if self.model_cfg.engram_layer_ids else None
-            self._barrier()
-        # a meta-device template, pruned to this rank's stages and expert shard, then materialised
-        # (parallel/construct.py): no rank allocates what it does not own, every layout the same weights
-        self.model = model_template(self.model_cfg, token_map)
+
+    def _build(self, template) -> None:
+        """This rank's model, pipeline stages and optimizers from the whole model's meta-device template
+        (`model_template`): pruned to this rank's stages and expert shard, then materialised
+        (parallel/construct.py), so no rank allocates what it does not own and every layout starts from
+        the same weights."""
+        self.model = template
         self.pipe = None
         stages = None
         if self.layout.pp > 1:
             bounds = self._partition()
             stages = local_stage_ranges(self.parallel, bounds, self.pp_rank)
         build_rank_model(self.model, self.device, self.train_cfg.seed, stages, self.layout.ep, self.ep_rank,
-                         self.ep_group)
+                         self.ep_group, self.tensor_mode)
         self.model.set_recompute(self.train_cfg.recompute)
-        if self.layout.pp > 1:
-            self.pipe = self._build_pipeline(bounds)
-        self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg, self._muon_shard_groups())
-        self.loader = PackedLoader(self.data_cfg, self.spec, text, mm, self.dp_rank, self.layout.dp)
-        self.checkpoints = CheckpointWriter(self.run_dir, self.train_cfg.checkpoint.keep,
-                                            self.train_cfg.checkpoint.async_save)
-        self.step = 0
-        self.tokens_seen = 0
-        self._stop = False
-        self._resume()
+        with self.tensor_mode or contextlib.nullcontext():
+            if self.layout.pp > 1:
+                self.pipe = self._build_pipeline(bounds)
+            self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg, self._muon_shard_groups())
 
     def _partition(self) -> list[tuple[int, int]]:
         """[start, end) blocks of the parallel.n_stages stages: cost-balanced over the whole model, or
@@ -346,7 +363,8 @@ class Trainer:
     def _average(self, params: list[torch.Tensor], group, divisor: int) -> None:
         has = self._all_reduce(torch.tensor([p.grad is not None for p in params], dtype=torch.float32),
                                dist.ReduceOp.MAX, group)
-        live = [p for p, h in zip(params, has.tolist()) if h]
+        # fake tensors (train/estimate.py) have no values: the estimate assumes every gradient exists
+        live = params if is_fake(has) else [p for p, h in zip(params, has.tolist()) if h]
         if not live:
             return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in live])
@@ -384,12 +402,12 @@ class Trainer:
             loss = tiled_lm_loss(hidden, self.model.head, batch["labels"].to(self.device),
                                  self.train_cfg.loss_tile_tokens, 1.0 / accum)
             loss.backward()
-            ce = loss.detach() * accum
             accumulate_loads(loads, {k: v.cpu() for k, v in stats.expert_load.items()})
-            sums += torch.tensor([ce.item(), float(sum(v.item() for v in stats.balance_loss.values())),
-                                  float(sum(v.item() for v in stats.indexer_loss.values())),
-                                  batch["pad_tokens"], batch["tokens"].numel() + batch["tokens"].shape[0]],
-                                 dtype=torch.float64)
+            sums[0] += loss.detach().double().cpu() * accum  # tensors throughout: no host sync per micro-batch
+            sums[1] += stats.total("balance_loss")
+            sums[2] += stats.total("indexer_loss")
+            sums[3] += batch["pad_tokens"]
+            sums[4] += batch["tokens"].numel() + batch["tokens"].shape[0]
         return sums, loads
 
     def _pipeline_passes(self) -> tuple[torch.Tensor, dict]:
@@ -408,7 +426,8 @@ class Trainer:
             labels = torch.cat([b["labels"] for b in batches]).to(self.device)
             images = [[img.to(self.device) for img in row] for b in batches for row in b["images"]]
             losses = self.pipe.run_round(tokens, types, labels, images)
-            sums[0] += sum(loss.item() for loss in losses) * accum  # the schedule's losses are CE / accum
+            if losses:  # the schedule's losses are CE / accum
+                sums[0] += torch.stack(losses).detach().sum().double().cpu() * accum
             if self.pp_rank == 0:
                 sums[3] += sum(b["pad_tokens"] for b in batches)
                 sums[4] += sum(b["tokens"].numel() + b["tokens"].shape[0] for b in batches)
@@ -418,23 +437,9 @@ class Trainer:
     # --- the loop ----------------------------------------------------------------------------
     def train_step(self) -> tuple[dict, dict]:
         t0 = time.perf_counter()
-        if self.model_cfg.vision_n_layers:
-            set_vision_body_trainable(self.model, self.schedule.vit_trainable(self.step))
         lr = self.schedule.lr(self.step)
-        self.optim.set_lr(lr)
-        self.optim.zero_grad(set_to_none=True)
-        accum = self.layout.accumulation
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast(
-            "cpu", enabled=False)
-        with autocast:
-            sums, loads = self._pipeline_passes() if self.pipe else self._local_passes()
-        self._reduce_gradients()
-        grad_norm = self._clip_gradients()
-        self.optim.step()
-        loads = global_loads(loads, self.model_cfg.n_layers, self.model_cfg.n_routed_experts, device=self.device)
-        update_biases(self.model, loads, self.train_cfg.balance_rate)
-        self._all_reduce(sums)
-        n_micro = accum * self.layout.dp
+        sums, loads, grad_norm = self.compute_step()
+        n_micro = self.layout.accumulation * self.layout.dp
         self.step += 1
         self.tokens_seen += self.schedule.tokens_per_step
         dt = time.perf_counter() - t0
@@ -444,13 +449,38 @@ class Trainer:
         self._all_reduce(counters)
         record = {
             "step": self.step, "loss": sums[0].item() / n_micro, "balance_loss": sums[1].item() / n_micro,
-            "indexer_loss": sums[2].item() / n_micro, "lr": lr, "grad_norm": grad_norm,
+            "indexer_loss": sums[2].item() / n_micro, "lr": lr, "grad_norm": grad_norm.item(),
             "tokens_seen": self.tokens_seen, "tokens_per_s": self.schedule.tokens_per_step / dt, "step_time_s": dt,
             "padding_fraction": sums[3].item() / max(sums[4].item(), 1.0), "skipped_samples": int(counters.sum().item()),
             "vit_trainable": bool(self.schedule.vit_trainable(self.step - 1)),
             "expert_load": load_statistics(loads),
         }
         return record, loads
+
+    def autocast(self):
+        """bf16 autocast on CUDA (and when simulating it, train/estimate.py); fp32 on the CPU."""
+        if self.mixed_precision:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(self.device.type, enabled=False)
+
+    def compute_step(self) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """One optimizer step's computation and communication, without host syncs: forward/backward of
+        every micro-batch, gradient reduction, clipping, optimizer step, MoE bias update, the sums'
+        all-reduce. Returns (sums [ce, balance, indexer, pad tokens, positions], global loads, grad norm)."""
+        if self.model_cfg.vision_n_layers:
+            set_vision_body_trainable(self.model, self.schedule.vit_trainable(self.step))
+        lr = self.schedule.lr(self.step)
+        self.optim.set_lr(lr)
+        self.optim.zero_grad(set_to_none=True)
+        with self.autocast():
+            sums, loads = self._pipeline_passes() if self.pipe else self._local_passes()
+        self._reduce_gradients()
+        grad_norm = self._clip_gradients()
+        self.optim.step()
+        loads = global_loads(loads, self.model_cfg.n_layers, self.model_cfg.n_routed_experts, device=self.device)
+        update_biases(self.model, loads, self.train_cfg.balance_rate)
+        self._all_reduce(sums)
+        return sums, loads, grad_norm
 
     def fit(self) -> None:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)

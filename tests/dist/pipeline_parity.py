@@ -49,7 +49,7 @@ def main(out: Path, specs: list[str]) -> None:
         torch.save({"losses": [l.detach() for l in losses],
                     "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
                     "params": sorted(n for n, _ in model.named_parameters()),
-                    "loads": pipe.stats.expert_load, "balance": pipe.stats.balance, "indexer": pipe.stats.indexer},
+                    "loads": pipe.stats.expert_load, "balance": float(pipe.stats.balance), "indexer": float(pipe.stats.indexer)},
                    out / f"{name}.rank{rank}.pt")
         dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""Per-GPU memory of a real training step, simulated on a laptop (train/estimate.py).
+
+    python launch/estimate.py +exp=flash --world 1024 parallel.pp=16 parallel.ep=64 train.recompute=full
+    python launch/estimate.py +exp=flash_tiny --world 2 parallel.pp=2 --rank 1 --json
+
+Any Hydra override works (`parallel.*`, `train.recompute`, `data.*`, `model.*`). Without `--rank`, one
+rank per pipeline position is simulated (ranks at one position differ only in their data-parallel /
+expert coordinates, which hold equal shares), each in its own process, `--jobs` at a time. Prints per
+rank the step's peak of live tensor bytes and its parts at that peak; `--json` prints
+
+    {"world": W, "ranks": [{"rank", "stages", "peak_bytes", "params_bytes", "grads_bytes",
+     "optimizer_bytes", "activations_bytes", "temporaries_bytes", "buffers_bytes"}], "max_peak_bytes": ...}
+
+`--device cuda` (default) simulates the GPU step (bf16 autocast); `--device cpu` the CPU step (fp32).
+The figure is live tensor bytes: leave headroom for the allocator and the communication buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GiB = 1 << 30
+
+
+def default_ranks(overrides: list[str], world: int) -> list[int]:
+    """The first rank of every pipeline position (the mesh is pp-major: position p starts at p x world / pp)."""
+    from model.config import ConfigError
+    from parallel.config import ParallelConfig
+    from parallel.mesh import mesh_shape
+    from train.config import compose, model_config
+    from omegaconf import OmegaConf
+
+    conf = compose(overrides)
+    cfg = model_config(conf)
+    parallel = ParallelConfig.from_mapping(OmegaConf.to_container(conf.parallel, resolve=True))
+    try:
+        shape = mesh_shape(world, parallel.pp, parallel.ep, cfg.n_layers, cfg.n_routed_experts)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
+    return [p * (world // shape.pp) for p in range(shape.pp)]
+
+
+def run_one(overrides: list[str], world: int, rank: int, device: str) -> dict:
+    """One rank's simulation, in this process."""
+    from train.config import compose
+    from train.estimate import estimate_rank
+
+    return estimate_rank(compose(overrides), world, rank, device).as_dict()
+
+
+def run_in_subprocess(overrides: list[str], world: int, rank: int, device: str) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), *overrides, "--world", str(world), "--rank", str(rank),
+           "--device", device, "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"error: rank {rank}'s simulation failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["ranks"][0]
+
+
+def human(report: dict) -> str:
+    lines = [f"simulated step, world {report['world']}: peak of live tensor bytes per rank (GiB)",
+             f"{'rank':>6} {'stages':>8} {'peak':>8} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'temp':>8}"]
+    for r in report["ranks"]:
+        lines.append(f"{r['rank']:>6} {','.join(map(str, r['stages'])):>8} {r['peak_bytes'] / GiB:8.2f} "
+                     f"{r['params_bytes'] / GiB:8.2f} {r['grads_bytes'] / GiB:8.2f} {r['optimizer_bytes'] / GiB:8.2f} "
+                     f"{r['activations_bytes'] / GiB:8.2f} {r['temporaries_bytes'] / GiB:8.2f}")
+    lines.append(f"max peak: {report['max_peak_bytes'] / GiB:.2f} GiB (parts are at the peak; live tensors only, "
+                 f"leave headroom for the allocator and communication buffers)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, required=True, help="number of GPUs (processes) of the layout")
+    parser.add_argument("--rank", type=int, default=None, help="simulate this rank only")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--jobs", type=int, default=2, help="ranks simulated at once (one process each)")
+    parser.add_argument("--json", action="store_true")
+    args, overrides = parser.parse_known_args(argv)
+    if args.rank is not None and not 0 <= args.rank < args.world:
+        raise SystemExit(f"error: --rank {args.rank} is not a rank of --world {args.world}")
+    t0 = time.time()
+    if args.rank is not None:
+        ranks = [run_one(overrides, args.world, args.rank, args.device)]
+    else:
+        todo = default_ranks(overrides, args.world)
+        if not args.json:
+            print(f"simulating ranks {todo} ({args.jobs} at a time)", file=sys.stderr, flush=True)
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            ranks = list(pool.map(lambda r: run_in_subprocess(overrides, args.world, r, args.device), todo))
+    report = {"world": args.world, "ranks": ranks, "max_peak_bytes": max(r["peak_bytes"] for r in ranks)}
+    print(json.dumps(report) if args.json else human(report) + f"\n({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,192 @@
+"""Per-GPU memory of a real training step, simulated on the CPU (launch/estimate.py; DESIGN.md "Memory").
+
+One chosen rank of a `world`-rank layout runs the trainer's own step (`Trainer.compute_step`: every
+micro-batch's forward and backward through the configured pipeline schedule and expert all-to-alls,
+gradient reduction, clipping, the optimizer step, the MoE bias update) with
+- fake tensors (`FakeTensorMode`): shapes, dtypes and storage sizes, no data, no arithmetic;
+- a fake process group (torch's `fake` backend): every collective and point-to-point "succeeds";
+- torch's `MemTracker` (torch.distributed._tools.mem_tracker) counting every tensor's storage by kind
+  (parameters, buffers, gradients, optimizer state, activations, temporaries) and the peak.
+The model is the rank's own share, built exactly as the trainer builds it (meta template, pruned to
+its stages and expert shard, materialised), the batch is text of the configured shape.
+
+The measured step is a steady-state one: the optimizer state exists before it starts (created by one
+optimizer step on zero gradients, as the first real step creates it), as in every step after the first.
+It runs as many micro-batches as the peak needs (`_peak_preserving_microbatches`: 2 without a
+pipeline, pp + 1 with 1F1B; later micro-batches repeat the same state), not the whole accumulation.
+
+What a simulation cannot know, it assumes: routing is balanced (each expert receives its even share
+of the (token, expert) pairs -- what the bias update steers towards); `device='cuda'` simulates bf16
+autocast with the CPU's autocast lists; the CUDA caching allocator's fragmentation and the
+communication library's buffers are not counted (keep headroom: the figure is live tensor bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, open_dict
+
+from model.vision import set_vision_body_trainable
+from parallel.construct import model_template
+from parallel.pipeline import local_stage_ranges
+from train.trainer import Trainer
+
+
+@dataclass
+class RankEstimate:
+    rank: int
+    stages: list[int]
+    peak_bytes: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    temporaries_bytes: int
+    buffers_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class SyntheticBatches:
+    """Endless text micro-batches of the configured shape (values are irrelevant: tensors are fake)."""
+
+    def __init__(self, batch_size: int, seq_len: int, vocab_size: int):
+        self.shape, self.vocab = (batch_size, seq_len), vocab_size
+
+    def __next__(self) -> dict:
+        tokens = torch.randint(0, self.vocab, self.shape)
+        return {"tokens": tokens, "labels": tokens.clone(), "token_types": torch.full(self.shape, -1),
+                "images": [[] for _ in range(self.shape[0])], "pad_tokens": 0}
+
+    def counters(self) -> dict:
+        return {}
+
+
+def _peak_preserving_microbatches(layout, schedule: str) -> dict:
+    """Fewer micro-batches with the same peak, to keep the simulation short. Without a pipeline the
+    peak is reached in the second micro-batch (the first one's gradients held while the second's
+    activations build up), and every later one repeats it. With 1F1B, stage s holds min(pp - s, M)
+    micro-batches at its peak and the steady state (gradients held) starts at micro-batch pp + 1, so
+    pp + 1 rounds' worth shows every stage's peak. Other schedules are simulated in full."""
+    if layout.pp == 1:
+        m = min(layout.accumulation, 2)
+        return {"accumulation": m, "round_microbatches": 1}
+    if schedule == "1f1b" and layout.rounds == 1:
+        m = min(layout.round_microbatches, layout.pp + 1)
+        return {"accumulation": m, "round_microbatches": m}
+    return {}
+
+
+def _static_stages(stages, has_backward, p2p_done) -> None:
+    """Stand-in for the pipeline schedule's first-step warm-up, which lets the stages vote on the host
+    whether every stage has static shapes: ours always do (parallel/pipeline.py builds them static),
+    and a fake process group carries no vote."""
+    from torch.distributed.pipelining.schedules import InferenceMode
+
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
+
+
+class SimulatedTrainer(Trainer):
+    """The trainer of rank `rank` of `world`, on fake tensors and a fake process group (which the caller
+    has initialised)."""
+
+    def __init__(self, cfg: DictConfig, world: int, rank: int, device_type: str, fake_mode):
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.pop("hydra", None)
+            cfg.run_name = "simulated"  # the default interpolates the Hydra runtime, which is not running
+        self._configure(cfg, "simulated", world)
+        self.full_accumulation = self.layout.accumulation
+        self.layout = replace(self.layout, **_peak_preserving_microbatches(self.layout, self.parallel.schedule))
+        self.rank, self.device = rank, torch.device("cpu")
+        self._setup_groups(world)
+        self.mixed_precision = device_type == "cuda"
+        m = self.model_cfg
+        token_map = None
+        if m.engram_layer_ids:  # any map of the right size: tables are sized by the config's primes
+            vocab = m.engram_compressed_vocab_size or m.vocab_size
+            token_map = [i % vocab for i in range(m.vocab_size)]
+        self.tensor_mode = fake_mode
+        self._build(model_template(m, token_map))  # pruned on meta, then materialised as fake tensors
+        if self.pipe is not None:
+            self.pipe.schedule._warmup_p2p = _static_stages  # the library's vote reads a tensor on the host
+        with fake_mode:
+            self.loader = SyntheticBatches(self.data_cfg.batch_size, self.data_cfg.seq_len, m.vocab_size)
+
+    def prime_optimizer_state(self) -> None:
+        """Create every optimizer state tensor as a first step would (zero gradients, one optimizer
+        step), so the measured step is the steady state without simulating a whole extra step. The
+        step simulated is the first with the ViT unfrozen (every parameter trains: the largest state)."""
+        self.step = self.schedule.vit_unfreeze_step
+        if self.model_cfg.vision_n_layers:
+            set_vision_body_trainable(self.model, True)
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+
+    def stages(self) -> list[int]:
+        if self.pipe is None:
+            return [0]
+        return [mod.range.index for mod in self.pipe.modules]
+
+
+def _step_tracker():
+    """torch's MemTracker reduced to what is read here, the whole rank's figures by kind and their peak:
+    - a module may run once per micro-batch (MemTracker refuses a second top-level call of a module in
+      one tracked region, as its per-module statistics would mix);
+    - no per-module peaks (MemTracker walks every module it has seen on every operator, which makes a
+      40-block step quadratic)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class StepMemTracker(MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        def _pre_fw_hook(self, module, inputs):
+            if not self._mod_tracker.is_bw and module in self.memory_tracking:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    del self.memory_tracking[module]  # a new micro-batch: start this module's record afresh
+            super()._pre_fw_hook(module, inputs)
+
+    return StepMemTracker()
+
+
+def _bytes(snapshot: dict, kind: str) -> int:
+    return int(sum(v for k, v in snapshot.items() if str(getattr(k, "value", k)) == kind))
+
+
+def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cuda") -> RankEstimate:
+    """Simulate one steady-state training step of rank `rank` and measure its memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("estimate_rank needs a process without a process group (it creates a fake one)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        sim = SimulatedTrainer(cfg, world, rank, device_type, fake_mode)
+        with fake_mode:
+            sim.prime_optimizer_state()
+            tracker = _step_tracker()
+            tracker.track_external(sim.model, *sim.optim.optimizers.values())
+            with tracker:
+                sim.compute_step()
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        return RankEstimate(rank=rank, stages=sim.stages(), peak_bytes=_bytes(peak, "Total"),
+                            params_bytes=_bytes(peak, "Parameter"), grads_bytes=_bytes(peak, "Gradient"),
+                            optimizer_bytes=_bytes(peak, "Optstate"), activations_bytes=_bytes(peak, "Activation"),
+                            temporaries_bytes=_bytes(peak, "Temp"), buffers_bytes=_bytes(peak, "Buffer"))
+    finally:
+        dist.destroy_process_group()
