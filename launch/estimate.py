@@ -93,10 +93,17 @@ def main(argv: list[str]) -> None:
         ranks = [run_one(overrides, args.world, args.rank, args.device)]
     else:
         todo = default_ranks(overrides, args.world)
-        if not args.json:
-            print(f"simulating ranks {todo} ({args.jobs} at a time)", file=sys.stderr, flush=True)
+        print(f"simulating ranks {todo} ({args.jobs} at a time)", file=sys.stderr, flush=True)
+
+        def one(rank: int) -> dict:
+            t = time.time()
+            r = run_in_subprocess(overrides, args.world, rank, args.device)
+            print(f"rank {rank} (stages {r['stages']}): peak {r['peak_bytes'] / GiB:.2f} GiB, activations "
+                  f"{r['activations_bytes'] / GiB:.2f} GiB ({time.time() - t:.0f} s)", file=sys.stderr, flush=True)
+            return r
+
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-            ranks = list(pool.map(lambda r: run_in_subprocess(overrides, args.world, r, args.device), todo))
+            ranks = list(pool.map(one, todo))
     report = {"world": args.world, "ranks": ranks, "max_peak_bytes": max(r["peak_bytes"] for r in ranks)}
     print(json.dumps(report) if args.json else human(report) + f"\n({time.time() - t0:.0f} s)")
 

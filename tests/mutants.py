@@ -318,6 +318,22 @@ MUTANTS = [
            'nearest = sorted({max(unit, g // unit * unit), (g // unit + 1) * unit}, key=lambda n: (abs(n - g), n))',
            'nearest = [max(unit, g // unit * unit)]',
            ['tests/test_construction.py']),
+    Mutant('recomputation writes the side channel', 'model/recompute.py',
+           'run_ctx = ctx if first[0] else dataclasses.replace(ctx, stats=StepStats())',
+           'run_ctx = ctx',
+           ['tests/test_recompute.py']),
+    Mutant('selective recomputes the all-to-alls', 'model/recompute.py',
+           'ops = {aten.mm.default, aten.addmm.default, c10d.all_to_all_single.default, c10d.wait_tensor.default,\n           c10d._wrap_tensor_autograd.default}',
+           'ops = {aten.mm.default, aten.addmm.default}',
+           ['tests/test_recompute.py']),
+    Mutant('selective keeps nothing', 'model/recompute.py',
+           'return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE',
+           'return CheckpointPolicy.PREFER_RECOMPUTE',
+           ['tests/test_recompute.py']),
+    Mutant('estimator counts no optimizer state', 'train/estimate.py',
+           '        self.optim.step()\n        self.optim.zero_grad(set_to_none=True)',
+           '        self.optim.zero_grad(set_to_none=True)',
+           ['tests/test_estimate.py']),
 ]
 
 

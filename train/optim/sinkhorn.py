@@ -30,6 +30,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from train.optim.base import GroupwiseOptimizer
 from train.optim.triton_util import HAS_TRITON, interpreting, use_triton
@@ -178,9 +179,26 @@ def sinkhorn_update_triton(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor, lr
             c = c / (c * t.sqrt() + eps)
 
 
+@torch.no_grad()
+def sinkhorn_update_shapes(W: torch.Tensor, num_steps: int, row_group=None) -> None:
+    """What the fused path allocates (row vectors rho and r, column vectors c and t, the column
+    all-reduces), without the passes over the table: for fake tensors (the memory estimator,
+    train/estimate.py), which have no values to update and on which the chunked reference would run
+    thousands of operators per table for nothing."""
+    _check_steps(num_steps)
+    m, n = W.shape
+    rho = torch.empty(m, dtype=torch.float32, device=W.device)
+    r = (rho > _row_mean(rho, row_group)).float()
+    c = torch.ones(n, dtype=torch.float32, device=W.device)
+    t = _sum_over_shards(torch.zeros(n, dtype=torch.float32, device=W.device), row_group)
+    del r, c, t
+
+
 def sinkhorn_update(W, G, M, lr, beta, num_steps, tau, eps, gamma, triton: bool | None = None,
                     chunk_elems: int = 1 << 18, row_group=None) -> None:
-    if use_triton(W, triton):
+    if is_fake(W):
+        sinkhorn_update_shapes(W, num_steps, row_group)
+    elif use_triton(W, triton):
         sinkhorn_update_triton(W, G, M, lr, beta, num_steps, tau, eps, gamma, row_group)
     else:
         sinkhorn_update_reference(W, G, M, lr, beta, num_steps, tau, eps, gamma, chunk_elems, row_group)
