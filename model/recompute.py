@@ -22,6 +22,7 @@ throwaway one, so loads and aux values are counted once (their gradients ride on
 from __future__ import annotations
 
 import dataclasses
+import functools
 from functools import partial
 from typing import Callable
 
@@ -32,16 +33,16 @@ from model.aux import StepStats
 from model.config import ConfigError
 
 RECOMPUTE_MODES = ("none", "selective", "full")
-CARRY_FIELDS = ("h", "pre_mix", "kv", "index_k", "topk", "candidates")
 
 
-def _saved_ops() -> set:
+@functools.cache
+def _saved_ops() -> frozenset:
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     ops = {aten.mm.default, aten.addmm.default, c10d.all_to_all_single.default, c10d.wait_tensor.default,
            c10d._wrap_tensor_autograd.default}
     if hasattr(aten, "_scaled_mm"):
         ops.add(aten._scaled_mm.default)
-    return ops
+    return frozenset(ops)
 
 
 def _selective_policy(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
