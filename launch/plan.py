@@ -2,12 +2,14 @@
 
     python launch/plan.py +exp=flash            # human-readable
     python launch/plan.py +exp=flash --json     # one JSON object
+    python launch/plan.py +exp=flash_small parallel.pp=2 --device cpu   # the partition a CPU run uses
 
 Any Hydra override works (`model.dim=1024`). Reports parameter totals (text backbone, Engram tables,
 with text and vision separately, total), activated parameters per token, parameters and tensors per optimizer (the V4.1 routing), the
 with `parallel.pp=K` the pipeline partition (layers, the partitioner's cost-model bytes and compute per
-stage, imbalance -- a fast analytic view for choosing stage boundaries; the measurement of per-GPU memory
-is launch/estimate.py, which simulates the real training step),
+stage under `train.recompute`, imbalance -- a fast analytic view for choosing stage boundaries, for a CUDA
+run (bf16 autocast) unless `--device cpu`; the measurement of per-GPU memory is launch/estimate.py, which
+simulates the real training step),
 the LR schedule (total steps, tokens per step, step and LR at warmup end, decay start, decay end and the
 last step, the ViT unfreeze step), the per-layer role table and per-layer parameter counts.
 """
@@ -33,7 +35,7 @@ from parallel.pipeline import stage_ids  # noqa: E402
 from train.optim.routing import route_parameters, routing_summary  # noqa: E402
 
 
-def build_report(overrides: list[str]) -> dict:
+def build_report(overrides: list[str], device: str = "cuda") -> dict:
     conf = compose(overrides)
     cfg, ocfg = model_config(conf), optim_config(conf)
     with torch.device("meta"):
@@ -46,8 +48,8 @@ def build_report(overrides: list[str]) -> dict:
     parallel = ParallelConfig.from_mapping(OmegaConf.to_container(conf.parallel, resolve=True))
     if parallel.pp > 1:
         optimizer_of = {n: g.optimizer for g in groups for n in g.names}
-        units = unit_costs(model, cfg, optimizer_of, int(conf.data.seq_len), int(conf.data.batch_size),
-                           PartitionCosts())
+        costs = PartitionCosts(recompute=str(conf.train.recompute), mixed_precision=device == "cuda", ep=parallel.ep)
+        units = unit_costs(model, cfg, optimizer_of, int(conf.data.seq_len), int(conf.data.batch_size), costs)
         flight = in_flight_microbatches(parallel.pp, parallel.schedule)
         report["pipeline"] = partition_report(units, partition(units, parallel.n_stages, parallel.stage_layers, flight),
                                               flight)
@@ -117,14 +119,19 @@ def format_report(report: dict) -> str:
 
 def main(argv: list[str]) -> int:
     as_json = "--json" in argv
+    device = "cuda"
     overrides = [a for a in argv if a != "--json"]
+    if "--device" in overrides:
+        at = overrides.index("--device")
+        device = overrides[at + 1] if at + 1 < len(overrides) else ""
+        del overrides[at:at + 2]
     unknown = [a for a in overrides if a.startswith("--")]
-    if unknown:
-        print(f"plan.py: unknown option(s) {unknown}; usage: python launch/plan.py [+exp=NAME] "
-              f"[hydra overrides...] [--json]", file=sys.stderr)
+    if unknown or device not in ("cuda", "cpu"):
+        print(f"plan.py: unknown option(s) {unknown or ['--device ' + device]}; usage: python launch/plan.py "
+              f"[+exp=NAME] [hydra overrides...] [--device cuda|cpu] [--json]", file=sys.stderr)
         return 2
     try:
-        report = build_report(overrides)
+        report = build_report(overrides, device)
     except ConfigError as e:
         print(f"plan.py: invalid configuration: {e}", file=sys.stderr)
         return 2

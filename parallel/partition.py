@@ -6,49 +6,124 @@ blocks 0..L-1 (Engram modules inside blocks 1 and 14), `head` (final norm + LM h
 The embedding/vision unit is merged into block 0 and the head into the last block, so the first and last
 stages always carry them.
 
-Cost model (an estimate, documented here; the pipeline issue's measurements refine it):
+Cost model (fast and analytic; launch/estimate.py simulates the real step and is the measurement):
 - state bytes of a parameter = `bytes_per_value` x (parameter + gradient + optimizer state), where the
   optimizer (from the V4.1 routing, train/optim/routing.py rules) keeps 1 buffer for Muon and Sinkhorn,
-  2 for AdamW;
-- activation bytes of a block per micro-batch = tokens x `activation_bytes` x (the 4 residual streams
-  in and out, the sublayer inputs/outputs, queries and attention output, the activated experts'
-  intermediate values, plus the compressor / indexer values of Full and Reindex layers), times the
-  micro-batches a stage holds in flight (`in_flight_microbatches`, from the schedule's warm-up);
+  2 for AdamW; under mixed precision plus one bf16 copy of the dense weights (autocast's cast cache,
+  shared by every micro-batch of a step);
+- activations, per block and micro-batch (`block_activations`): the input `carry` (the boundary tensors),
+  what the forward keeps for backward (`kept`, depending on `train.recompute`) and the transient
+  `work` of its backward (recomputation included). A stage holding F micro-batches in flight
+  (`in_flight_microbatches`, from the schedule's warm-up) peaks at
+  state + F x sum(carry + kept) + max(work) -- blocks run their backward one at a time.
+  The per-token terms are the tensors the reference implementation keeps (bf16 autocast), term by term
+  (residual streams, Sinkhorn iterates, attention, routed and shared experts, indexer, Engram);
+  `tests/test_partition.py` checks them against the estimator's per-block measurement
+  (`train.estimate.probe_block`) for every role and recompute mode;
 - compute per token of a block = 2 x its activated parameters + attention (4 x heads x head_dim x
   (window + selected compressed entries)) + indexer scoring (Full / Reindex: 2 x index heads x index
   head_dim x visible compressed entries, on average seq_len / (2 m)).
-The objective is the maximum per-stage memory (state + activations); compute is reported beside it.
+The objective is the maximum per-stage memory (state + activations), ties broken towards the most even
+split (the Engram stages' tables often set the maximum alone); compute is reported beside it.
 Works on the meta device (shapes only).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch import nn
 
 from model.config import ConfigError, ModelConfig
-from model.layer_plan import Role
+from model.layer_plan import LayerRole
 
 
 @dataclass
 class PartitionCosts:
     bytes_per_value: int = 4  # fp32 master weights, gradients and optimizer state
-    activation_bytes: int = 2  # bf16 activations
+    recompute: str = "none"  # train.recompute
+    mixed_precision: bool = True  # bf16 autocast (CUDA); False: fp32 activations (the CPU runs)
+    ep: int = 1  # parallel.ep: routed experts per rank = n_routed_experts / ep
+
+
+def _engram_cols(cfg: ModelConfig) -> int:
+    return (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads if cfg.engram_layer_ids else 0
+
+
+def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, engram_rows: int, carry_bytes: int,
+                      tokens: int, micro_batch: int, costs: PartitionCosts) -> dict:
+    """Per micro-batch of `tokens` tokens: the block's input `carry` (bytes), what its forward `kept`
+    for backward under `costs.recompute`, and the transient `work` of its backward. Per token, the
+    tensors of the reference implementation under bf16 autocast (fp32 master data), term by term:
+
+      residual streams  20 hc D      the [hc, D] carry in fp32 (3x) and its bf16 / flattened copies
+      dense             34 D         norms, sublayer in/outputs, attention output, MoE output
+      Sinkhorn          16 R hc (hc + 1)   R iterations of the two mHC mixes' [hc, hc] and row/column sums
+      attention         6 H hd + 2 og olr + 10 q_lora
+      routed experts    4 k D + 24 k I     the gathered inputs (fp32) and each pick's intermediates
+      shared experts    22 ns I
+      indexer           6 D + 18 topk + 2 Hi dhi + 22 hd / m        (Full / Reindex layers)
+      Engram            12 hc D + 4 D + (2 hd_e + 8) cols           (Engram layers)
+    plus the bf16 copies of the local routed experts' weights (autocast casts each expert slice per
+    micro-batch). Measured against `train.estimate.probe_block` (tests/test_partition.py): kept within
+    a few percent from flash_tiny to exp=flash, work within about 30% (a transient peak). `selective` keeps the matmul outputs (bf16: projections, gate scores in fp32,
+    expert intermediates) and the Engram hash ids; `full` the hash ids only. Backward work: the
+    routed experts' gradients (28 k D per token, plus a dense gradient the size of one stacked local
+    expert weight per slice: 2 of them live), or the chunked sparse attention's gathered-KV gradients
+    (17 topk hd per query of a chunk), or the Engram table's dense gradient (in the activation dtype),
+    whichever is largest (they do not overlap); recomputation adds the activations it rebuilds (what
+    `none` keeps minus what the mode kept)."""
+    D, hc, k, I = cfg.dim, cfg.hc_mult, cfg.n_activated_experts, cfg.moe_inter_dim
+    H, hd, ns, R = cfg.n_heads, cfg.head_dim, cfg.n_shared_experts, cfg.hc_sinkhorn_iters
+    act = 2 if costs.mixed_precision else 4  # bytes of a value autocast computes in bf16
+    engram = role.id in cfg.engram_layer_ids
+    cols = _engram_cols(cfg)
+    ids = 8 * cols * len(cfg.engram_layer_ids)  # the hash ids of every Engram layer (ForwardContext)
+    local_routed = routed_params // costs.ep
+    per_token = (20 * hc * D + 34 * D + 16 * R * hc * (hc + 1) + 6 * H * hd + 2 * cfg.o_groups * cfg.o_lora_rank
+                 + 10 * cfg.q_lora_rank + 4 * k * D + 24 * k * I + 22 * ns * I)
+    selective = (act * (cfg.q_lora_rank + H * hd + hd + D + 2 * k * I + k * D + ns * (2 * I + D))
+                 + 4 * cfg.n_routed_experts + 8 * 2 * (2 + hc) * hc)
+    if role.has_indexer:
+        per_token += 6 * D + 18 * cfg.index_topk + 2 * cfg.index_n_heads * cfg.index_head_dim \
+            + 22 * hd // role.compress_ratio
+        selective += act * (cfg.index_n_heads * cfg.index_head_dim + hd)
+    if engram:
+        per_token += 12 * hc * D + 4 * D + (2 * cfg.engram_head_dim + 8) * cols
+        selective += act * (hc + 1) * D
+    if not costs.mixed_precision:  # fp32 throughout: no bf16 duplicates, the rest twice as large (measured)
+        per_token = int(per_token * 0.85)
+    none_kept = tokens * per_token + (act * local_routed if costs.mixed_precision else 0)
+    work = tokens * 28 * k * D + 8 * local_routed // 3
+    if role.compress_ratio:
+        work = max(work, 17 * cfg.index_topk * hd * micro_batch * min(cfg.attn_chunk_size, tokens // micro_batch))
+    if engram:  # the table's dense gradient, last in the block's backward
+        work = max(work, act * engram_rows * cfg.engram_head_dim)
+    if costs.recompute == "none":
+        kept = none_kept
+    elif costs.recompute == "selective":
+        kept = tokens * (selective + ids)
+    else:
+        kept = tokens * ids
+    return {"carry": carry_bytes, "kept": kept, "work": work + none_kept - min(kept, none_kept)}
 
 
 def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str], seq_len: int,
                micro_batch: int, costs: PartitionCosts) -> list[dict]:
-    """Per block: state bytes, activation bytes (one micro-batch) and forward FLOPs per token, with the
-    embedding/vision unit folded into block 0 and the head into the last block."""
+    """Per block: state bytes, activations of one micro-batch (`carry`, `kept`, `work`, and
+    `activation_bytes` = carry + kept, what each micro-batch in flight holds) and forward FLOPs per
+    token, with the embedding/vision unit folded into block 0 and the head into the last block."""
+    from parallel.pipeline import boundary_specs
+
     n_state = {"muon": 1, "sinkhorn": 1, "adamw": 2}
     units = []
     per_expert = sum(p.numel() for p in model.layers[0].ffn.experts.parameters()) // cfg.n_routed_experts
     tokens = seq_len * micro_batch
 
-    def state_bytes(prefix: str, module: nn.Module) -> int:
-        return sum(p.numel() * costs.bytes_per_value * (2 + n_state[optimizer_of[f"{prefix}{n}"]])
-                   for n, p in module.named_parameters())
+    def state_bytes(prefix: str, module: nn.Module) -> int:  # routed experts: this rank's 1/ep of them
+        return sum(p.numel() // (costs.ep if ".ffn.experts." in f"{prefix}{n}" else 1) * costs.bytes_per_value
+                   * (2 + n_state[optimizer_of[f"{prefix}{n}"]]) for n, p in module.named_parameters())
 
     for role, block in zip(model.plan, model.layers):
         params = sum(p.numel() for p in block.parameters())
@@ -57,16 +132,19 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
         activated = params - engram - routed + cfg.n_activated_experts * per_expert
         selected = cfg.index_topk if role.compress_ratio else 0
         flops = 2 * activated + 4 * cfg.n_heads * cfg.head_dim * (cfg.window_size + selected)
-        act = ((2 * cfg.hc_mult + 4) * cfg.dim + 2 * cfg.n_heads * cfg.head_dim
-               + 3 * cfg.moe_inter_dim * (cfg.n_activated_experts + cfg.n_shared_experts))
         if role.has_indexer:
             visible = seq_len / (2 * role.compress_ratio)
             flops += 2 * cfg.index_n_heads * cfg.index_head_dim * visible
-            act += cfg.index_n_heads * cfg.index_head_dim + cfg.index_topk
-        if role.role is Role.FULL:
-            act += 2 * cfg.head_dim
-        units.append({"name": f"layers.{role.id}", "state_bytes": state_bytes(f"layers.{role.id}.", block),
-                      "activation_bytes": tokens * costs.activation_bytes * act, "flops_per_token": flops})
+        carry = sum(math.prod(s.shape) * s.dtype.itemsize
+                    for s in boundary_specs(cfg, model.plan, role.id, micro_batch, seq_len))
+        rows = 0 if block.engram is None else block.engram.embed.weight.shape[0]
+        acts = block_activations(cfg, role, routed, rows, carry, tokens, micro_batch, costs)
+        state = state_bytes(f"layers.{role.id}.", block)
+        if costs.mixed_precision:  # autocast's bf16 copies of the dense weights, once per step
+            state += 2 * (params - engram - routed)
+        units.append({"name": f"layers.{role.id}", "state_bytes": state, "carry_bytes": acts["carry"],
+                      "kept_bytes": acts["kept"], "work_bytes": acts["work"],
+                      "activation_bytes": acts["carry"] + acts["kept"], "flops_per_token": flops})
     first, last = units[0], units[-1]
     for n, p in model.named_parameters():
         if not n.startswith("layers."):
@@ -101,14 +179,20 @@ def in_flight_microbatches(pp: int, schedule: str = "1f1b") -> list[int]:
     return [2 * pp - 1 - s if s < pp else pp for s in range(2 * pp)]
 
 
+def _stage_activations(units: list[dict], a: int, b: int, in_flight: int) -> float:
+    return in_flight * sum(u["activation_bytes"] for u in units[a:b]) + max(u["work_bytes"] for u in units[a:b])
+
+
 def _stage_cost(units: list[dict], a: int, b: int, in_flight: int) -> float:
-    return sum(u["state_bytes"] + in_flight * u["activation_bytes"] for u in units[a:b])
+    return sum(u["state_bytes"] for u in units[a:b]) + _stage_activations(units, a, b, in_flight)
 
 
 def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
               in_flight: list[int] | None = None) -> list[tuple[int, int]]:
     """Contiguous [start, end) unit ranges for `pp` stages (virtual stages included) minimising the
-    maximum stage cost (exact DP), or the ranges given by `stage_layers` (layer counts per stage).
+    maximum stage cost; among those, the smallest maximum of the other stages (those below 99% of it:
+    a stage holding an Engram table often sets the maximum alone, and the rest should still balance);
+    then the most even split (smallest sum of squared costs) -- each an exact dynamic programme; or the ranges given by `stage_layers` (layer counts per stage).
     `in_flight`: micro-batches in flight per stage (default: 1F1B's)."""
     n = len(units)
     in_flight = in_flight or in_flight_microbatches(pp)
@@ -119,17 +203,33 @@ def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
             raise ConfigError(f"parallel.stage_layers={stage_layers}: needs {pp} positive counts summing to {n}")
         return bounds_from_counts(stage_layers)
     INF = float("inf")
-    best = [[INF] * (n + 1) for _ in range(pp + 1)]  # best[s][j]: first j units in s stages
-    cut = [[0] * (n + 1) for _ in range(pp + 1)]
-    best[0][0] = 0.0
-    for s in range(1, pp + 1):
-        for j in range(s, n - (pp - s) + 1):
-            for i in range(s - 1, j):
-                if best[s - 1][i] == INF:
-                    continue
-                c = max(best[s - 1][i], _stage_cost(units, i, j, in_flight[s - 1]))
-                if c < best[s][j]:
-                    best[s][j], cut[s][j] = c, i
+    cost = {(s, i, j): _stage_cost(units, i, j, in_flight[s - 1])
+            for s in range(1, pp + 1) for j in range(s, n - (pp - s) + 1) for i in range(s - 1, j)}
+
+    def solve(objective, allowed=lambda c: True):
+        best = [[INF] * (n + 1) for _ in range(pp + 1)]  # best[s][j]: first j units in s stages
+        cut = [[0] * (n + 1) for _ in range(pp + 1)]
+        best[0][0] = 0.0
+        for s in range(1, pp + 1):
+            for j in range(s, n - (pp - s) + 1):
+                for i in range(s - 1, j):
+                    c = cost[s, i, j]
+                    if best[s - 1][i] == INF or not allowed(c):
+                        continue
+                    v = objective(best[s - 1][i], c)
+                    if v < best[s][j]:
+                        best[s][j], cut[s][j] = v, i
+        return best[pp][n], cut
+
+    tol = 1 + 1e-9
+    peak, _ = solve(max)  # 1. the smallest possible largest stage
+    # 2. the stages that set it (e.g. one holding an Engram table) aside, the smallest largest other stage
+    def ordinary(c):
+        return c if c < 0.99 * peak else 0.0
+
+    second, _ = solve(lambda acc, c: max(acc, ordinary(c)), lambda c: c <= peak * tol)
+    # 3. among those, the most even split
+    _, cut = solve(lambda acc, c: acc + (c / peak) ** 2, lambda c: c <= peak * tol and ordinary(c) <= second * tol)
     bounds, j = [], n
     for s in range(pp, 0, -1):
         i = cut[s][j]
@@ -146,7 +246,7 @@ def partition_report(units: list[dict], bounds: list[tuple[int, int]], in_flight
         stages.append({"stage": s, "layers": [a, b - 1], "n_layers": b - a,
                        "state_bytes": sum(u["state_bytes"] for u in units[a:b]),
                        "in_flight": in_flight[s],
-                       "activation_bytes": in_flight[s] * sum(u["activation_bytes"] for u in units[a:b]),
+                       "activation_bytes": _stage_activations(units, a, b, in_flight[s]),
                        "bytes": _stage_cost(units, a, b, in_flight[s]),
                        "flops_per_token": sum(u["flops_per_token"] for u in units[a:b])})
 

@@ -48,6 +48,7 @@ from model.config import ConfigError, ModelConfig
 from model.layer_plan import LayerRole, Role
 from model.transformer import Carry, Transformer
 from parallel.config import SCHEDULES, ParallelConfig
+from parallel.lean_stage import LeanPipelineStage
 
 SHARED_FIELDS = ("kv", "index_k", "topk", "candidates")
 FIRST_INPUTS = ("tokens", "token_types", "rows")
@@ -258,7 +259,6 @@ class StageModule(nn.Module):
                 t = t.float()
                 if t.grad_fn is None and t.requires_grad:
                     t = t.view_as(t)  # a pass-through leaf gets a graph node, so its gradient is routed back
- # a pass-through leaf gets a graph node, so its gradient is routed back
             out.append(t)
         return tuple(out)
 
@@ -307,8 +307,6 @@ def build_pipeline(model: Transformer, parallel: ParallelConfig, bounds: list[tu
     """Prune `model` to this rank's stages (in place; a no-op when already pruned) and wrap them in
     PipelineStages and the configured schedule. `bounds`: [start, end) blocks of every stage
     (parallel.n_stages of them)."""
-    from torch.distributed.pipelining import PipelineStage
-
     mine = local_stage_ranges(parallel, bounds, pp_rank)
     prune_to_stages(model, mine)
     cfg, plan = model.cfg, model.plan
@@ -327,8 +325,9 @@ def build_pipeline(model: Transformer, parallel: ParallelConfig, bounds: list[tu
             ex_out = (torch.zeros(micro_batch, seq_len, cfg.dim, device=device, requires_grad=True),)
         else:
             ex_out = tuple(s.example(device) for s in out_specs)
-        stages.append(PipelineStage(module, r.index, r.n_stages, device, input_args=ex_in, output_args=ex_out,
-                                    group=group))
+        release = () if r.is_last else tuple(i for i, s in enumerate(out_specs) if s.name == "h")
+        stages.append(LeanPipelineStage(module, r.index, r.n_stages, device, input_args=ex_in, output_args=ex_out,
+                                        group=group, release_outputs=release))
         modules.append(module)
     cls = _schedule_class(parallel.schedule)
     if parallel.stages_per_rank == 1:

@@ -13,7 +13,7 @@ its stages and expert shard, materialised), the batch is text of the configured 
 The measured step is a steady-state one: the optimizer state exists before it starts (created by one
 optimizer step on zero gradients, as the first real step creates it), as in every step after the first.
 It runs as many micro-batches as the peak needs (`_peak_preserving_microbatches`: 2 without a
-pipeline, pp + 1 with 1F1B; later micro-batches repeat the same state), not the whole accumulation.
+pipeline, pp - s + 1 on stage s with 1F1B; later micro-batches repeat the same state), not the whole accumulation.
 
 What a simulation cannot know, it assumes: routing is balanced (each expert receives its even share
 of the (token, expert) pairs -- what the bias update steers towards); `device='cuda'` simulates bf16
@@ -66,17 +66,19 @@ class SyntheticBatches:
         return {}
 
 
-def _peak_preserving_microbatches(layout, schedule: str) -> dict:
+def _peak_preserving_microbatches(layout, schedule: str, pp_rank: int) -> dict:
     """Fewer micro-batches with the same peak, to keep the simulation short. Without a pipeline the
     peak is reached in the second micro-batch (the first one's gradients held while the second's
-    activations build up), and every later one repeats it. With 1F1B, stage s holds min(pp - s, M)
-    micro-batches at its peak and the steady state (gradients held) starts at micro-batch pp + 1, so
-    pp + 1 rounds' worth shows every stage's peak. Other schedules are simulated in full."""
+    activations build up), and every later one repeats it. With 1F1B, stage s warms up with
+    min(pp - s, M) forwards (its peak in flight) and micro-batch pp - s + 1 runs after the first
+    backward (gradients held): min(M, pp - s + 1) micro-batches show stage s's peak. The pipeline
+    stages hold receive buffers only for micro-batches in flight (parallel/lean_stage.py), so nothing
+    else scales with M. Other schedules are simulated in full."""
     if layout.pp == 1:
         m = min(layout.accumulation, 2)
         return {"accumulation": m, "round_microbatches": 1}
     if schedule == "1f1b" and layout.rounds == 1:
-        m = min(layout.round_microbatches, layout.pp + 1)
+        m = min(layout.round_microbatches, layout.pp - pp_rank + 1)
         return {"accumulation": m, "round_microbatches": m}
     return {}
 
@@ -102,9 +104,10 @@ class SimulatedTrainer(Trainer):
             cfg.run_name = "simulated"  # the default interpolates the Hydra runtime, which is not running
         self._configure(cfg, "simulated", world)
         self.full_accumulation = self.layout.accumulation
-        self.layout = replace(self.layout, **_peak_preserving_microbatches(self.layout, self.parallel.schedule))
         self.rank, self.device = rank, torch.device("cpu")
         self._setup_groups(world)
+        self.layout = replace(self.layout, **_peak_preserving_microbatches(self.layout, self.parallel.schedule,
+                                                                           self.pp_rank))
         self.mixed_precision = device_type == "cuda"
         m = self.model_cfg
         token_map = None
@@ -190,3 +193,95 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
                             temporaries_bytes=_bytes(peak, "Temp"), buffers_bytes=_bytes(peak, "Buffer"))
     finally:
         dist.destroy_process_group()
+
+
+class _LiveStorageBytes:
+    """Live bytes of the storages operators create, and their peak (a TorchDispatchMode; works on fake
+    tensors, whose storages have no address: keyed by the storage object, released by its finalizer)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not (func.is_view or func._schema.is_mutable):
+                    for t in tree_flatten(out)[0]:
+                        if isinstance(t, torch.Tensor):
+                            counter._add(t)
+                return out
+
+        self.mode, self.live, self.peak, self._seen = Mode(), 0, 0, set()
+
+    def _add(self, t: torch.Tensor) -> None:
+        import weakref
+
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a wrapper without a storage of its own
+            return
+        key = storage._cdata
+        if key in self._seen:
+            return
+        n = storage.nbytes()
+        self._seen.add(key)
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, n)
+
+    def _free(self, key: int, n: int) -> None:
+        self.live -= n
+        self._seen.discard(key)
+
+
+def probe_block(cfg: DictConfig, layer: int, recompute: str, device_type: str = "cuda") -> dict:
+    """The activation memory of block `layer` alone, for one micro-batch of the configured shape
+    (`data.batch_size` x `data.seq_len`), simulated on fake tensors with its experts unsharded (ep=1):
+    - `carry_bytes`: the block's input carry (the boundary tensors before it, parallel/pipeline.py);
+    - `kept_bytes`: what its forward leaves for backward beyond its input and output carries (the
+      output carry, shared KV fields included, is the next block's input);
+    - `work_bytes`: the further peak while its backward runs (recomputation included; the parameters'
+      gradients exist already, as in every micro-batch after the first: they are state, not work).
+    The partitioner's cost model (parallel/partition.py) is calibrated against these figures."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from parallel.pipeline import RoundStats, StageModule, StageRange, boundary_specs, prune_to_stages
+    from train.config import model_config
+
+    m = model_config(cfg)
+    b, S = int(cfg.data.batch_size), int(cfg.data.seq_len)
+    token_map = None
+    if m.engram_layer_ids:
+        vocab = m.engram_compressed_vocab_size or m.vocab_size
+        token_map = [i % vocab for i in range(m.vocab_size)]
+    template = model_template(m, token_map)
+    rng = StageRange(1, layer, layer + 1, 3)  # a middle stage: no embedding, no head
+    prune_to_stages(template, [rng])
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model = template.materialize("cpu", int(cfg.train.seed))
+    model.set_recompute(recompute)
+    in_specs = boundary_specs(m, model.plan, layer, b, S)
+    out_specs = boundary_specs(m, model.plan, layer + 1, b, S)
+    module = StageModule(model, rng, in_specs, out_specs, RoundStats())
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=device_type == "cuda")
+    with fake:
+        inputs = [s.example("cpu") for s in in_specs]
+        for p in model.parameters():  # the steady state: gradients exist and are accumulated into
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        counter = _LiveStorageBytes()
+        with amp, counter.mode:
+            outs = module(*inputs)
+            made = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in outs}  # by the block:
+            out_bytes = sum(n for key, n in made.items() if key in counter._seen)  # the next block's carry
+            kept = counter.live - out_bytes
+            counter.peak = counter.live
+            pairs = [(t, torch.ones_like(t)) for t, s in zip(outs, out_specs) if s.differentiable and t.requires_grad]
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            work = counter.peak - (kept + out_bytes)
+    carry = sum(s.example("meta").untyped_storage().nbytes() for s in in_specs)
+    return {"layer": layer, "carry_bytes": int(carry), "kept_bytes": int(kept), "work_bytes": int(work)}

@@ -254,8 +254,10 @@ class Trainer:
         the pinned parallel.stage_layers."""
         optimizer_of = {n: g.optimizer for g in route_parameters(self.model, self.model_cfg, self.optim_cfg)
                         for n in g.names}
+        costs = PartitionCosts(recompute=self.train_cfg.recompute, mixed_precision=self.mixed_precision,
+                               ep=self.layout.ep)
         units = unit_costs(self.model, self.model_cfg, optimizer_of, self.data_cfg.seq_len, self.data_cfg.batch_size,
-                           PartitionCosts())
+                           costs)
         return partition(units, self.parallel.n_stages, self.parallel.stage_layers,
                          in_flight_microbatches(self.parallel.pp, self.parallel.schedule))
 

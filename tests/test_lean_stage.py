@@ -1,0 +1,67 @@
+"""parallel/lean_stage.py: a pipeline stage holds receive buffers only for the micro-batch being
+received and consumed, and gives up the storage of the residual it sends. Simulated on fake tensors
+with a fake process group for the middle stage of pp=3 (it both receives and sends), through the
+trainer's own step. (That the lean stage computes the same gradients is the pipeline parity tests'
+job: tests/test_trainer.py runs every schedule against the single process.)"""
+
+import torch
+import torch.distributed as dist
+
+from train.config import compose
+
+
+def test_middle_stage_holds_only_the_boundary_tensors_in_use():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from train.estimate import SimulatedTrainer
+
+    cfg = compose(["+exp=flash_tiny", "parallel.pp=3", "data.batch_size=1"])
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=3)
+    try:
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        sim = SimulatedTrainer(cfg, 3, 1, "cpu", fake)
+        stage = sim.pipe.schedule._stage
+        assert not stage.is_first and not stage.is_last
+        n_micro = sim.layout.round_microbatches
+        assert n_micro >= 3  # more micro-batches than the stage ever holds buffers for
+        h = [s.name for s in stage.submod.out_specs].index("h")
+        assert stage.release_outputs == (h,)
+        held, released = [], []
+
+        def chunks_with_buffers(infos_by_chunk):
+            return sum(any(i.buffer is not None for i in infos if not i.is_root_arg)
+                       for infos in infos_by_chunk.values())
+
+        def watch(name, after=None):
+            original = getattr(stage, name)
+
+            def wrapped(chunk, *args, **kwargs):
+                out = original(chunk, *args, **kwargs)
+                held.append((chunks_with_buffers(stage.args_recv_info), chunks_with_buffers(stage.grad_recv_info)))
+                if after:
+                    after(chunk)
+                return out
+
+            setattr(stage, name, wrapped)
+
+        def check_released(chunk):
+            t = stage.fwd_cache[chunk][0][h]
+            released.append((t.untyped_storage().nbytes(), t.shape == stage._stage_meta.outputs[h].shape,
+                              t.grad_fn is not None))
+
+        for name in ("get_fwd_recv_ops", "get_bwd_recv_ops", "forward_one_chunk", "backward_one_chunk"):
+            watch(name)
+        watch("get_fwd_send_ops", check_released)
+        with fake:
+            sim.prime_optimizer_state()
+            sim.compute_step()
+        # at most one micro-batch's input buffer and one's output-gradient buffer exist at a time
+        # (torch's PipelineStage allocates all n_micro of each when the schedule starts and keeps them)
+        assert held and max(f for f, _ in held) == 1 and max(g for _, g in held) == 1, held
+        assert held[-1] == (0, 0)  # nothing held once the step is over
+        # every sent residual gave its storage up and kept its shape and autograd node for backward
+        assert len(released) == n_micro
+        assert all(n <= torch.finfo(torch.float32).bits // 8 and same and graph for n, same, graph in released)
+    finally:
+        dist.destroy_process_group()
