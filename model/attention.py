@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.aux import StepStats, attach_aux_loss
+from model.chunks import query_chunks
 from model.config import ModelConfig
 from model.layer_plan import LayerRole, Role
 from model.norm import RMSNorm
@@ -212,24 +213,25 @@ class Attention(nn.Module):
         N = k_i.shape[1]
         k = min(self.index_topk, N)
         restrict = self.role.uses_candidates and shared.candidates is not None
-        topk, cands = [], []
+        topk = torch.empty(B, S, k, dtype=torch.long, device=x.device)
+        cands = None
         pos = torch.arange(N, device=x.device)
-        for t0 in range(0, S, self.chunk):
-            t1 = min(S, t0 + self.chunk)
+        for t0, t1 in query_chunks(S, self.chunk, x):
             with torch.no_grad():
                 sc = index_scores(q_i[:, t0:t1], w_i[:, t0:t1], k_i)
                 sc = sc.masked_fill(pos >= n_vis[t0:t1].unsqueeze(-1), float("-inf"))
                 if self.role.is_candidate_source:
-                    cands.append(select_candidate_blocks(sc, n_vis[t0:t1], self.cand_blocks, self.cand_block_size))
+                    c = select_candidate_blocks(sc, n_vis[t0:t1], self.cand_blocks, self.cand_block_size)
+                    if cands is None:
+                        cands = torch.empty(B, S, c.shape[-1], dtype=c.dtype, device=c.device)
+                    cands[:, t0:t1] = c
                 if restrict:
                     keep = candidate_mask(shared.candidates[:, t0:t1], N, self.cand_block_size)
                     sc = sc.masked_fill(~keep, float("-inf"))
                 top = sc.topk(k, dim=-1)
-                idx = torch.where(top.values > float("-inf"), top.indices, -1)
-            topk.append(idx)
-        if cands:
-            shared.candidates = torch.cat(cands, dim=1)
-        topk = torch.cat(topk, dim=1)
+                topk[:, t0:t1] = torch.where(top.values > float("-inf"), top.indices, -1)
+        if cands is not None:
+            shared.candidates = cands
         # grad-carrying logits of the selected entries only (for the KL loss), memory-lean
         return topk, index_logits_lean(q_i, w_i, k_i, topk, self.chunk), topk >= 0
 

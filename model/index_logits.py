@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from model.chunks import query_chunks
 from model.sparse_attention import _flat_rows, gather_rows, no_autocast
 
 
@@ -34,8 +35,7 @@ class _LeanIndexLogits(torch.autograd.Function):
         B, S = idx.shape[:2]
         acc = torch.promote_types(q.dtype, torch.float32)
         out = torch.empty(B, S, idx.shape[-1], dtype=acc, device=q.device)
-        for t0 in range(0, S, chunk):
-            t1 = min(S, t0 + chunk)
+        for t0, t1 in query_chunks(S, chunk, q):
             kg = gather_rows(k, idx[:, t0:t1]).to(acc)
             s = torch.einsum("bchd,bckd->bchk", q[:, t0:t1].to(acc), kg).relu_()
             logits = (s * w[:, t0:t1].to(acc).unsqueeze(-1)).sum(dim=2)
@@ -58,8 +58,7 @@ class _LeanIndexLogits(torch.autograd.Function):
         dw = torch.empty(w.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         d = k.shape[-1]
-        for t0 in range(0, S, ctx.chunk):
-            t1 = min(S, t0 + ctx.chunk)
+        for t0, t1 in query_chunks(S, ctx.chunk, q):
             kg = gather_rows(k, idx[:, t0:t1]).to(acc)
             qc, wc, dl = q[:, t0:t1].to(acc), w[:, t0:t1].to(acc), dlogits[:, t0:t1]
             s = torch.einsum("bchd,bckd->bchk", qc, kg)

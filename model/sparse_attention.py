@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model.chunks import query_chunks
+
 
 def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """table [B, N, D], idx [B, C, k] (-1 allowed, read as row 0) -> [B, C, k, D].
@@ -105,8 +107,7 @@ class _LeanSparseAttention(torch.autograd.Function):
         lse = torch.empty(B, S, H, dtype=acc, device=q.device)
         target = torch.zeros(B, S, topk.shape[-1] if has_comp else 0, dtype=acc, device=q.device)
         sink_col = sink.to(acc).view(1, 1, H, 1)
-        for t0 in range(0, S, chunk):
-            t1 = min(S, t0 + chunk)
+        for t0, t1 in query_chunks(S, chunk, q, window):
             _, keys, lw, gathered, lc = chunk_logits(q[:, t0:t1], window_kv, t0, window, comp_kv,
                                                      topk[:, t0:t1] if has_comp else None, scale, acc)
             parts = [lw] + ([lc] if has_comp else []) + [sink_col.expand(B, t1 - t0, H, 1)]
@@ -139,8 +140,7 @@ class _LeanSparseAttention(torch.autograd.Function):
         dwin = torch.zeros(window_kv.shape, dtype=acc, device=q.device)
         dcomp = None if comp_kv is None else torch.zeros(comp_kv.shape, dtype=acc, device=q.device)
         dsink = torch.zeros(H, dtype=acc, device=q.device)
-        for t0 in range(0, S, ctx.chunk):
-            t1 = min(S, t0 + ctx.chunk)
+        for t0, t1 in query_chunks(S, ctx.chunk, q, window):
             idx = None if topk is None else topk[:, t0:t1]
             lo, keys, lw, gathered, lc = chunk_logits(q[:, t0:t1], window_kv, t0, window, comp_kv, idx, scale, acc)
             lse_c = lse[:, t0:t1].unsqueeze(-1)

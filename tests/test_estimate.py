@@ -41,3 +41,34 @@ def test_estimate_within_ten_percent_of_a_real_step(tmp_path):
         # what exists between steps (parameters, buffers, optimizer state) is built, not guessed
         held = r["params_bytes"] + r["buffers_bytes"] + r["optimizer_bytes"]
         assert held == pytest.approx(measured["base_bytes"], rel=0.05), (r, measured)
+
+
+def test_query_chunks_skip_repeated_shapes_on_fake_tensors_only():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model.chunks import query_chunks
+
+    real = torch.zeros(1)
+    assert list(query_chunks(200, 64, real, window=16)) == [(0, 64), (64, 128), (128, 192), (192, 200)]
+    with FakeTensorMode():
+        fake = torch.zeros(1)
+    # chunk 0 has a short key band, chunks 1-2 the same full one, the last is shorter
+    assert list(query_chunks(200, 64, fake, window=16)) == [(0, 64), (64, 128), (192, 200)]
+    assert list(query_chunks(200, 64, fake)) == [(0, 64), (192, 200)]
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_skipping_repeated_chunks_keeps_the_simulated_memory(mode, monkeypatch):
+    """The estimator's shortcut (model/chunks.py) against simulating all 16 chunks of each pass, for the
+    roles with chunk loops: Full (indexer selection, KL logits, sparse attention), Reuse, Reindex."""
+    from model import chunks
+    from train.config import compose
+    from train.estimate import probe_block
+
+    cfg = compose(["+exp=flash_tiny", "data.seq_len=1024"])
+    for layer in (2, 21, 24):
+        monkeypatch.setattr(chunks, "SIMULATE_EVERY_CHUNK", False)
+        fast = probe_block(cfg, layer, mode)
+        monkeypatch.setattr(chunks, "SIMULATE_EVERY_CHUNK", True)
+        assert probe_block(cfg, layer, mode) == fast, layer

@@ -13,7 +13,7 @@ its stages and expert shard, materialised), the batch is text of the configured 
 The measured step is a steady-state one: the optimizer state exists before it starts (created by one
 optimizer step on zero gradients, as the first real step creates it), as in every step after the first.
 It runs as many micro-batches as the peak needs (`_peak_preserving_microbatches`: 2 without a
-pipeline, pp - s + 1 on stage s with 1F1B; later micro-batches repeat the same state), not the whole accumulation.
+pipeline, pp + 1 on stage 0 and pp elsewhere with 1F1B; later micro-batches repeat the same state), not the whole accumulation.
 
 What a simulation cannot know, it assumes: routing is balanced (each expert receives its even share
 of the (token, expert) pairs -- what the bias update steers towards); `device='cuda'` simulates bf16
@@ -71,14 +71,15 @@ def _peak_preserving_microbatches(layout, schedule: str, pp_rank: int) -> dict:
     peak is reached in the second micro-batch (the first one's gradients held while the second's
     activations build up), and every later one repeats it. With 1F1B, stage s warms up with
     min(pp - s, M) forwards (its peak in flight) and micro-batch pp - s + 1 runs after the first
-    backward (gradients held): min(M, pp - s + 1) micro-batches show stage s's peak. The pipeline
-    stages hold receive buffers only for micro-batches in flight (parallel/lean_stage.py), so nothing
-    else scales with M. Other schedules are simulated in full."""
+    backward (gradients held), so pp - s + 1 micro-batches show stage s's peak; the schedule needs at
+    least pp: min(M, max(pp, pp - s + 1)). The pipeline stages hold receive buffers only for
+    micro-batches in use (parallel/lean_stage.py), so nothing else scales with M. Other schedules are
+    simulated in full."""
     if layout.pp == 1:
         m = min(layout.accumulation, 2)
         return {"accumulation": m, "round_microbatches": 1}
     if schedule == "1f1b" and layout.rounds == 1:
-        m = min(layout.round_microbatches, layout.pp - pp_rank + 1)
+        m = min(layout.round_microbatches, max(layout.pp, layout.pp - pp_rank + 1))
         return {"accumulation": m, "round_microbatches": m}
     return {}
 
