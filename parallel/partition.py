@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from model.config import ConfigError, ModelConfig
-from model.layer_plan import LayerRole
+from model.layer_plan import LayerRole, Role
 
 
 @dataclass
@@ -88,7 +88,9 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
     if role.has_indexer:
         per_token += 6 * D + 18 * cfg.index_topk + 2 * cfg.index_n_heads * cfg.index_head_dim \
             + 22 * hd // role.compress_ratio
-        selective += act * (cfg.index_n_heads * cfg.index_head_dim + hd)
+        selective += act * cfg.index_n_heads * cfg.index_head_dim + 4 * cfg.index_n_heads
+        if role.role is Role.FULL:  # the compressor's projections
+            selective += act * 2 * hd
     if engram:
         per_token += 12 * hc * D + 4 * D + (2 * cfg.engram_head_dim + 8) * cols
         selective += act * (hc + 1) * D
