@@ -66,6 +66,15 @@ class SyntheticBatches:
         return {}
 
 
+def _any_token_map(m) -> list[int] | None:
+    """The Engram tokenizer map is data (prepare_data writes it); any map of the right size will do for
+    memory: the tables are sized by the config's primes."""
+    if not m.engram_layer_ids:
+        return None
+    vocab = m.engram_compressed_vocab_size or m.vocab_size
+    return [i % vocab for i in range(m.vocab_size)]
+
+
 def _peak_preserving_microbatches(layout, schedule: str, pp_rank: int) -> dict:
     """Fewer micro-batches with the same peak, to keep the simulation short. Without a pipeline the
     peak is reached in the second micro-batch (the first one's gradients held while the second's
@@ -111,12 +120,8 @@ class SimulatedTrainer(Trainer):
                                                                            self.pp_rank))
         self.mixed_precision = device_type == "cuda"
         m = self.model_cfg
-        token_map = None
-        if m.engram_layer_ids:  # any map of the right size: tables are sized by the config's primes
-            vocab = m.engram_compressed_vocab_size or m.vocab_size
-            token_map = [i % vocab for i in range(m.vocab_size)]
         self.tensor_mode = fake_mode
-        self._build(model_template(m, token_map))  # pruned on meta, then materialised as fake tensors
+        self._build(model_template(m, _any_token_map(m)))  # pruned on meta, then materialised as fake tensors
         if self.pipe is not None:
             self.pipe.schedule._warmup_p2p = _static_stages  # the library's vote reads a tensor on the host
         with fake_mode:
@@ -196,48 +201,6 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
         dist.destroy_process_group()
 
 
-class _LiveStorageBytes:
-    """Live bytes of the storages operators create, and their peak (a TorchDispatchMode; works on fake
-    tensors, whose storages have no address: keyed by the storage object, released by its finalizer)."""
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if not (func.is_view or func._schema.is_mutable):
-                    for t in tree_flatten(out)[0]:
-                        if isinstance(t, torch.Tensor):
-                            counter._add(t)
-                return out
-
-        self.mode, self.live, self.peak, self._seen = Mode(), 0, 0, set()
-
-    def _add(self, t: torch.Tensor) -> None:
-        import weakref
-
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a wrapper without a storage of its own
-            return
-        key = storage._cdata
-        if key in self._seen:
-            return
-        n = storage.nbytes()
-        self._seen.add(key)
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key, n)
-
-    def _free(self, key: int, n: int) -> None:
-        self.live -= n
-        self._seen.discard(key)
-
-
 def probe_block(cfg: DictConfig, layer: int, recompute: str, device_type: str = "cuda") -> dict:
     """The activation memory of block `layer` alone, for one micro-batch of the configured shape
     (`data.batch_size` x `data.seq_len`), simulated on fake tensors with its experts unsharded (ep=1):
@@ -251,14 +214,11 @@ def probe_block(cfg: DictConfig, layer: int, recompute: str, device_type: str = 
 
     from parallel.pipeline import RoundStats, StageModule, StageRange, boundary_specs, prune_to_stages
     from train.config import model_config
+    from train.optim.memory import PeakTensorBytes
 
     m = model_config(cfg)
     b, S = int(cfg.data.batch_size), int(cfg.data.seq_len)
-    token_map = None
-    if m.engram_layer_ids:
-        vocab = m.engram_compressed_vocab_size or m.vocab_size
-        token_map = [i % vocab for i in range(m.vocab_size)]
-    template = model_template(m, token_map)
+    template = model_template(m, _any_token_map(m))
     rng = StageRange(1, layer, layer + 1, 3)  # a middle stage: no embedding, no head
     prune_to_stages(template, [rng])
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -274,8 +234,8 @@ def probe_block(cfg: DictConfig, layer: int, recompute: str, device_type: str = 
         for p in model.parameters():  # the steady state: gradients exist and are accumulated into
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-        counter = _LiveStorageBytes()
-        with amp, counter.mode:
+        counter = PeakTensorBytes()
+        with amp, counter:
             outs = module(*inputs)
             made = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in outs}  # by the block:
             out_bytes = sum(n for key, n in made.items() if key in counter._seen)  # the next block's carry

@@ -3,7 +3,8 @@
 `PeakTensorBytes` is a TorchDispatchMode that adds up the storage of every tensor an operator creates
 (views and in-place/out= ops create none) and subtracts it when the tensor is freed, keeping the
 peak. Unlike process RSS it does not depend on the allocator's caching or fragmentation, so it can
-show that a step's workspace stays at chunk size rather than a full m x n matrix.
+show that a step's workspace stays at chunk size rather than a full m x n matrix. It counts fake
+tensors' storages too (train/estimate.py's per-block probe).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ class PeakTensorBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 try:
                     storage = t.untyped_storage()
-                    key = storage.data_ptr()
-                except RuntimeError:  # a wrapper without storage of its own (a collective's async result)
-                    continue
-                if key and key not in self._seen:
+                except (RuntimeError, NotImplementedError):  # a wrapper without storage of its own
+                    continue  # (a collective's async result)
+                key = storage._cdata  # the storage itself: fake tensors (the estimator) have no address
+                if key not in self._seen:
                     n = storage.nbytes()
                     self._seen.add(key)
                     self.live += n
