@@ -115,8 +115,9 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int = 0) -> None:
         for leaf, p in module.named_parameters(recurse=False):
             name = f"{mname}.{leaf}" if mname else leaf
             rule = _rule(module, leaf, p)
-            if rule == "normal":
-                seeded_normal_(p, cfg.init_std, seed, name)
+            if rule == "normal":  # a row block of a row-sharded table draws the global rows it holds
+                seeded_normal_(p, cfg.init_std, seed, name, row_offset=getattr(module, "row_offset", 0),
+                               global_rows=getattr(module, "global_rows", None))
             elif rule == "expert":
                 seeded_normal_(p, cfg.init_std, seed, name, row_offset=getattr(module, "offset", 0), stacked=True,
                                global_rows=getattr(module, "n_global", p.shape[0]))

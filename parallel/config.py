@@ -7,6 +7,9 @@
   one round (the gradient-accumulation count). It must divide that count and meet the schedule's rule.
 - `stage_layers`: layer counts per stage (pp x stages per rank entries) to pin the partition by hand.
 - `ep`: expert parallelism: routed experts sharded over ep ranks (it divides dp), parallel/experts.py.
+- `engram_shard`: row-shard the Engram tables over the stage's data-parallel ranks (parallel/engram_shard.py);
+  null = when one table is larger than `engram_shard_min_gb` (fp32), true / false to force.
+- `grad_bucket_mb`: size of the gradient buckets reduced while backward runs (parallel/grad_reduce.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int | None = None
     stage_layers: list | None = None
+    engram_shard: bool | None = None
+    engram_shard_min_gb: float = 4.0
+    grad_bucket_mb: float = 25.0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ParallelConfig":
@@ -56,9 +62,23 @@ class ParallelConfig:
             raise ConfigError(f"parallel.schedule={self.schedule!r}: unknown; use one of {sorted(SCHEDULES)}")
         if self.pp < 1 or self.ep < 1:
             raise ConfigError(f"parallel.pp={self.pp}, parallel.ep={self.ep}: degrees must be >= 1")
+        if self.grad_bucket_mb <= 0 or self.engram_shard_min_gb < 0:
+            raise ConfigError(f"parallel.grad_bucket_mb={self.grad_bucket_mb} must be > 0 and "
+                              f"parallel.engram_shard_min_gb={self.engram_shard_min_gb} >= 0")
         if self.microbatches is not None and self.microbatches < 1:
             raise ConfigError(f"parallel.microbatches={self.microbatches}: must be >= 1 (or null for one round "
                               f"per optimizer step)")
+
+    def shard_engram(self, model_cfg, dp: int) -> bool:
+        """Whether the Engram tables are row-sharded over dp (never on one data-parallel rank)."""
+        if dp == 1 or not model_cfg.engram_layer_ids:
+            return False
+        if self.engram_shard is not None:
+            return bool(self.engram_shard)
+        from model.engram import engram_table_rows
+
+        largest = max(engram_table_rows(model_cfg)) * model_cfg.engram_head_dim * 4
+        return largest > self.engram_shard_min_gb * 2 ** 30
 
     def round_microbatches(self, accumulation: int) -> int:
         """Micro-batches per pipeline round, checked against the step's micro-batch count and the

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from model import Transformer
 from model.config import ModelConfig
+from parallel.engram_shard import shard_engram_tables
 from parallel.experts import shard_experts
 from parallel.pipeline import StageRange, prune_to_stages
 
@@ -28,13 +29,17 @@ def model_template(cfg: ModelConfig, token_map: list[int] | None = None) -> Tran
 
 def build_rank_model(template: Transformer, device: torch.device | str, seed: int,
                      stages: list[StageRange] | None = None, ep: int = 1, ep_rank: int = 0,
-                     ep_group: dist.ProcessGroup | None = None, tensor_mode=None) -> Transformer:
-    """Prune `template` (in place) to `stages` and to expert shard `ep_rank` of `ep`, then materialise
+                     ep_group: dist.ProcessGroup | None = None, tensor_mode=None,
+                     engram_group: dist.ProcessGroup | None = None, dp_rank: int = 0, dp: int = 1) -> Transformer:
+    """Prune `template` (in place) to `stages`, to expert shard `ep_rank` of `ep` and, with an
+    `engram_group`, to row block `dp_rank` of `dp` of every Engram table; then materialise
     what is left on `device` with the run `seed` -- under `tensor_mode` when given (the memory
     estimator's FakeTensorMode: the pruning stays on plain meta tensors, the materialised ones are fake)."""
     if stages is not None:
         prune_to_stages(template, stages)
     if ep > 1:
         shard_experts(template, ep, ep_rank, ep_group)
+    if engram_group is not None:
+        shard_engram_tables(template, dp, dp_rank, engram_group)
     with tensor_mode or contextlib.nullcontext():
         return template.materialize(device, seed)

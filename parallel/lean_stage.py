@@ -38,6 +38,9 @@ class LeanPipelineStage(PipelineStage):
     def __init__(self, *args, release_outputs: tuple[int, ...] = (), **kwargs):
         super().__init__(*args, **kwargs)
         self.release_outputs = tuple(release_outputs)
+        # called with the stage before the backward that completes its parameters' gradients for the
+        # round (the schedule's `last_backward`): the data-parallel reduction starts as they arrive
+        self.before_last_backward = None
 
     # --- receive buffers: allocated on demand ----------------------------------------------------
     def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
@@ -89,6 +92,8 @@ class LeanPipelineStage(PipelineStage):
         return out
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        if full_backward and last_backward and self.before_last_backward is not None:
+            self.before_last_backward(self)
         input_values = self.fwd_cache[bwd_chunk_id][1] if bwd_chunk_id in self.fwd_cache else []
         super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         if self.has_backward and not self.is_last:
@@ -97,6 +102,11 @@ class LeanPipelineStage(PipelineStage):
             for t in input_values:
                 if isinstance(t, torch.Tensor) and t.is_leaf:
                     t.grad = None
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        if last_backward and self.before_last_backward is not None:
+            self.before_last_backward(self)
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
     # --- sent outputs: storage released ----------------------------------------------------------
     def get_fwd_send_ops(self, fwd_chunk_id: int):

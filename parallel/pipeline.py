@@ -281,6 +281,12 @@ class Pipeline:
     stats: RoundStats
     has_first: bool
     has_last: bool
+    stages: list = field(default_factory=list)
+
+    def set_before_last_backward(self, fn) -> None:
+        """fn(stage) runs before each local stage's last backward of the round (None: nothing)."""
+        for stage in self.stages:
+            stage.before_last_backward = fn
 
     def set_aux_grad_scale(self, scale: float) -> None:
         for m in self.modules:
@@ -334,4 +340,4 @@ def build_pipeline(model: Transformer, parallel: ParallelConfig, bounds: list[tu
         schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(schedule, modules, stats, any(r.is_first for r in mine), any(r.is_last for r in mine))
+    return Pipeline(schedule, modules, stats, any(r.is_first for r in mine), any(r.is_last for r in mine), stages)

@@ -1,4 +1,4 @@
-"""Gradient clipping (train/clipping.py) against hand-computed norms: gradients above train.grad_clip
+"""Gradient clipping (parallel/clipping.py) against hand-computed norms: gradients above train.grad_clip
 are scaled to it, gradients below are left bit for bit; under pipeline and expert parallelism the
 norm adds the other stages' and the other expert shards' squares (2 processes, gloo)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.clipping import CLIP_EPS, clip_grad_norm_
+from parallel.clipping import CLIP_EPS, clip_grad_norm_
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ def test_norm_sums_over_stages_and_expert_shards_two_processes():
 import math
 import torch
 import torch.distributed as dist
-from train.clipping import CLIP_EPS, clip_grad_norm_
+from parallel.clipping import CLIP_EPS, clip_grad_norm_
 
 dist.init_process_group("gloo")
 r = dist.get_rank()
@@ -60,15 +60,16 @@ cpu = torch.device("cpu")
 for kind, dense, want in (("pp", [3.0 + r, 4.0], 67.0), ("ep", [3.0, 4.0], 35.0)):
     named = [("layers.0.attn.wkv.weight", torch.tensor(dense)), ("layers.0.ffn.experts.w2", torch.tensor([[2.0 * r + 1]]))]
     before = [g.clone() for _, g in named]
-    groups = dict(shard_group=dist.group.WORLD) if kind == "ep" else dict(stage_group=dist.group.WORLD)
-    norm = clip_grad_norm_(named, 2.0, cpu, is_expert, **groups)
+    groups = (dict(shard_group_of=lambda n: dist.group.WORLD if is_expert(n) else None) if kind == "ep"
+              else dict(stage_group=dist.group.WORLD))
+    norm = clip_grad_norm_(named, 2.0, cpu, **groups)
     assert abs(norm - math.sqrt(want)) < 1e-5, (kind, r, norm, want)
     coef = 2.0 / (math.sqrt(want) + CLIP_EPS)
     for (_, g), g0 in zip(named, before):
         assert torch.allclose(g, g0 * coef, rtol=1e-6, atol=0), (kind, r, g, g0 * coef)
     # below the clip: the same norm, nothing changes
     named = [(n, g0.clone()) for (n, _), g0 in zip(named, before)]
-    assert abs(clip_grad_norm_(named, 100.0, cpu, is_expert, **groups).item() - math.sqrt(want)) < 1e-5
+    assert abs(clip_grad_norm_(named, 100.0, cpu, **groups).item() - math.sqrt(want)) < 1e-5
     assert all(torch.equal(g, g0) for (_, g), g0 in zip(named, before))
 print(f"rank {r}: clip ok", flush=True)
 dist.destroy_process_group()

@@ -10,21 +10,26 @@ Contents (DCP keys):
 - `model.*`: every tensor of `model.state_dict()` (MoE selection biases included), resharded by DCP;
   with a pipeline each rank holds (and writes) its stages' blocks only, under the same names, so a
   checkpoint written with any `parallel.pp` loads with any other;
-- `optim.<optimizer>.<parameter FQN>.<state>`: optimizer state tensors keyed by parameter name, so the
-  checkpoint does not depend on parameter order; on load the template is built from the checkpoint's
-  own metadata (a parameter without state -- e.g. a frozen ViT body -- has no key);
-- expert parallelism: a rank holds rows [r E/ep, (r+1) E/ep) of every stacked expert tensor; those
-  tensors (and their optimizer states) are written as DTensors sharded on dim 0 over the EP mesh, so
-  the checkpoint holds global [E, ...] tensors with global expert indices and loads with any `ep`;
+- `optim.<optimizer>.<parameter FQN>.<state>`: each optimizer state tensor as a flat global tensor of
+  its parameter's global element count, keyed by parameter name (independent of parameter order);
+  every rank writes the pieces it owns (ZeRO-1, parallel/zero.py) and on load requests the pieces it
+  owns in the new layout, so optimizer state reshards across dp / ep / pp; scalars (AdamW's step) are
+  plain; a parameter without state (e.g. a frozen ViT body) has no key;
+- sharded parameters: a rank holds rows [r E/ep, (r+1) E/ep) of every stacked expert tensor, and a
+  row block of each row-sharded Engram table; they are written as `GlobalChunk`s
+  (parallel/sharded_state.py) at their global row offset, so the checkpoint holds the global tensors
+  and loads with any `ep` / dp;
 - `meta`: step, tokens seen, the resolved config, written once;
 - `dp<r>`: data-parallel rank r's data-loader state and RNG states (the ranks of one pipeline read the
-  same batches; any of them writes it), so resuming needs the same dp size but any pp.
+  same batches; any of them writes it), so resuming needs the same number of data-parallel readers
+  (the loader's state is per reader); pp and ep may change.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import re
 import shutil
@@ -36,37 +41,26 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from parallel.sharded_state import GlobalChunk
+
 log = logging.getLogger(__name__)
 
 
-class RowShards:
-    """Tensors this rank holds a dim-0 slice of (routed experts under EP): `names` (parameter FQNs)
-    over the 1-D DeviceMesh `mesh`, each rank the slice of its mesh coordinate, equal sizes."""
+def _global(name: str, p: torch.Tensor, layout: dict) -> tuple[tuple[int, ...], int]:
+    """(global shape, flat offset of this rank's local tensor in it): pieces are cut along dim 0 only."""
+    shape, offset = layout.get(name, (tuple(p.shape), (0,) * p.dim()))
+    return tuple(shape), offset[0] * math.prod(shape[1:]) if shape else 0
 
-    def __init__(self, mesh, names: set[str]):
-        self.mesh, self.names = mesh, set(names)
 
-    def wrap(self, t: torch.Tensor):
-        from torch.distributed.tensor import DTensor, Shard
-
-        return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
-
-    def local_template(self, size, dtype):
-        n = self.mesh.size()
-        if size[0] % n:
-            raise ValueError(f"checkpoint tensor of {size[0]} rows cannot be split over parallel.ep={n}")
-        return self.wrap(torch.empty((size[0] // n,) + tuple(size[1:]), dtype=dtype))
+def _sharded_model_state(model: nn.Module, layout: dict) -> dict:
+    state = model.state_dict()
+    return {k: GlobalChunk([(v, layout[k][1])], layout[k][0]) if k in layout else v for k, v in state.items()}
 
 
 def _unwrap(t):
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.chunks[0][0] if isinstance(t, GlobalChunk) else t
 
 
-def _sharded_model_state(model: nn.Module, shards: RowShards | None) -> dict:
-    state = model.state_dict()
-    if shards is not None:
-        state = {k: shards.wrap(v) if k in shards.names else v for k, v in state.items()}
-    return state
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -107,28 +101,69 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def optimizer_state_flat(optimizers: dict[str, torch.optim.Optimizer], model: nn.Module) -> dict[str, torch.Tensor]:
+def optimizer_state_sharded(optimizers: dict, model: nn.Module, layout: dict) -> dict:
+    """{"<optimizer>.<parameter FQN>.<state>": value}: each state tensor as the flat global tensor of
+    its parameter's elements, of which this rank writes the pieces it owns (ZeRO-1, expert shards,
+    Engram row blocks); scalars (AdamW's step) as they are."""
     name_of = {id(p): n for n, p in model.named_parameters()}
     flat = {}
     for oname, opt in optimizers.items():
-        for p, state in opt.state.items():
-            for k, v in state.items():
-                flat[f"{oname}.{name_of[id(p)]}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+        for p, k, v, pieces in opt.owned_state():
+            name = name_of[id(p)]
+            key = f"{oname}.{name}.{k}"
+            v = v if torch.is_tensor(v) else torch.tensor(v)
+            if v.dim() == 0:
+                flat[key] = v
+                continue
+            if not pieces:
+                continue
+            shape, base = _global(name, p, layout)
+            values, at, chunks = v.reshape(-1), 0, []
+            for q in pieces:
+                chunks.append((values[at:at + q.numel], (base + q.start,)))
+                at += q.numel
+            flat[key] = GlobalChunk(chunks, (math.prod(shape),))
     return flat
 
 
-def load_optimizer_state_flat(optimizers: dict[str, torch.optim.Optimizer], model: nn.Module,
-                              flat: dict[str, torch.Tensor]) -> None:
+def _optimizer_templates(md: dict, optimizers: dict, model: nn.Module, layout: dict) -> dict:
+    """Receiving templates for the optimizer state this rank owns, from the checkpoint's metadata."""
+    params = dict(model.named_parameters())
+    out = {}
+    for key, m in md.items():
+        if not key.startswith("optim."):
+            continue
+        oname, rest = key[len("optim."):].split(".", 1)
+        fqn = rest.rsplit(".", 1)[0]
+        if fqn not in params:
+            continue  # another pipeline stage's parameter
+        if oname not in optimizers:
+            raise ValueError(f"checkpoint has optimizer state {key!r} for optimizer {oname!r}, which this run does "
+                             f"not have (it has {sorted(optimizers)}); was it written by another optimizer config?")
+        p = params[fqn]
+        if len(m.size) == 0:
+            out[key[len("optim."):]] = torch.empty((), dtype=m.properties.dtype)
+            continue
+        shape, base = _global(fqn, p, layout)
+        if m.size[0] != math.prod(shape):
+            raise ValueError(f"checkpoint state {key!r} has {m.size[0]} elements but parameter {fqn!r} has "
+                             f"{math.prod(shape)} (global shape {shape}); was it written by another model config?")
+        pieces = optimizers[oname].state_pieces(p)
+        if pieces:
+            out[key[len("optim."):]] = GlobalChunk([(torch.empty(q.numel, dtype=m.properties.dtype), (base + q.start,))
+                                                    for q in pieces], (m.size[0],))
+    return out
+
+
+def _install_optimizer_state(optimizers: dict, model: nn.Module, loaded: dict) -> None:
     params = dict(model.named_parameters())
     for opt in optimizers.values():
-        opt.state.clear()
-    for key, v in flat.items():
+        opt.clear_state()
+    for key, v in loaded.items():
         oname, rest = key.split(".", 1)
         fqn, k = rest.rsplit(".", 1)
-        if oname not in optimizers or fqn not in params:
-            raise ValueError(f"checkpoint has optimizer state {key!r} that this run cannot place (optimizer "
-                             f"{oname!r}, parameter {fqn!r}); was it written by another model or optimizer config?")
-        optimizers[oname].state[params[fqn]][k] = v.to(params[fqn].device) if v.dim() else v
+        value = torch.cat([t for t, _ in v.chunks]) if isinstance(v, GlobalChunk) else v
+        optimizers[oname].install_state(params[fqn], k, value)
 
 
 class CheckpointWriter:
@@ -144,7 +179,7 @@ class CheckpointWriter:
         self.pending = None
 
     def save(self, step: int, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], meta: dict,
-             rank_state: dict, dp_rank: int | None = None, fault_hook=None, shards: RowShards | None = None) -> Path:
+             rank_state: dict, dp_rank: int | None = None, fault_hook=None, layout: dict | None = None) -> Path:
         """Collective: every rank calls it."""
         self.wait()
         final = step_dir(self.run_dir, step)
@@ -154,14 +189,8 @@ class CheckpointWriter:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        optim = optimizer_state_flat(optimizers, model)
-        if shards is not None:
-            params = dict(model.named_parameters())
-            for key, v in optim.items():
-                fqn = key.split(".", 1)[1].rsplit(".", 1)[0]
-                if fqn in shards.names and v.shape == params[fqn].shape:
-                    optim[key] = shards.wrap(v)
-        state = {"model": _sharded_model_state(model, shards), "optim": optim,
+        layout = layout or {}
+        state = {"model": _sharded_model_state(model, layout), "optim": optimizer_state_sharded(optimizers, model, layout),
                  "meta": _blob(meta), f"dp{rank if dp_rank is None else dp_rank}": _blob(rank_state)}
         with warnings.catch_warnings():  # DCP warns when it runs without a process group (one process): expected
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -203,39 +232,30 @@ class CheckpointWriter:
         _barrier()
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer],
-                    dp_rank: int | None = None, dp: int | None = None,
-                    shards: RowShards | None = None) -> tuple[dict, dict]:
+def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_rank: int | None = None,
+                    dp: int | None = None, layout: dict | None = None) -> tuple[dict, dict]:
     """Load model and optimizer state in place (only the parameters `model` holds: a pipeline stage
-    loads its own blocks); returns (meta, this data-parallel rank's state)."""
+    loads its own blocks, an expert / Engram shard its rows, ZeRO-1 its owned pieces of the optimizer
+    state); returns (meta, this data-parallel rank's state)."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no .metadata); pick a step_* "
                                 f"directory under <run dir>/checkpoints")
     dp_rank = _rank() if dp_rank is None else dp_rank
+    layout = layout or {}
     md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     rank_key = f"dp{dp_rank}"
     saved = sorted(int(k[2:]) for k in md if re.fullmatch(r"dp\d+", k))
     if rank_key not in md or (dp is not None and len(saved) != dp):
-        raise ValueError(f"checkpoint {path} was written with {len(saved)} data-parallel rank(s) and this run has "
-                         f"{dp if dp is not None else 'more'}: resume with the same data-parallel size "
-                         f"(world size / parallel.pp = {len(saved)}); the pipeline degree may differ")
-    params = dict(model.named_parameters())
-    optim_tmpl = {}
-    for key, m in md.items():
-        if not key.startswith("optim."):
-            continue
-        fqn = key.split(".", 2)[2].rsplit(".", 1)[0]
-        if fqn not in params:
-            continue  # another pipeline stage's parameter
-        if shards is not None and fqn in shards.names and len(m.size) == params[fqn].dim():
-            optim_tmpl[key[len("optim."):]] = shards.local_template(tuple(m.size), m.properties.dtype)
-        else:
-            optim_tmpl[key[len("optim."):]] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-    state = {"model": _sharded_model_state(model, shards), "optim": optim_tmpl, "meta": b"", rank_key: b""}
+        raise ValueError(f"checkpoint {path} was written with {len(saved)} data-parallel reader(s) and this run has "
+                         f"{dp if dp is not None else 'more'}: the data-loader state needs the same number of "
+                         f"data-parallel ranks (world size / parallel.pp = {len(saved)}); the model and optimizer "
+                         f"state would load into any layout, and parallel.pp / parallel.ep may differ")
+    state = {"model": _sharded_model_state(model, layout), "optim": _optimizer_templates(md, optimizers, model, layout),
+             "meta": b"", rank_key: b""}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(state, checkpoint_id=str(path))
     model.load_state_dict({k: _unwrap(v) for k, v in state["model"].items()})
-    load_optimizer_state_flat(optimizers, model, {k: _unwrap(v) for k, v in state["optim"].items()})
+    _install_optimizer_state(optimizers, model, state["optim"])
     return _unblob(state["meta"]), _unblob(state[rank_key])

@@ -49,20 +49,19 @@ from model.config import ConfigError, reject_unknown_fields
 from model.recompute import validate_recompute
 from model.vision import set_vision_body_trainable
 from parallel.config import ParallelConfig
-from parallel.mesh import build_mesh, mesh_shape
+from parallel.dims import ParallelDims
+from parallel.mesh import mesh_shape
 from parallel.partition import PartitionCosts, in_flight_microbatches, partition, unit_costs
 from parallel.construct import build_rank_model, model_template
-from parallel.experts import is_expert_param
 from parallel.pipeline import build_pipeline, local_stage_ranges
 from train.balancing import accumulate_loads, global_loads, update_biases
-from train.clipping import clip_grad_norm_
 from train.loss import tiled_lm_loss
-from train.checkpoint import CheckpointWriter, RowShards, latest_checkpoint, load_checkpoint
+from train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from train.config import data_config, model_config, optim_config, schedule, token_spec
 from train.engram_map import load_or_build_engram_map
 from train.metrics import LoggingConfig, MetricsLogger, load_statistics
 from train.optim import build_optimizers
-from train.optim.routing import route_parameters
+from train.optim.routing import route_parameters, zero_inputs
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "FLASHTRAIN_FAULT_KILL_AFTER_CHECKPOINT_WRITE"  # tests only: SIGKILL after writing step N's shards
@@ -209,6 +208,7 @@ class Trainer:
         self.schedule = schedule(cfg)
         self.layout = plan_layout(self.train_cfg, self.data_cfg.seq_len, self.data_cfg.batch_size, self.parallel, world,
                                   self.model_cfg.n_layers, self.model_cfg.n_routed_experts)
+        self.engram_shard = self.parallel.shard_engram(self.model_cfg, self.layout.dp)
         self.max_steps = self.train_cfg.max_steps or self.schedule.total_steps
         self.spec = token_spec(self.model_cfg)
         self.tensor_mode = None  # a mode every tensor of the run is made under (the estimator's FakeTensorMode)
@@ -217,18 +217,14 @@ class Trainer:
         self._stop = False
 
     def _setup_groups(self, world: int) -> None:
-        """The ("pp", "dp_rep", "ep") mesh and this rank's coordinates in it (after the process group)."""
+        """The parallel dimensions (mesh, groups, this rank's coordinates; after the process group)."""
         self.is_main = self.rank == 0
         self.mixed_precision = self.device.type == "cuda"
-        self.mesh = self.pp_group = self.dp_group = self.ep_group = self.rep_group = None
-        self.pp_rank, self.dp_rank, self.ep_rank = 0, self.rank, 0
-        if self.layout.pp > 1 or self.layout.ep > 1:
-            self.mesh = build_mesh(mesh_shape(world, self.layout.pp, self.layout.ep, self.model_cfg.n_layers,
-                                              self.model_cfg.n_routed_experts), self.device.type)
-            self.pp_group, self.dp_group = self.mesh.group("pp"), self.mesh.group("dp")
-            self.ep_group, self.rep_group = self.mesh.group("ep"), self.mesh.group("dp_rep")
-            self.pp_rank, self.dp_rank = self.mesh.local_rank("pp"), self.mesh.local_rank("dp")
-            self.ep_rank = self.mesh.local_rank("ep")
+        self.dims = ParallelDims.build(world, self.rank, self.layout.pp, self.layout.ep, self.model_cfg.n_layers,
+                                       self.model_cfg.n_routed_experts, self.device.type,
+                                       zero=self.optim_cfg.zero, engram_shard=self.engram_shard,
+                                       bucket_bytes=int(self.parallel.grad_bucket_mb * (1 << 20)))
+        self.pp_rank, self.dp_rank, self.ep_rank = self.dims.pp_rank, self.dims.dp_rank, self.dims.ep_rank
 
     def _build(self, template) -> None:
         """This rank's model, pipeline stages and optimizers from the whole model's meta-device template
@@ -242,12 +238,19 @@ class Trainer:
             bounds = self._partition()
             stages = local_stage_ranges(self.parallel, bounds, self.pp_rank)
         build_rank_model(self.model, self.device, self.train_cfg.seed, stages, self.layout.ep, self.ep_rank,
-                         self.ep_group, self.tensor_mode)
+                         self.dims.ep_group, self.tensor_mode, self.dims.dp_group if self.dims.engram_shard else None,
+                         self.dp_rank, self.layout.dp)
         self.model.set_recompute(self.train_cfg.recompute)
         with self.tensor_mode or contextlib.nullcontext():
             if self.layout.pp > 1:
                 self.pipe = self._build_pipeline(bounds)
-            self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg, self._muon_shard_groups())
+            kinds, matrices = zero_inputs(route_parameters(self.model, self.model_cfg, self.optim_cfg))
+            self.zero_plan = self.dims.zero_plan(self.model, kinds, matrices)
+            self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg,
+                                          None if self.dims.zero else self.dims.muon_split_group_of(self.model),
+                                          (lambda p: self.zero_plan[id(p)]) if self.dims.zero else None,
+                                          self._sinkhorn_row_group_of())
+            self.reducer = self.dims.grad_reducer(self.model)
 
     def _partition(self) -> list[tuple[int, int]]:
         """[start, end) blocks of the parallel.n_stages stages: cost-balanced over the whole model, or
@@ -268,7 +271,7 @@ class Trainer:
         def loss_fn(hidden, labels):  # the last stage returns the final hidden states, not logits
             return tiled_lm_loss(hidden, self.model.head, labels, self.train_cfg.loss_tile_tokens, 1.0 / accum)
 
-        pipe = build_pipeline(self.model, self.parallel, bounds, self.pp_rank, self.pp_group, self.device,
+        pipe = build_pipeline(self.model, self.parallel, bounds, self.pp_rank, self.dims.pp_group, self.device,
                               self.data_cfg.batch_size, self.data_cfg.seq_len, self.layout.round_microbatches, loss_fn)
         if self.is_main:
             print(f"pipeline: {self.parallel.schedule}, pp={self.layout.pp} x {self.parallel.stages_per_rank} "
@@ -290,28 +293,19 @@ class Trainer:
             t.copy_(on_device)
         return t
 
-    def _muon_shard_groups(self):
-        """Distributed Muon: the group each parameter is replicated over -- dp for the non-expert ones,
-        the replicas of the expert shard (dp / ep ranks) for routed experts; None on one rank."""
-        if self.layout.dp == 1:
+    def _sinkhorn_row_group_of(self):
+        """Row-sharded Engram tables: the Sinkhorn update's column statistics are all-reduced over dp."""
+        if not self.dims.engram_shard:
             return None
-        dp_group = self.dp_group if self.dp_group is not None else dist.group.WORLD
-        experts = {id(p) for n, p in self.model.named_parameters() if is_expert_param(n)}
-        rep_group = self.rep_group if self.layout.dp // self.layout.ep > 1 else None
-        return lambda p: rep_group if id(p) in experts else dp_group
-
-    def _row_shards(self) -> RowShards | None:
-        """Under EP: the stacked expert tensors, sharded on dim 0 over the EP mesh."""
-        if self.layout.ep == 1:
-            return None
-        return RowShards(self.mesh.device_mesh["ep"], {n for n, _ in self.model.named_parameters() if is_expert_param(n)})
+        tables = {id(p) for n, p in self.model.named_parameters() if n.endswith(".engram.embed.weight")}
+        return lambda p: self.dims.dp_group if id(p) in tables else None
 
     def _resume(self) -> None:
         path = self.train_cfg.resume_from or latest_checkpoint(self.run_dir)
         if path is None:
             return
         meta, mine = load_checkpoint(path, self.model, self.optim.optimizers, self.dp_rank, self.layout.dp,
-                                     self._row_shards())
+                                     self.dims.global_layout(self.model))
         saved_model = meta["config"]["model"]
         if saved_model != self.cfg_dict["model"]:
             diff = sorted(k for k in set(saved_model) | set(self.cfg_dict["model"])
@@ -334,67 +328,17 @@ class Trainer:
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict}
         self.checkpoints.save(self.step, self.model, self.optim.optimizers, meta,
                               {"data": self.loader.state_dict(), "rng": _rng_state()}, self.dp_rank, fault_hook=hook,
-                              shards=self._row_shards())
+                              layout=self.dims.global_layout(self.model))
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop = True
-
-    def _reduce_gradients(self) -> None:
-        """Average gradients over the data-parallel ranks: non-expert parameters over all of dp, routed
-        experts over the replicas of this rank's expert shard (dp / ep ranks; the all-to-all backward
-        already summed the EP group's contributions into the owner's gradient), both divided by dp.
-        One flat all-reduce per kind. A parameter that got a gradient on some rank only (e.g. the
-        aligner, when another rank's micro-batches held no image) takes part with zeros elsewhere, so
-        every rank ends with the same gradients and steps alike; one that got none anywhere stays
-        without a gradient, as in a single process."""
-        if not dist.is_initialized() or self.layout.dp == 1:
-            return
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        if self.layout.ep == 1:
-            self._average([p for _, p in named], self.dp_group, self.layout.dp)
-            return
-        self._average([p for n, p in named if not is_expert_param(n)], self.dp_group, self.layout.dp)
-        experts = [p for n, p in named if is_expert_param(n)]
-        if self.layout.dp // self.layout.ep > 1:
-            self._average(experts, self.rep_group, self.layout.dp)
-        else:
-            for p in experts:
-                if p.grad is not None:
-                    p.grad /= self.layout.dp
-
-    def _average(self, params: list[torch.Tensor], group, divisor: int) -> None:
-        has = self._all_reduce(torch.tensor([p.grad is not None for p in params], dtype=torch.float32),
-                               dist.ReduceOp.MAX, group)
-        # fake tensors (train/estimate.py) have no values: the estimate assumes every gradient exists
-        live = params if is_fake(has) else [p for p, h in zip(params, has.tolist()) if h]
-        if not live:
-            return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in live])
-        dist.all_reduce(flat, group=group)
-        flat /= divisor
-        offset = 0
-        for p in live:
-            g = flat[offset:offset + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
-            offset += p.numel()
-
-    def _clip_gradients(self) -> float:
-        """Clip to train.grad_clip by the norm over the whole model (train/clipping.py): expert
-        gradients' squared norms summed over the EP group, every stage's over the pp group (gradients
-        are already equal over their replicas). Returns the norm before clipping."""
-        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
-        return clip_grad_norm_(named, self.train_cfg.grad_clip, self.device, is_expert_param,
-                               self.ep_group if self.layout.ep > 1 else None, self.pp_group)
 
     def _local_passes(self) -> tuple[torch.Tensor, dict]:
         """Forward/backward of every micro-batch of the step, one after another (no pipeline)."""
         accum = self.layout.accumulation
         loads: dict[int, torch.Tensor] = {}
         sums = torch.zeros(5, dtype=torch.float64)  # ce, balance, indexer, pad tokens, positions
-        for _ in range(accum):
+        for i in range(accum):
             batch = next(self.loader)
             stats = StepStats()
             tokens = batch["tokens"].to(self.device)
@@ -403,6 +347,8 @@ class Trainer:
             hidden = self.model.final_hidden(self.model.run(tokens, types, images, stats, aux_grad_scale=1.0 / accum))
             loss = tiled_lm_loss(hidden, self.model.head, batch["labels"].to(self.device),
                                  self.train_cfg.loss_tile_tokens, 1.0 / accum)
+            if i == accum - 1:
+                self.reducer.mark_final()  # the gradients complete in this backward: reduce buckets as they do
             loss.backward()
             accumulate_loads(loads, {k: v.cpu() for k, v in stats.expert_load.items()})
             sums[0] += loss.detach().double().cpu() * accum  # tensors throughout: no host sync per micro-batch
@@ -421,7 +367,8 @@ class Trainer:
         self.pipe.set_aux_grad_scale(1.0 / accum)
         self.pipe.stats.reset()
         sums = torch.zeros(5, dtype=torch.float64)
-        for _ in range(self.layout.rounds):
+        for r in range(self.layout.rounds):
+            self.pipe.set_before_last_backward(self._mark_final if r == self.layout.rounds - 1 else None)
             batches = [next(self.loader) for _ in range(m)]
             tokens = torch.cat([b["tokens"] for b in batches]).to(self.device)
             types = torch.cat([b["token_types"] for b in batches]).to(self.device)
@@ -435,6 +382,9 @@ class Trainer:
                 sums[4] += sum(b["tokens"].numel() + b["tokens"].shape[0] for b in batches)
         sums[1], sums[2] = self.pipe.stats.balance, self.pipe.stats.indexer
         return sums, dict(self.pipe.stats.expert_load)
+
+    def _mark_final(self, stage) -> None:
+        self.reducer.mark_final(stage.submod.parameters())
 
     # --- the loop ----------------------------------------------------------------------------
     def train_step(self) -> tuple[dict, dict]:
@@ -473,11 +423,11 @@ class Trainer:
             set_vision_body_trainable(self.model, self.schedule.vit_trainable(self.step))
         lr = self.schedule.lr(self.step)
         self.optim.set_lr(lr)
-        self.optim.zero_grad(set_to_none=True)
+        self.reducer.zero_grad()
         with self.autocast():
             sums, loads = self._pipeline_passes() if self.pipe else self._local_passes()
-        self._reduce_gradients()
-        grad_norm = self._clip_gradients()
+        self.reducer.finish()
+        grad_norm = self.dims.clip(self.model, self.train_cfg.grad_clip, self.device)
         self.optim.step()
         loads = global_loads(loads, self.model_cfg.n_layers, self.model_cfg.n_routed_experts, device=self.device)
         update_biases(self.model, loads, self.train_cfg.balance_rate)

@@ -55,6 +55,7 @@ class OptimConfig:
     lr: float = 2.6e-4  # peak learning rate; the schedule scales every group's lr_mult by it
     vision_lr_mult: float = 0.1  # ViT body once unfrozen (the report: "a smaller learning rate")
     use_triton: bool | None = None  # None: Triton on CUDA, reference on CPU
+    zero: bool = True  # ZeRO-1: optimizer state sharded over data-parallel replicas (no effect with dp = 1)
     muon: MuonConfig = field(default_factory=MuonConfig)
     sinkhorn: SinkhornConfig = field(default_factory=SinkhornConfig)
     adamw: AdamWConfig = field(default_factory=AdamWConfig)

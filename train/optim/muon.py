@@ -19,6 +19,12 @@ of the expert shard), each same-shape batch is split by whole matrices into cont
 rank of the group; every rank orthogonalises its slice and one all-gather returns all results to all
 ranks. The momentum and the update itself stay local (they are elementwise), so each matrix goes
 through exactly the single-rank computation.
+
+ZeRO-1 (`zero_of(param)` returns its `parallel.zero.Ownership`): the parameter's matrices are cut into
+pieces of whole matrices, each owned by one rank of its replica group (balanced by Newton-Schulz cost,
+parallel/zero.py). The owner alone keeps the momentum of its pieces (a flat buffer over them, in piece
+order), orthogonalises them and applies the update; then every piece is broadcast from its owner, so
+all replicas end with the same parameter as the replicated step gives.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ class Muon(GroupwiseOptimizer):
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, weight_decay: float = 0.1,
                  nesterov: bool = True, rms_scale: float = 0.18, ns_coefficients=V41_NS_SCHEDULE,
                  ns_eps: float = 1e-7, ns_dtype: torch.dtype | None = None, use_triton: bool | None = None,
-                 ns_batch_elems: int = 1 << 22, shard_group_of=None):
+                 ns_batch_elems: int = 1 << 22, shard_group_of=None, zero_of=None):
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0:
             raise ValueError(f"Muon: invalid lr={lr}, momentum={momentum} or weight_decay={weight_decay}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
@@ -59,8 +65,11 @@ class Muon(GroupwiseOptimizer):
         self.ns_eps, self.ns_dtype, self.use_triton = ns_eps, ns_dtype, use_triton
         self.ns_batch_elems = ns_batch_elems
         self.shard_group_of = shard_group_of
+        self.zero_of = zero_of
 
     def _step_group(self, group: dict) -> None:
+        if self.zero_of is not None:
+            return self._step_group_zero(group)
         beta, heads = group["momentum"], group["num_heads"]
         updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, G^ as matrices)
         for p in group["params"]:
@@ -89,6 +98,53 @@ class Muon(GroupwiseOptimizer):
                 ortho[i] = part
         lr, wd = group["lr"], group["weight_decay"]
         self._apply(updates, ortho, lr, wd)
+
+    def _step_group_zero(self, group: dict) -> None:
+        """ZeRO-1: momentum, Newton-Schulz and the update for the pieces this rank owns; then each piece
+        is broadcast from its owner."""
+        import torch.distributed as dist
+
+        beta, heads = group["momentum"], group["num_heads"]
+        updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (piece of the flat param, G^ as matrices)
+        live = [p for p in group["params"] if p.grad is not None]
+        for p in live:
+            own = self.zero_of(p)
+            mine = own.mine()
+            if not mine:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros(own.owned_numel, dtype=p.dtype, device=p.device)
+            buf, at = state["momentum_buffer"], 0
+            rows, cols = _as_matrices(p, heads).shape[1:]
+            for piece in mine:
+                g = p.grad.view(-1)[piece.start:piece.end]
+                m = buf[at:at + piece.numel]
+                at += piece.numel
+                m.lerp_(g, 1 - beta)
+                ghat = g.lerp(m, beta) if group["nesterov"] else m
+                updates.append((p.view(-1)[piece.start:piece.end], ghat.view(-1, rows, cols)))
+        by_shape: dict[tuple, list[int]] = defaultdict(list)
+        for i, (_, mats) in enumerate(updates):
+            by_shape[tuple(mats.shape[1:])].append(i)
+        ortho: list[torch.Tensor | None] = [None] * len(updates)
+        for (rows, cols), idx in by_shape.items():
+            out = self._ns(torch.cat([updates[i][1] for i in idx]))
+            out = out * (group["rms_scale"] * math.sqrt(max(rows, cols)))
+            for i, part in zip(idx, out.split([updates[i][1].shape[0] for i in idx])):
+                ortho[i] = part
+        self._apply(updates, ortho, group["lr"], group["weight_decay"])
+        works = []
+        for p in live:
+            own = self.zero_of(p)
+            if own.group is None:
+                continue
+            for piece in own.pieces:
+                if piece.numel:
+                    works.append(dist.broadcast(p.view(-1)[piece.start:piece.end], group=own.group,
+                                                group_src=piece.owner, async_op=True))
+        for w in works:
+            w.wait()
 
     def _ns(self, batch: torch.Tensor) -> torch.Tensor:
         rows, cols = batch.shape[1:]

@@ -37,7 +37,8 @@ from torch import nn
 from model.config import ModelConfig
 from model.vision import is_vision_body
 from train.optim.config import OptimConfig
-from train.optim.muon import Muon
+from train.optim.adamw import ShardedAdamW
+from train.optim.muon import Muon, _as_matrices
 from train.optim.sinkhorn import SinkhornBalanced
 
 RULES: tuple[tuple[str, str], ...] = (
@@ -152,10 +153,24 @@ class OptimizerSet:
             o.load_state_dict(state[k])
 
 
+def zero_inputs(groups: list[RoutedGroup]) -> tuple[dict[str, str], dict[str, tuple[int, int, int]]]:
+    """What ZeRO-1 ownership needs (parallel/zero.py): each parameter's optimizer, and for Muon
+    parameters the matrices Newton-Schulz sees, (n, rows, cols)."""
+    kinds, matrices = {}, {}
+    for g in groups:
+        for n, p in zip(g.names, g.params):
+            kinds[n] = g.optimizer
+            if g.optimizer == "muon":
+                matrices[n] = tuple(_as_matrices(p, g.options.get("num_heads")).shape)
+    return kinds, matrices
+
+
 def build_optimizers(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig,
-                     shard_group_of=None) -> OptimizerSet:
+                     shard_group_of=None, zero_of=None, row_group_of=None) -> OptimizerSet:
     """shard_group_of(param) -> the process group a parameter is replicated over, for distributed Muon
-    (None: every rank orthogonalises everything itself)."""
+    without ZeRO (None: every rank orthogonalises everything itself); zero_of(param) -> its ZeRO-1
+    Ownership (None: optimizer state replicated); row_group_of(param) -> the group a row-sharded table
+    is split over."""
     groups = route_parameters(model, model_cfg, optim_cfg)
     lr = optim_cfg.lr
 
@@ -171,12 +186,12 @@ def build_optimizers(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimC
         opts["muon"] = Muon(by_opt["muon"], lr=lr, momentum=m.momentum, weight_decay=m.weight_decay,
                             nesterov=m.nesterov, rms_scale=m.rms_scale, ns_coefficients=m.coefficients(),
                             ns_eps=m.ns_eps, ns_dtype=m.torch_ns_dtype(), use_triton=optim_cfg.use_triton,
-                            shard_group_of=shard_group_of if m.distributed else None)
+                            shard_group_of=shard_group_of if m.distributed else None, zero_of=zero_of)
     if by_opt["sinkhorn"]:
         opts["sinkhorn"] = SinkhornBalanced(by_opt["sinkhorn"], lr=lr, momentum=s.momentum, num_steps=s.num_steps,
                                             tau=s.tau, eps=s.eps, gamma=s.gamma, use_triton=optim_cfg.use_triton,
-                                            chunk_elems=s.chunk_elems)
+                                            chunk_elems=s.chunk_elems, row_group_of=row_group_of, zero_of=zero_of)
     if by_opt["adamw"]:
-        opts["adamw"] = torch.optim.AdamW(by_opt["adamw"], lr=lr, betas=tuple(a.betas), eps=a.eps,
-                                          weight_decay=0.0)
+        opts["adamw"] = ShardedAdamW(by_opt["adamw"], zero_of, lr=lr, betas=tuple(a.betas), eps=a.eps,
+                                     weight_decay=0.0)
     return OptimizerSet(opts)

@@ -198,7 +198,7 @@ def sinkhorn_update(W, G, M, lr, beta, num_steps, tau, eps, gamma, triton: bool 
                     chunk_elems: int = 1 << 18, row_group=None) -> None:
     if is_fake(W):
         sinkhorn_update_shapes(W, num_steps, row_group)
-    elif use_triton(W, triton):
+    elif use_triton(W, triton) and W.shape[0]:
         sinkhorn_update_triton(W, G, M, lr, beta, num_steps, tau, eps, gamma, row_group)
     else:
         sinkhorn_update_reference(W, G, M, lr, beta, num_steps, tau, eps, gamma, chunk_elems, row_group)
@@ -206,27 +206,46 @@ def sinkhorn_update(W, G, M, lr, beta, num_steps, tau, eps, gamma, triton: bool 
 
 class SinkhornBalanced(GroupwiseOptimizer):
     """Algorithm 1 per 2-D parameter; no weight decay; one momentum buffer per parameter.
-    `row_group_of(param)`: the process group a row-sharded table is split over (None: whole here)."""
+    `row_group_of(param)`: the process group a row-sharded table is split over (None: whole here).
+    ZeRO-1 (`zero_of(param)` -> `parallel.zero.Ownership` of row blocks over the replica group): each
+    rank updates its row block as a row shard of the table (momentum for those rows only, column
+    statistics all-reduced over the group), then every block is broadcast from its owner."""
 
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, num_steps: int = 11,
                  tau: float = 1e-3, eps: float = 1e-20, gamma: float = 0.18, use_triton: bool | None = None,
-                 chunk_elems: int = 1 << 18, row_group_of=None):
+                 chunk_elems: int = 1 << 18, row_group_of=None, zero_of=None):
         _check_steps(num_steps)
         if lr < 0 or not 0 <= momentum < 1:
             raise ValueError(f"SinkhornBalanced: invalid lr={lr} or momentum={momentum}")
         super().__init__(params, dict(lr=lr, momentum=momentum, num_steps=num_steps, tau=tau, eps=eps, gamma=gamma))
         self.use_triton, self.chunk_elems = use_triton, chunk_elems
         self.row_group_of = row_group_of
+        self.zero_of = zero_of
+
+    def _state_shape(self, p: torch.Tensor) -> tuple:
+        return (-1, p.shape[1])
 
     def _step_group(self, group: dict) -> None:
+        works = []
         for p in group["params"]:
             if p.grad is None:
                 continue
             if p.dim() != 2:
                 raise ValueError(f"SinkhornBalanced takes [rows, features] matrices, got {tuple(p.shape)}")
+            own = self.zero_of(p) if self.zero_of is not None else None
+            W, G, row_group = p, p.grad, self.row_group_of(p) if self.row_group_of else None
+            if own is not None and own.group is not None:  # ZeRO-1: this rank's row block
+                n = p.shape[1]
+                piece = own.pieces[own.rank]
+                W, G, row_group = p[piece.start // n:piece.end // n], p.grad[piece.start // n:piece.end // n], own.group
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            sinkhorn_update(p, p.grad, state["momentum_buffer"], group["lr"], group["momentum"],
+                state["momentum_buffer"] = torch.zeros_like(W, memory_format=torch.contiguous_format)
+            sinkhorn_update(W, G, state["momentum_buffer"], group["lr"], group["momentum"],
                             group["num_steps"], group["tau"], group["eps"], group["gamma"], self.use_triton,
-                            self.chunk_elems, self.row_group_of(p) if self.row_group_of else None)
+                            self.chunk_elems, row_group)
+            if own is not None and own.group is not None:
+                works += [dist.broadcast(p.view(-1)[q.start:q.end], group=own.group, group_src=q.owner,
+                                         async_op=True) for q in own.pieces if q.numel]
+        for w in works:
+            w.wait()

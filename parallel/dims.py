@@ -1,0 +1,171 @@
+"""The run's parallel dimensions and every collective the training loop needs (DESIGN.md
+"Parallelism"; torchtitan's ParallelDims is the model).
+
+`ParallelDims` always exists: degree 1 where a dimension is unused (its group is then None and
+nothing is exchanged over it). It owns
+- the ("pp", "dp_rep", "ep") DeviceMesh (parallel/mesh.py) and this rank's coordinates;
+- which group each parameter's gradient is reduced over (`replica_group`) and which group holds other
+  pieces of it (`shard_group`): routed experts are sharded over ep and replicated over dp_rep;
+  row-sharded Engram tables are sharded over dp and not replicated; everything else is replicated
+  over dp;
+- the bucketed, backward-overlapped gradient reduction (parallel/grad_reduce.py);
+- clipping by the norm over every stage and shard (parallel/clipping.py);
+- ZeRO-1 ownership of optimizer state (parallel/zero.py) and Muon's Newton-Schulz split;
+- the global shape and offset of every parameter for sharded checkpoints (parallel/sharded_state.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.clipping import clip_grad_norm_
+from parallel.experts import is_expert_param
+from parallel.grad_reduce import GradReducer
+from parallel.mesh import ProcessMesh, build_mesh, mesh_shape
+from parallel.zero import Ownership, balance_muon, flat_pieces, row_pieces, whole
+
+
+def is_engram_table(name: str) -> bool:
+    return name.endswith(".engram.embed.weight")
+
+
+@dataclass
+class ParallelDims:
+    world: int
+    pp: int
+    dp: int
+    ep: int
+    rank: int = 0
+    mesh: ProcessMesh | None = None
+    zero: bool = False
+    engram_shard: bool = False
+    bucket_bytes: int = 25 << 20
+
+    @classmethod
+    def build(cls, world: int, rank: int, pp: int, ep: int, n_layers: int, n_routed_experts: int,
+              device_type: str = "cpu", zero: bool = False, engram_shard: bool = False,
+              bucket_bytes: int = 25 << 20) -> "ParallelDims":
+        shape = mesh_shape(world, pp, ep, n_layers, n_routed_experts)
+        mesh = build_mesh(shape, device_type) if world > 1 and dist.is_initialized() else None
+        return cls(world, pp, shape.dp, ep, rank, mesh, zero and shape.dp > 1, engram_shard and shape.dp > 1,
+                   bucket_bytes)
+
+    # --- groups and coordinates --------------------------------------------------------------
+    def _group(self, name: str, degree: int):
+        return self.mesh.group(name) if self.mesh is not None and degree > 1 else None
+
+    @property
+    def pp_group(self):
+        return self._group("pp", self.pp)
+
+    @property
+    def dp_group(self):
+        return self._group("dp", self.dp)
+
+    @property
+    def ep_group(self):
+        return self._group("ep", self.ep)
+
+    @property
+    def rep_group(self):
+        """The replicas of this rank's expert shard (dp / ep ranks)."""
+        return self._group("dp_rep", self.dp // self.ep)
+
+    def _local(self, name: str) -> int:
+        return self.mesh.local_rank(name) if self.mesh is not None else 0
+
+    @property
+    def pp_rank(self) -> int:
+        return self._local("pp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self._local("dp") if self.mesh is not None else 0
+
+    @property
+    def ep_rank(self) -> int:
+        return self._local("ep")
+
+    def replica_group(self, name: str):
+        """The group `name`'s gradient is averaged over (None: no other rank holds it)."""
+        if is_expert_param(name):
+            return self.rep_group
+        if self.engram_shard and is_engram_table(name):
+            return None
+        return self.dp_group
+
+    def shard_group(self, name: str):
+        """The group whose ranks hold the other pieces of `name` (None: this rank holds all of it)."""
+        if is_expert_param(name):
+            return self.ep_group
+        if self.engram_shard and is_engram_table(name):
+            return self.dp_group
+        return None
+
+    def _replica_size_rank(self, name: str) -> tuple[int, int]:
+        if is_expert_param(name):
+            return self.dp // self.ep, (self._local("dp_rep") if self.mesh is not None else 0)
+        if self.engram_shard and is_engram_table(name):
+            return 1, 0
+        return self.dp, self.dp_rank
+
+    # --- gradients ---------------------------------------------------------------------------
+    def grad_reducer(self, model: nn.Module) -> GradReducer:
+        return GradReducer(list(model.named_parameters()), self.replica_group, self.dp, self.bucket_bytes)
+
+    def clip(self, model: nn.Module, max_norm: float, device: torch.device) -> torch.Tensor:
+        """Clip to `max_norm` by the norm of the whole model's gradient; returns the norm before clipping."""
+        named = [(n, p.grad) for n, p in model.named_parameters() if p.requires_grad]
+        return clip_grad_norm_(named, max_norm, device, self.shard_group, self.pp_group)
+
+    # --- optimizer state ---------------------------------------------------------------------
+    def muon_split_group_of(self, model: nn.Module):
+        """Without ZeRO: the group over which each Muon parameter's Newton-Schulz work is split."""
+        if self.dp == 1:
+            return None
+        group_of = {id(p): self.replica_group(n) for n, p in model.named_parameters()}
+        return lambda p: group_of[id(p)]
+
+    def zero_plan(self, model: nn.Module, kind_of: dict[str, str], matrices: dict[str, tuple[int, int, int]]):
+        """ZeRO-1 ownership of every parameter: {id(param): Ownership}. kind_of[name] is its optimizer
+        (muon / sinkhorn / adamw), matrices[name] = (n, rows, cols) for Muon parameters."""
+        plan: dict[int, Ownership] = {}
+        muon_by_group: dict[int, list] = {}
+        for name, p in model.named_parameters():
+            size, rank = self._replica_size_rank(name)
+            group = self.replica_group(name)
+            if not self.zero or size == 1:
+                plan[id(p)] = whole(p.numel())
+                continue
+            kind = kind_of[name]
+            if kind == "muon":
+                muon_by_group.setdefault(id(group), []).append((name, p, size, rank, group))
+            elif kind == "sinkhorn":
+                plan[id(p)] = Ownership(row_pieces(p.shape[0], p[0].numel(), size), rank, group)
+            else:
+                plan[id(p)] = Ownership(flat_pieces(p.numel(), size), rank, group)
+        for members in muon_by_group.values():
+            size, rank, group = members[0][2], members[0][3], members[0][4]
+            pieces = balance_muon([(name, *matrices[name]) for name, *_ in members], size)
+            for name, p, *_ in members:
+                plan[id(p)] = Ownership(pieces[name], rank, group)
+        return plan
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def global_layout(self, model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """{name: (global shape, offset of the local tensor)} for parameters this rank holds a piece of
+        (experts under EP, row-sharded Engram tables); the others are whole here."""
+        out = {}
+        for module_name, module in model.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                name = f"{module_name}.{pname}" if module_name else pname
+                rows = getattr(module, "global_rows", None)  # a module that holds a row block of its tables
+                if is_expert_param(name) and self.ep > 1:
+                    out[name] = ((module.n_global,) + tuple(p.shape[1:]), (module.offset,) + (0,) * (p.dim() - 1))
+                elif rows is not None and is_engram_table(name) and self.engram_shard:
+                    out[name] = ((rows,) + tuple(p.shape[1:]), (module.row_offset,) + (0,) * (p.dim() - 1))
+        return out
