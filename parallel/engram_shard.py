@@ -31,6 +31,10 @@ from model.moe import balanced_split
 from parallel.zero import row_pieces
 
 
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if hasattr(t, "wait") else t  # fake tensors come back as plain (fake) tensors
+
+
 class ShardedRows:
     """rows_of(local block, global hash ids) for one table split over `group`."""
 
@@ -48,9 +52,9 @@ class ShardedRows:
             wanted, inverse = torch.unique(flat, sorted=True, return_inverse=True)
             bounds = torch.tensor(self.starts[1:-1], dtype=wanted.dtype, device=wanted.device)
             counts = torch.bincount(torch.bucketize(wanted, bounds, right=True), minlength=self.size)
-            recv_counts = all_to_all_single(counts, None, None, self.group).wait()
+            recv_counts = _waited(all_to_all_single(counts, None, None, self.group))
             send, recv = counts.tolist(), recv_counts.tolist()
-        asked = all_to_all_single(wanted, recv, send, self.group).wait()  # ids this rank owns, by asker
+        asked = _waited(all_to_all_single(wanted, recv, send, self.group))  # ids this rank owns, by asker
         rows = F.embedding(asked - self.starts[self.rank], block)
         got = all_to_all_single_autograd(rows.contiguous(), send, recv, self.group)
         out = got if inverse is None else got[inverse]

@@ -126,7 +126,7 @@ class GradReducer:
         self.touched.add(id(p))
         b, i = self.bucket_of[id(p)]
         slot = self._view(b, i)
-        if p.grad.data_ptr() != slot.data_ptr():  # autograd replaced the view instead of adding into it
+        if not is_fake(slot) and p.grad.data_ptr() != slot.data_ptr():  # autograd replaced the view instead of adding into it
             slot.copy_(p.grad)
             p.grad = slot
         if id(p) in b.final:

@@ -247,12 +247,13 @@ def test_data_parallel_with_expert_replicas_and_pipeline_with_experts_four_proce
     """4 processes, two layouts, against one process reading the same global batch (4 loader workers):
     - dp=4, ep=2: each expert shard lives on 2 of the 4 data-parallel ranks, so expert gradients are
       averaged over the shard's replicas (the dp > ep branch) while the rest is averaged over all 4;
+      ZeRO-1 over 4 ranks, and both Engram tables row-sharded over the 4 (all-to-all lookups);
     - pp=2 x dp=2 with ep=2 (experts sharded over each stage's 2 dp ranks, 2 loader workers per rank),
       with train.recompute=selective (kept all-to-all outputs replayed inside pipeline stages).
     The same losses, grad norms and expert loads; for dp=4 x ep=2 also the MoE biases (exact) and the
     parameters after 2 steps."""
     ref_run, ref = four_reader_reference
-    runs = {"dp4_ep2": ["parallel.ep=2", "data.num_workers=1"],
+    runs = {"dp4_ep2": ["parallel.ep=2", "data.num_workers=1", "parallel.engram_shard=true"],
             "pp2_dp2_ep2": ["parallel.pp=2", "parallel.ep=2", "data.num_workers=2", "train.recompute=selective"]}
     for name, layout in runs.items():
         out = pretrain(tmp_path / name, corpus_args, "data.batch_size=1", "train.max_steps=2", *layout, procs=4)
@@ -272,14 +273,18 @@ def test_data_parallel_with_expert_replicas_and_pipeline_with_experts_four_proce
 
 
 def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path, corpus_args, four_reader_reference):
-    """ep=2 on 2 processes (4 of 8 experts per rank, all-to-all dispatch, 2 loader workers each) for
-    steps 1-2, then ep=1 for step 3, then ep=2 again for step 4, against one process reading the same
-    global batch (4 loader workers): the same losses, grad norms, expert loads and MoE biases, and
-    parameters within rounding of the reference; the expert checkpoints hold global [8, ...] tensors."""
+    """dp=2 x ep=2 on 2 processes (4 of 8 experts per rank, all-to-all dispatch, ZeRO-1, Engram tables
+    row-sharded, 2 loader workers each) for steps 1-2, then pp=2 x dp=2 with ep=1 and replicated Engram
+    tables on 4 processes for step 3, then the first layout again for step 4, against one process
+    reading the same global batch (4 loader workers): the same losses, grad norms, expert loads and
+    MoE biases, and parameters within rounding of the reference; the checkpoints hold global tensors
+    (experts [8, ...], whole Engram tables, optimizer state) that reshard between the layouts."""
     run = tmp_path / "ep"
-    for steps, ep in ((2, 2), (3, 1), (4, 2)):
-        out = pretrain(run, corpus_args, f"train.max_steps={steps}", f"parallel.ep={ep}", "data.num_workers=2",
-                       "data.batch_size=1", procs=2)
+    sharded = ["parallel.ep=2", "parallel.engram_shard=true"]
+    for steps, layout, procs in ((2, sharded, 2), (3, ["parallel.pp=2", "parallel.engram_shard=false"], 4),
+                                 (4, sharded, 2)):
+        out = pretrain(run, corpus_args, f"train.max_steps={steps}", *layout, "data.num_workers=2",
+                       "data.batch_size=1", procs=procs)
         if steps > 2:
             assert f"resumed from {run}/checkpoints/step_{steps - 1:08d} at step {steps - 1}" in out.stdout
     ref_run, ref = four_reader_reference

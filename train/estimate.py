@@ -189,7 +189,9 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
         with fake_mode:
             sim.prime_optimizer_state()
             tracker = _step_tracker()
-            tracker.track_external(sim.model, *sim.optim.optimizers.values())
+            # ShardedAdamW (ZeRO-1) holds its state in an inner torch AdamW (None on a rank owning no chunk)
+            optims = [getattr(o, "inner", o) for o in sim.optim.optimizers.values()]
+            tracker.track_external(sim.model, *[o for o in optims if o is not None])
             with tracker:
                 sim.compute_step()
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
