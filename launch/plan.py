@@ -3,6 +3,8 @@
     python launch/plan.py +exp=flash            # human-readable
     python launch/plan.py +exp=flash --json     # one JSON object
     python launch/plan.py +exp=flash_small parallel.pp=2 --device cpu   # the partition a CPU run uses
+    python launch/plan.py +exp=flash parallel.pp=16 parallel.ep=64 --world 1024  # state shares with dp=64:
+                                                # ZeRO-1 optimizer state, row-sharded Engram tables
 
 Any Hydra override works (`model.dim=1024`). Reports parameter totals (text backbone, Engram tables,
 with text and vision separately, total), activated parameters per token, parameters and tensors per optimizer (the V4.1 routing), the
@@ -29,13 +31,13 @@ from model.config import ConfigError  # noqa: E402
 from model.inspect import inspect_model  # noqa: E402
 from train.config import compose, model_config, optim_config, schedule  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
-from parallel.partition import (PartitionCosts, in_flight_microbatches, partition, partition_report,  # noqa: E402
-                                unit_costs)
+from parallel.partition import in_flight_microbatches, partition_report  # noqa: E402
 from parallel.pipeline import stage_ids  # noqa: E402
 from train.optim.routing import route_parameters, routing_summary  # noqa: E402
+from train.stages import plan_stages, stage_units  # noqa: E402
 
 
-def build_report(overrides: list[str], device: str = "cuda") -> dict:
+def build_report(overrides: list[str], device: str = "cuda", world: int | None = None) -> dict:
     conf = compose(overrides)
     cfg, ocfg = model_config(conf), optim_config(conf)
     with torch.device("meta"):
@@ -47,12 +49,12 @@ def build_report(overrides: list[str], device: str = "cuda") -> dict:
 
     parallel = ParallelConfig.from_mapping(OmegaConf.to_container(conf.parallel, resolve=True))
     if parallel.pp > 1:
-        optimizer_of = {n: g.optimizer for g in groups for n in g.names}
-        costs = PartitionCosts(recompute=str(conf.train.recompute), mixed_precision=device == "cuda", ep=parallel.ep)
-        units = unit_costs(model, cfg, optimizer_of, int(conf.data.seq_len), int(conf.data.batch_size), costs)
+        dp = max(1, world // parallel.pp) if world else 1
+        units = stage_units(model, cfg, ocfg, parallel, int(conf.data.seq_len), int(conf.data.batch_size),
+                            str(conf.train.recompute), device == "cuda", dp)
         flight = in_flight_microbatches(parallel.pp, parallel.schedule)
-        report["pipeline"] = partition_report(units, partition(units, parallel.n_stages, parallel.stage_layers, flight),
-                                              flight)
+        report["pipeline"] = partition_report(units, plan_stages(units, parallel), flight)
+        report["pipeline"]["dp"] = dp
         report["pipeline"].update(pp=parallel.pp, schedule=parallel.schedule, n_stages=parallel.n_stages,
                                   stages_of_rank=[stage_ids(parallel, r) for r in range(parallel.pp)])
         if parallel.stages_per_rank > 1:  # what a rank holds: the sum of its stages
@@ -119,8 +121,16 @@ def format_report(report: dict) -> str:
 
 def main(argv: list[str]) -> int:
     as_json = "--json" in argv
-    device = "cuda"
+    device, world = "cuda", None
     overrides = [a for a in argv if a != "--json"]
+    if "--world" in overrides:
+        at = overrides.index("--world")
+        try:
+            world = int(overrides[at + 1])
+        except (IndexError, ValueError):
+            print("plan.py: --world needs a number of processes", file=sys.stderr)
+            return 2
+        del overrides[at:at + 2]
     if "--device" in overrides:
         at = overrides.index("--device")
         device = overrides[at + 1] if at + 1 < len(overrides) else ""
@@ -128,10 +138,10 @@ def main(argv: list[str]) -> int:
     unknown = [a for a in overrides if a.startswith("--")]
     if unknown or device not in ("cuda", "cpu"):
         print(f"plan.py: unknown option(s) {unknown or ['--device ' + device]}; usage: python launch/plan.py "
-              f"[+exp=NAME] [hydra overrides...] [--device cuda|cpu] [--json]", file=sys.stderr)
+              f"[+exp=NAME] [hydra overrides...] [--device cuda|cpu] [--world N] [--json]", file=sys.stderr)
         return 2
     try:
-        report = build_report(overrides, device)
+        report = build_report(overrides, device, world)
     except ConfigError as e:
         print(f"plan.py: invalid configuration: {e}", file=sys.stderr)
         return 2

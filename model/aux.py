@@ -49,7 +49,7 @@ class StepStats:
     expert_load: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def total(self, kind: str) -> torch.Tensor | float:
-        """The sum of one kind of value ('balance_loss' / 'indexer_loss') over layers, on the CPU in
-        float64 (0.0 when there is none)."""
+        """The sum of one kind of value ('balance_loss' / 'indexer_loss') over layers, on the device
+        (no host sync), in float64 (0.0 when there is none)."""
         vals = list(getattr(self, kind).values())
-        return torch.stack(vals).sum().detach().double().cpu() if vals else 0.0
+        return torch.stack(vals).sum().detach().double() if vals else 0.0

@@ -198,13 +198,20 @@ class Engram(nn.Module):
         self.wkv = nn.Linear(n_cols * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), bias=False)
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim))
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim))
-        # rows_of(table, hash_ids) -> looked-up rows: set by parallel/engram_shard.py when the table is
-        # row-sharded over ranks (this module then holds rows [embed.row_offset, + embed.num_embeddings))
+        # rows_of(table, hash_ids, request) -> looked-up rows, and rows_of.request(hash_ids): set by
+        # parallel/engram_shard.py when the table is row-sharded over ranks (this module then holds rows
+        # [embed.row_offset, + embed.num_embeddings)); the request is made before the layer runs
         self.rows_of = None
 
-    def forward(self, h: torch.Tensor, hash_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+    def request(self, hash_ids: torch.Tensor):
+        """Start fetching this layer's rows for `hash_ids` (ids depend only on tokens, so the stage asks
+        before its first block runs); None when the table is local."""
+        return None if self.rows_of is None else self.rows_of.request(hash_ids)
+
+    def forward(self, h: torch.Tensor, hash_ids: torch.Tensor, image_mask: torch.Tensor | None,
+                request=None) -> torch.Tensor:
         """h [B, S, n, D]; hash_ids [B, S, n_cols] for this layer -> updated h."""
-        rows = self.embed(hash_ids) if self.rows_of is None else self.rows_of(self.embed.weight, hash_ids)
+        rows = self.embed(hash_ids) if self.rows_of is None else self.rows_of(self.embed.weight, hash_ids, request)
         kv = self.wkv(rows.flatten(-2))
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.dim))

@@ -50,6 +50,7 @@ class ForwardContext:
     engram_ids: torch.Tensor | None  # [B, S, n_engram_layers, n_cols]
     stats: StepStats = field(default_factory=StepStats)
     aux_grad_scale: float = 1.0
+    engram_requests: dict = field(default_factory=dict)  # layer id -> a row-sharded table's lookup in flight
 
 
 @dataclass
@@ -91,7 +92,8 @@ class Block(nn.Module):
     def _forward(self, carry: Carry, ctx: ForwardContext) -> Carry:
         h = carry.h
         if self.engram is not None:
-            h = self.engram(h, ctx.engram_ids[:, :, self.engram.index], ctx.image_mask)
+            h = self.engram(h, ctx.engram_ids[:, :, self.engram.index], ctx.image_mask,
+                            ctx.engram_requests.get(self.engram.layer_id))
         attn_pre, attn_post, attn_comb = self._mixes(h, "attn")
         x = self.attn_norm(hc_collapse(h, carry.pre_mix))
         x = self.attn(x, carry.shared, ctx.stats, ctx.aux_grad_scale)
@@ -180,7 +182,14 @@ class Transformer(nn.Module):
         return Carry(h, one_hot_pre(h))
 
     def run_blocks(self, carry: Carry, ctx: ForwardContext, start: int = 0, end: int | None = None) -> Carry:
+        for block in self.layers[start:end]:  # Engram lookups of row-sharded tables start before any block
+            if block.engram is not None and block.engram.layer_id not in ctx.engram_requests:
+                request = block.engram.request(ctx.engram_ids[:, :, block.engram.index])
+                if request is not None:
+                    ctx.engram_requests[block.engram.layer_id] = request
         for block in self.layers[start:end]:
+            if block.engram is not None and block.engram.layer_id in ctx.engram_requests:
+                ctx.engram_requests[block.engram.layer_id].wait()
             carry = block(carry, ctx)
         return carry
 

@@ -21,6 +21,9 @@ backward call although only its autograd node is needed once the output is sent.
   autograd-saved original would lose its values): `h` is the block chain's final value;
 - the gradient of a received input is handed to the send and not kept on the buffer's `.grad`
   until the next step.
+It also calls `before_last_backward(stage)` (when set) before the backward the schedule marks as the
+round's last, so the data-parallel gradient reduction (parallel/grad_reduce.py) starts buckets as
+that backward completes them.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ The embedding/vision unit is merged into block 0 and the head into the last bloc
 stages always carry them.
 
 Cost model (fast and analytic; launch/estimate.py simulates the real step and is the measurement):
-- state bytes of a parameter = `bytes_per_value` x (parameter + gradient + optimizer state), where the
+- state bytes of a parameter = `bytes_per_value` x (parameter + gradient + optimizer state / the
+  replicas that share it under ZeRO-1; a row-sharded Engram table all three / dp), where the
   optimizer (from the V4.1 routing, train/optim/routing.py rules) keeps 1 buffer for Muon and Sinkhorn,
   2 for AdamW; under mixed precision plus one bf16 copy of the dense weights (autocast's cast cache,
   shared by every micro-batch of a step);
@@ -45,6 +46,18 @@ class PartitionCosts:
     recompute: str = "none"  # train.recompute
     mixed_precision: bool = True  # bf16 autocast (CUDA); False: fp32 activations (the CPU runs)
     ep: int = 1  # parallel.ep: routed experts per rank = n_routed_experts / ep
+    dp: int = 1  # data-parallel ranks per stage
+    zero: bool = False  # ZeRO-1: optimizer state / its replica group (dp, or dp / ep for routed experts)
+    engram_shard: bool = False  # Engram tables (and their gradient and state) row-sharded over dp
+
+    def param_state_bytes(self, name: str, numel: int, n_state: int) -> float:
+        """Parameter + gradient + `n_state` optimizer values of one parameter (its local share)."""
+        expert = ".ffn.experts." in name
+        local = numel / (self.ep if expert else 1)
+        if self.engram_shard and self.dp > 1 and name.endswith(".engram.embed.weight"):
+            return local / self.dp * self.bytes_per_value * (2 + n_state)
+        replicas = (self.dp // self.ep if expert else self.dp) if self.zero else 1
+        return local * self.bytes_per_value * (2 + n_state / max(1, replicas))
 
 
 def _engram_cols(cfg: ModelConfig) -> int:
@@ -123,9 +136,9 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
     per_expert = sum(p.numel() for p in model.layers[0].ffn.experts.parameters()) // cfg.n_routed_experts
     tokens = seq_len * micro_batch
 
-    def state_bytes(prefix: str, module: nn.Module) -> int:  # routed experts: this rank's 1/ep of them
-        return sum(p.numel() // (costs.ep if ".ffn.experts." in f"{prefix}{n}" else 1) * costs.bytes_per_value
-                   * (2 + n_state[optimizer_of[f"{prefix}{n}"]]) for n, p in module.named_parameters())
+    def state_bytes(prefix: str, module: nn.Module) -> int:  # this rank's share (experts, ZeRO-1, Engram rows)
+        return int(sum(costs.param_state_bytes(f"{prefix}{n}", p.numel(), n_state[optimizer_of[f"{prefix}{n}"]])
+                       for n, p in module.named_parameters()))
 
     for role, block in zip(model.plan, model.layers):
         params = sum(p.numel() for p in block.parameters())
@@ -151,7 +164,7 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
     for n, p in model.named_parameters():
         if not n.startswith("layers."):
             unit = last if n.startswith(("head.", "norm.")) else first
-            unit["state_bytes"] += p.numel() * costs.bytes_per_value * (2 + n_state[optimizer_of[n]])
+            unit["state_bytes"] += int(costs.param_state_bytes(n, p.numel(), n_state[optimizer_of[n]]))
             if n == "head.weight":
                 unit["flops_per_token"] += 2 * p.numel()
     return units

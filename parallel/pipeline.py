@@ -199,8 +199,8 @@ class RoundStats:
         self.expert_load, self.balance, self.indexer = {}, 0.0, 0.0
 
     def add(self, stats: StepStats) -> None:
-        for layer, load in stats.expert_load.items():
-            load = load.detach().cpu()
+        for layer, load in stats.expert_load.items():  # on the device: no host sync per micro-batch
+            load = load.detach()
             self.expert_load[layer] = self.expert_load[layer] + load if layer in self.expert_load else load.clone()
         self.balance = self.balance + stats.total("balance_loss")
         self.indexer = self.indexer + stats.total("indexer_loss")

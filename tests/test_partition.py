@@ -144,3 +144,19 @@ def test_cost_model_matches_the_measured_block_activations(tiny_template, mode, 
         model_inc = model_kept[with_term] - model_kept[without]
         probe_inc = probe_kept[with_term] - probe_kept[without]
         assert model_inc == pytest.approx(probe_inc, rel=0.3, abs=64), (with_term, model_inc, probe_inc)
+
+
+def test_state_shares_under_zero1_and_engram_sharding():
+    """Per-parameter state bytes (parameter + gradient + optimizer values), by hand: fp32, dp=64, ep=8."""
+    from parallel.partition import PartitionCosts
+
+    c = PartitionCosts(bytes_per_value=4, ep=8, dp=64, zero=True, engram_shard=True)
+    assert c.param_state_bytes("layers.3.attn.wq_a.weight", 6400, 1) == 6400 * 4 * (2 + 1 / 64)
+    assert c.param_state_bytes("layers.3.attn_norm.weight", 6400, 2) == 6400 * 4 * (2 + 2 / 64)
+    # routed experts: 1/8 of them here, their state shared by the 64 / 8 replicas of the shard
+    assert c.param_state_bytes("layers.3.ffn.experts.w1", 6400, 1) == 800 * 4 * (2 + 1 / 8)
+    # a row-sharded Engram table: parameter, gradient and state all 1/64
+    assert c.param_state_bytes("layers.1.engram.embed.weight", 6400, 1) == 100 * 4 * 3
+    plain = PartitionCosts(bytes_per_value=4, ep=8, dp=64)
+    assert plain.param_state_bytes("layers.1.engram.embed.weight", 6400, 1) == 6400 * 4 * 3
+    assert plain.param_state_bytes("layers.3.ffn.experts.w1", 6400, 1) == 800 * 4 * 3

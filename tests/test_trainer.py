@@ -249,12 +249,14 @@ def test_data_parallel_with_expert_replicas_and_pipeline_with_experts_four_proce
       averaged over the shard's replicas (the dp > ep branch) while the rest is averaged over all 4;
       ZeRO-1 over 4 ranks, and both Engram tables row-sharded over the 4 (all-to-all lookups);
     - pp=2 x dp=2 with ep=2 (experts sharded over each stage's 2 dp ranks, 2 loader workers per rank),
-      with train.recompute=selective (kept all-to-all outputs replayed inside pipeline stages).
+      with train.recompute=selective (kept all-to-all outputs replayed inside pipeline stages) and the
+      Engram tables row-sharded over each stage's 2 dp ranks (lookups requested before the blocks run).
     The same losses, grad norms and expert loads; for dp=4 x ep=2 also the MoE biases (exact) and the
     parameters after 2 steps."""
     ref_run, ref = four_reader_reference
     runs = {"dp4_ep2": ["parallel.ep=2", "data.num_workers=1", "parallel.engram_shard=true"],
-            "pp2_dp2_ep2": ["parallel.pp=2", "parallel.ep=2", "data.num_workers=2", "train.recompute=selective"]}
+            "pp2_dp2_ep2": ["parallel.pp=2", "parallel.ep=2", "data.num_workers=2", "train.recompute=selective",
+                            "parallel.engram_shard=true"]}
     for name, layout in runs.items():
         out = pretrain(tmp_path / name, corpus_args, "data.batch_size=1", "train.max_steps=2", *layout, procs=4)
         if name.startswith("pp2"):

@@ -36,14 +36,14 @@ def global_loads(loads: dict[int, torch.Tensor], n_layers: int, n_experts: int, 
     biases it owns). The sum runs on `device` (NCCL reduces device tensors only); the result is on
     the CPU."""
     if not (dist.is_available() and dist.is_initialized()):
-        return loads
-    dense = torch.zeros(n_layers, 2 * n_experts + 1, dtype=torch.long)  # last column: the layer is present
+        return {layer: load.cpu() for layer, load in loads.items()}
+    device = device or (next(iter(loads.values())).device if loads else torch.device("cpu"))
+    dense = torch.zeros(n_layers, 2 * n_experts + 1, dtype=torch.long, device=device)  # last column: present
     for layer, load in loads.items():
         dense[layer, :-1] = load.reshape(-1)
         dense[layer, -1] = 1
-    dense = dense.to(device)
     dist.all_reduce(dense, group=group)
-    dense = dense.cpu()
+    dense = dense.cpu()  # the one device-to-host copy of the step's loads
     present = range(n_layers) if is_fake(dense) else [l for l in range(n_layers) if dense[l, -1]]  # fake: no values
     return {l: dense[l, :-1].reshape(2, n_experts) for l in present}
 
@@ -59,7 +59,7 @@ def update_biases(model: nn.Module, loads: dict[int, torch.Tensor], rate: float)
             continue  # another pipeline stage owns this layer (and applies the same update)
         gate = ffn.gate
         for bias, counts in ((gate.bias, load[0]), (gate.bias_vl, load[1])):
-            counts = counts.to(torch.float32)
+            counts = counts.to(bias.device, torch.float32)
             if not is_fake(counts) and counts.sum() == 0:
                 continue  # this modality was absent from the step (the rule would change nothing either)
             bias += rate * torch.sign(counts.mean() - counts)

@@ -51,7 +51,6 @@ from model.vision import set_vision_body_trainable
 from parallel.config import ParallelConfig
 from parallel.dims import ParallelDims
 from parallel.mesh import mesh_shape
-from parallel.partition import PartitionCosts, in_flight_microbatches, partition, unit_costs
 from parallel.construct import build_rank_model, model_template
 from parallel.pipeline import build_pipeline, local_stage_ranges
 from train.balancing import accumulate_loads, global_loads, update_biases
@@ -62,6 +61,8 @@ from train.engram_map import load_or_build_engram_map
 from train.metrics import LoggingConfig, MetricsLogger, load_statistics
 from train.optim import build_optimizers
 from train.optim.routing import route_parameters, zero_inputs
+from train.stages import plan_stages, stage_units
+from train.step_values import LOADER_COUNTERS, StepValues
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "FLASHTRAIN_FAULT_KILL_AFTER_CHECKPOINT_WRITE"  # tests only: SIGKILL after writing step N's shards
@@ -253,16 +254,10 @@ class Trainer:
             self.reducer = self.dims.grad_reducer(self.model)
 
     def _partition(self) -> list[tuple[int, int]]:
-        """[start, end) blocks of the parallel.n_stages stages: cost-balanced over the whole model, or
-        the pinned parallel.stage_layers."""
-        optimizer_of = {n: g.optimizer for g in route_parameters(self.model, self.model_cfg, self.optim_cfg)
-                        for n in g.names}
-        costs = PartitionCosts(recompute=self.train_cfg.recompute, mixed_precision=self.mixed_precision,
-                               ep=self.layout.ep)
-        units = unit_costs(self.model, self.model_cfg, optimizer_of, self.data_cfg.seq_len, self.data_cfg.batch_size,
-                           costs)
-        return partition(units, self.parallel.n_stages, self.parallel.stage_layers,
-                         in_flight_microbatches(self.parallel.pp, self.parallel.schedule))
+        """[start, end) blocks of the parallel.n_stages stages (train/stages.py, as launch/plan.py shows)."""
+        units = stage_units(self.model, self.model_cfg, self.optim_cfg, self.parallel, self.data_cfg.seq_len,
+                            self.data_cfg.batch_size, self.train_cfg.recompute, self.mixed_precision, self.layout.dp)
+        return plan_stages(units, self.parallel)
 
     def _build_pipeline(self, bounds: list[tuple[int, int]]):
         """This rank's stages wrapped in the configured schedule."""
@@ -337,7 +332,7 @@ class Trainer:
         """Forward/backward of every micro-batch of the step, one after another (no pipeline)."""
         accum = self.layout.accumulation
         loads: dict[int, torch.Tensor] = {}
-        sums = torch.zeros(5, dtype=torch.float64)  # ce, balance, indexer, pad tokens, positions
+        sums = StepValues(self.device)
         for i in range(accum):
             batch = next(self.loader)
             stats = StepStats()
@@ -350,12 +345,12 @@ class Trainer:
             if i == accum - 1:
                 self.reducer.mark_final()  # the gradients complete in this backward: reduce buckets as they do
             loss.backward()
-            accumulate_loads(loads, {k: v.cpu() for k, v in stats.expert_load.items()})
-            sums[0] += loss.detach().double().cpu() * accum  # tensors throughout: no host sync per micro-batch
-            sums[1] += stats.total("balance_loss")
-            sums[2] += stats.total("indexer_loss")
-            sums[3] += batch["pad_tokens"]
-            sums[4] += batch["tokens"].numel() + batch["tokens"].shape[0]
+            accumulate_loads(loads, stats.expert_load)  # on the device: no host sync per micro-batch
+            sums.add("ce", loss * accum)
+            sums.add("balance_loss", stats.total("balance_loss"))
+            sums.add("indexer_loss", stats.total("indexer_loss"))
+            sums.add("pad_tokens", batch["pad_tokens"])
+            sums.add("positions", batch["tokens"].numel() + batch["tokens"].shape[0])
         return sums, loads
 
     def _pipeline_passes(self) -> tuple[torch.Tensor, dict]:
@@ -366,7 +361,7 @@ class Trainer:
         accum, m = self.layout.accumulation, self.layout.round_microbatches
         self.pipe.set_aux_grad_scale(1.0 / accum)
         self.pipe.stats.reset()
-        sums = torch.zeros(5, dtype=torch.float64)
+        sums = StepValues(self.device)
         for r in range(self.layout.rounds):
             self.pipe.set_before_last_backward(self._mark_final if r == self.layout.rounds - 1 else None)
             batches = [next(self.loader) for _ in range(m)]
@@ -376,11 +371,12 @@ class Trainer:
             images = [[img.to(self.device) for img in row] for b in batches for row in b["images"]]
             losses = self.pipe.run_round(tokens, types, labels, images)
             if losses:  # the schedule's losses are CE / accum
-                sums[0] += torch.stack(losses).detach().sum().double().cpu() * accum
+                sums.add("ce", torch.stack(losses) * accum)
             if self.pp_rank == 0:
-                sums[3] += sum(b["pad_tokens"] for b in batches)
-                sums[4] += sum(b["tokens"].numel() + b["tokens"].shape[0] for b in batches)
-        sums[1], sums[2] = self.pipe.stats.balance, self.pipe.stats.indexer
+                sums.add("pad_tokens", sum(b["pad_tokens"] for b in batches))
+                sums.add("positions", sum(b["tokens"].numel() + b["tokens"].shape[0] for b in batches))
+        sums.add("balance_loss", self.pipe.stats.balance)
+        sums.add("indexer_loss", self.pipe.stats.indexer)
         return sums, dict(self.pipe.stats.expert_load)
 
     def _mark_final(self, stage) -> None:
@@ -395,15 +391,13 @@ class Trainer:
         self.step += 1
         self.tokens_seen += self.schedule.tokens_per_step
         dt = time.perf_counter() - t0
-        counters = torch.tensor([self.loader.counters().get(k, 0) if self.pp_rank == 0 else 0 for k in
-                                 ("skipped_empty", "skipped_bad_image", "skipped_oversized_image", "bad_samples",
-                                  "corrupt_shards")], dtype=torch.float64)
-        self._all_reduce(counters)
+        v = sums.read()
         record = {
-            "step": self.step, "loss": sums[0].item() / n_micro, "balance_loss": sums[1].item() / n_micro,
-            "indexer_loss": sums[2].item() / n_micro, "lr": lr, "grad_norm": grad_norm.item(),
+            "step": self.step, "loss": v["ce"] / n_micro, "balance_loss": v["balance_loss"] / n_micro,
+            "indexer_loss": v["indexer_loss"] / n_micro, "lr": lr, "grad_norm": grad_norm.item(),
             "tokens_seen": self.tokens_seen, "tokens_per_s": self.schedule.tokens_per_step / dt, "step_time_s": dt,
-            "padding_fraction": sums[3].item() / max(sums[4].item(), 1.0), "skipped_samples": int(counters.sum().item()),
+            "padding_fraction": v["pad_tokens"] / max(v["positions"], 1.0),
+            "skipped_samples": int(sum(v[k] for k in LOADER_COUNTERS)),
             "vit_trainable": bool(self.schedule.vit_trainable(self.step - 1)),
             "expert_load": load_statistics(loads),
         }
@@ -418,7 +412,7 @@ class Trainer:
     def compute_step(self) -> tuple[torch.Tensor, dict, torch.Tensor]:
         """One optimizer step's computation and communication, without host syncs: forward/backward of
         every micro-batch, gradient reduction, clipping, optimizer step, MoE bias update, the sums'
-        all-reduce. Returns (sums [ce, balance, indexer, pad tokens, positions], global loads, grad norm)."""
+        all-reduce. Returns (the step's summed values, train/step_values.py; global loads; grad norm)."""
         if self.model_cfg.vision_n_layers:
             set_vision_body_trainable(self.model, self.schedule.vit_trainable(self.step))
         lr = self.schedule.lr(self.step)
@@ -431,7 +425,10 @@ class Trainer:
         self.optim.step()
         loads = global_loads(loads, self.model_cfg.n_layers, self.model_cfg.n_routed_experts, device=self.device)
         update_biases(self.model, loads, self.train_cfg.balance_rate)
-        self._all_reduce(sums)
+        if self.pp_rank == 0:  # the loader's counters of this step's reads, once per dp rank
+            for k in LOADER_COUNTERS:
+                sums.add(k, self.loader.counters().get(k, 0))
+        sums.all_reduce()
         return sums, loads, grad_norm
 
     def fit(self) -> None:

@@ -1,0 +1,32 @@
+"""The pipeline partition of a run, from its configs (DESIGN.md "Parallelism": the partitioner): one
+function for the trainer and `launch/plan.py`, so the stages a run builds are the ones the planner shows.
+
+Per-block costs (parallel/partition.py) need each parameter's optimizer (its state size) and the
+run's sharing of state: experts over ep, ZeRO-1 optimizer state over its replicas, row-sharded Engram
+tables over dp. The partition is the cost-balanced one, or `parallel.stage_layers` when pinned.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from model.config import ModelConfig
+from parallel.config import ParallelConfig
+from parallel.partition import PartitionCosts, in_flight_microbatches, partition, unit_costs
+from train.optim.config import OptimConfig
+from train.optim.routing import route_parameters
+
+
+def stage_units(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig, parallel: ParallelConfig,
+                seq_len: int, micro_batch: int, recompute: str, mixed_precision: bool, dp: int) -> list[dict]:
+    """The partitioner's per-block costs for this run (`model` may live on the meta device)."""
+    optimizer_of = {n: g.optimizer for g in route_parameters(model, model_cfg, optim_cfg) for n in g.names}
+    costs = PartitionCosts(recompute=recompute, mixed_precision=mixed_precision, ep=parallel.ep, dp=dp,
+                           zero=optim_cfg.zero, engram_shard=parallel.shard_engram(model_cfg, dp))
+    return unit_costs(model, model_cfg, optimizer_of, seq_len, micro_batch, costs)
+
+
+def plan_stages(units: list[dict], parallel: ParallelConfig) -> list[tuple[int, int]]:
+    """[start, end) blocks of the parallel.n_stages stages."""
+    return partition(units, parallel.n_stages, parallel.stage_layers,
+                     in_flight_microbatches(parallel.pp, parallel.schedule))

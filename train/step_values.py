@@ -1,0 +1,41 @@
+"""What one optimizer step reports (DESIGN.md "Training": metrics): named values accumulated on the
+device while the step runs -- no host read per micro-batch or per layer -- and summed over every rank
+in one all-reduce at its end.
+
+| field | added by | per |
+|---|---|---|
+| `ce` | the loss of every micro-batch (its mean CE; the last pipeline stage) | micro-batch |
+| `balance_loss`, `indexer_loss` | the aux side channel (model/aux.py), every stage its own layers | micro-batch |
+| `pad_tokens`, `positions` | the batches (pipeline rank 0 only, so each is counted once per dp rank) | micro-batch |
+| loader counters (`LOADER_COUNTERS`) | the data loader's skip counts (pipeline rank 0) | step |
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+LOADER_COUNTERS = ("skipped_empty", "skipped_bad_image", "skipped_oversized_image", "bad_samples", "corrupt_shards")
+FIELDS = ("ce", "balance_loss", "indexer_loss", "pad_tokens", "positions") + LOADER_COUNTERS
+_INDEX = {name: i for i, name in enumerate(FIELDS)}
+
+
+class StepValues:
+    def __init__(self, device: torch.device):
+        self.values = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
+
+    def add(self, name: str, value) -> None:
+        """Add a number or a (device) tensor to field `name`."""
+        if torch.is_tensor(value):
+            value = value.detach().to(self.values.device, torch.float64).sum()
+        self.values[_INDEX[name]] += value
+
+    def all_reduce(self, group=None) -> "StepValues":
+        """Sum over `group` (default: every rank), in place; the one collective of the step's values."""
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(self.values, group=group)
+        return self
+
+    def read(self) -> dict[str, float]:
+        """The values on the host: the one device-to-host copy of the step's values."""
+        return dict(zip(FIELDS, self.values.tolist()))
