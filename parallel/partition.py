@@ -153,6 +153,8 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
         carry = sum(math.prod(s.shape) * s.dtype.itemsize
                     for s in boundary_specs(cfg, model.plan, role.id, micro_batch, seq_len))
         rows = 0 if block.engram is None else block.engram.embed.weight.shape[0]
+        if rows and costs.engram_shard and costs.dp > 1:  # the local row block's dense gradient only
+            rows = -(-rows // costs.dp)
         acts = block_activations(cfg, role, routed, rows, carry, tokens, micro_batch, costs)
         state = state_bytes(f"layers.{role.id}.", block)
         if costs.mixed_precision:  # autocast's bf16 copies of the dense weights, once per step
