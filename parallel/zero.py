@@ -114,8 +114,3 @@ def muon_loads(plan: dict[str, list[Piece]], matrices: dict[str, tuple[int, int,
             load[p.owner] += ns_cost(p.numel // (r * c), r, c)
     return load
 
-
-def lpt_bound(costs: list[float], size: int) -> float:
-    """Graham's bound for LPT: makespan <= max(largest job, mean load) * 4/3 (used by the tests)."""
-    return max(max(costs, default=0.0), sum(costs) / size) * 4 / 3 if costs else 0.0
-

@@ -31,7 +31,6 @@ from omegaconf import DictConfig, open_dict
 
 from model.vision import set_vision_body_trainable
 from parallel.construct import model_template
-from parallel.pipeline import local_stage_ranges
 from train.trainer import Trainer
 
 

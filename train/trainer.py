@@ -1,6 +1,7 @@
 """The training loop (DESIGN.md "Training"): batches -> forward/backward over gradient-accumulation
-micro-batches -> data-parallel gradient all-reduce -> clip -> optimizer step -> MoE bias update ->
-LR / ViT-freeze schedule -> metrics -> checkpoint.
+micro-batches (gradients reduced in buckets as the last backward produces them) -> clip -> optimizer
+step (ZeRO-1) -> MoE bias update -> LR / ViT-freeze schedule -> metrics -> checkpoint. Every collective
+of gradients, clipping and optimizer-state ownership lives in `parallel.dims.ParallelDims`.
 
 - Fixed batch: `train.global_batch_tokens` / `data.seq_len` sequences per optimizer step (rounded);
   with `data.batch_size` sequences per micro-batch and dp ranks, accumulation = global / (dp x micro).
@@ -40,7 +41,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from torch._subclasses.fake_tensor import is_fake
 
 from data.config import resolve_shards
 from data.loader import PackedLoader, data_sources
