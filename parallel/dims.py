@@ -33,6 +33,18 @@ def is_engram_table(name: str) -> bool:
     return name.endswith(".engram.embed.weight")
 
 
+def _forward_position(name: str) -> int:
+    """Where a parameter's gradient is completed, in forward order: the head first (the tiled loss
+    accumulates its gradient tile by tile in the forward pass, so no single hook marks it complete),
+    then the input path, the blocks by index, the final norm (a stable sort keeps registration order
+    within each)."""
+    if name.startswith("head."):
+        return -1
+    if name.startswith("layers."):
+        return 1 + int(name.split(".")[1])
+    return 1 << 30 if name.startswith("norm.") else 0
+
+
 @dataclass
 class ParallelDims:
     world: int
@@ -106,16 +118,14 @@ class ParallelDims:
             return self.dp_group
         return None
 
-    def _replica_size_rank(self, name: str) -> tuple[int, int]:
-        if is_expert_param(name):
-            return self.dp // self.ep, (self._local("dp_rep") if self.mesh is not None else 0)
-        if self.engram_shard and is_engram_table(name):
-            return 1, 0
-        return self.dp, self.dp_rank
-
     # --- gradients ---------------------------------------------------------------------------
     def grad_reducer(self, model: nn.Module) -> GradReducer:
-        return GradReducer(list(model.named_parameters()), self.replica_group, self.dp, self.bucket_bytes)
+        """Parameters in forward order (the reducer buckets them in reverse: the order backward completes
+        them, and starts buckets in that order only), so that the parameters a backward may not reach --
+        the vision tower, aligner and image embeddings in a step without images, the head (completed in
+        the forward) -- come last and do not hold back the buckets before them."""
+        named = sorted(model.named_parameters(), key=lambda np: _forward_position(np[0]))
+        return GradReducer(named, self.replica_group, self.dp, self.bucket_bytes)
 
     def clip(self, model: nn.Module, max_norm: float, device: torch.device) -> torch.Tensor:
         """Clip to `max_norm` by the norm of the whole model's gradient; returns the norm before clipping."""
@@ -136,20 +146,21 @@ class ParallelDims:
         plan: dict[int, Ownership] = {}
         muon_by_group: dict[int, list] = {}
         for name, p in model.named_parameters():
-            size, rank = self._replica_size_rank(name)
             group = self.replica_group(name)
-            if not self.zero or size == 1:
+            if not self.zero or group is None:
                 plan[id(p)] = whole(p.numel())
                 continue
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
             kind = kind_of[name]
             if kind == "muon":
-                muon_by_group.setdefault(id(group), []).append((name, p, size, rank, group))
+                muon_by_group.setdefault(id(group), []).append((name, p, group))
             elif kind == "sinkhorn":
                 plan[id(p)] = Ownership(row_pieces(p.shape[0], p[0].numel(), size), rank, group)
             else:
                 plan[id(p)] = Ownership(flat_pieces(p.numel(), size), rank, group)
         for members in muon_by_group.values():
-            size, rank, group = members[0][2], members[0][3], members[0][4]
+            group = members[0][2]
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
             pieces = balance_muon([(name, *matrices[name]) for name, *_ in members], size)
             for name, p, *_ in members:
                 plan[id(p)] = Ownership(pieces[name], rank, group)

@@ -15,7 +15,9 @@ Every gradient is divided by the dp size (the loss is a mean over all dp ranks' 
 Overlap: before the backward that completes a parameter's gradient (the last micro-batch of the step;
 under pipelining the stage's last backward), `mark_final(params)`; each parameter's
 post-accumulate-grad hook then counts it, and a bucket whose parameters have all arrived starts its
-all-reduce asynchronously while backward goes on. `finish()` starts the buckets still waiting
+all-reduce asynchronously while backward goes on -- in bucket order (a complete bucket waits for the
+ones before it), so every rank issues the same sequence of collectives whatever order its own graph
+completes them in (an image on one rank only puts the vision path in its graph). `finish()` starts the buckets still waiting
 (parameters this backward did not reach), waits for all of them and applies the zero-fill rule: a
 parameter that got a gradient on some ranks only takes part with zeros elsewhere (its bucket slot is
 zero), one that got none on any rank of its group ends without a gradient (`.grad = None`), as in a
@@ -39,13 +41,12 @@ class Bucket:
     offsets: list[int]
     arrived: int = 0
     work: object = None
-    launched: bool = False
     final: set = field(default_factory=set)
 
 
 class GradReducer:
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], group_of, divisor: int,
-                 bucket_bytes: int = 25 << 20, reduce_dtype: torch.dtype | None = None):
+                 bucket_bytes: int = 25 << 20):
         """group_of(name) -> the replica group to all-reduce over, or None (scale only)."""
         self.named = list(named_params)
         self.group_of, self.divisor, self.bucket_bytes = group_of, divisor, bucket_bytes
@@ -55,6 +56,7 @@ class GradReducer:
         self.touched: set[int] = set()
         self.hooks = []
         self.launches = 0  # buckets started from a hook, i.e. overlapped with backward (for tests)
+        self.next_bucket = 0  # buckets [0, next_bucket) have started
 
     # --- layout ------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -110,10 +112,11 @@ class GradReducer:
             self._build()
         for b in self.buckets:
             b.buffer.zero_()
-            b.arrived, b.work, b.launched, b.final = 0, None, False, set()
+            b.arrived, b.work, b.final = 0, None, set()
             for i, p in enumerate(b.params):
                 p.grad = self._view(b, i)
         self.touched = set()
+        self.next_bucket = 0
 
     def mark_final(self, params=None) -> None:
         """The next backward completes the gradients of `params` (default: all): reduce as they arrive."""
@@ -132,21 +135,27 @@ class GradReducer:
         if id(p) in b.final:
             b.final.discard(id(p))
             b.arrived += 1
-            if b.arrived == len(b.params):
-                self._launch(b)
-                self.launches += 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start the complete buckets that follow the started ones, in bucket order."""
+        while self.next_bucket < len(self.buckets):
+            b = self.buckets[self.next_bucket]
+            if b.arrived < len(b.params):
+                return
+            self._launch(b)
+            self.launches += 1
+            self.next_bucket += 1
 
     def _launch(self, b: Bucket) -> None:
-        b.launched = True
         b.buffer.div_(self.divisor)
         if b.group is not None:
             b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
 
     def finish(self) -> None:
         """Start the remaining buckets, wait for all, and drop gradients no rank of the group produced."""
-        for b in self.buckets:
-            if not b.launched:
-                self._launch(b)
+        for b in self.buckets[self.next_bucket:]:  # in bucket order, as every rank does
+            self._launch(b)
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
@@ -168,6 +177,3 @@ class GradReducer:
             for p, got in zip(params, flags.tolist()):
                 if not got:
                     p.grad = None
-
-    def grads_present(self) -> list[torch.Tensor]:
-        return [p for b in self.buckets for p in b.params if p.grad is not None]

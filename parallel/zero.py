@@ -106,7 +106,7 @@ def balance_muon(params: list[tuple[str, int, int, int]], size: int) -> dict[str
 
 
 def muon_loads(plan: dict[str, list[Piece]], matrices: dict[str, tuple[int, int, int]], size: int) -> list[float]:
-    """Newton-Schulz cost per owner under `plan` (for tests and launch/plan.py)."""
+    """Newton-Schulz cost per owner under `plan` (what the balancing minimises the maximum of)."""
     load = [0.0] * size
     for name, pieces in plan.items():
         _, r, c = matrices[name]

@@ -84,20 +84,23 @@ class Muon(GroupwiseOptimizer):
             updates.append((p, _as_matrices(ghat, heads)))
         if not updates:
             return
-        # orthogonalise every matrix of one shape (and one replica group) as one batch
+        pgs = [self.shard_group_of(p) if self.shard_group_of else None for p, _ in updates]
+        self._apply(updates, self._orthogonalized(updates, pgs, group["rms_scale"]), group["lr"],
+                    group["weight_decay"])
+
+    def _orthogonalized(self, updates, pgs, rms_scale: float) -> list[torch.Tensor]:
+        """Scaled NS of every update's matrices: all matrices of one shape (and one split group `pgs[i]`,
+        None: this rank alone) as one batch."""
         by_shape: dict[tuple, list[int]] = defaultdict(list)
-        for i, (p, mats) in enumerate(updates):
-            pg = self.shard_group_of(p) if self.shard_group_of else None
+        for i, ((_, mats), pg) in enumerate(zip(updates, pgs)):
             by_shape[(tuple(mats.shape[1:]), pg)].append(i)
         ortho: list[torch.Tensor | None] = [None] * len(updates)
         for ((rows, cols), pg), idx in by_shape.items():
-            batch = torch.cat([updates[i][1] for i in idx])
-            out = self._orthogonalize(batch, pg)
-            out = out * (group["rms_scale"] * math.sqrt(max(rows, cols)))
+            out = self._orthogonalize(torch.cat([updates[i][1] for i in idx]), pg)
+            out = out * (rms_scale * math.sqrt(max(rows, cols)))
             for i, part in zip(idx, out.split([updates[i][1].shape[0] for i in idx])):
                 ortho[i] = part
-        lr, wd = group["lr"], group["weight_decay"]
-        self._apply(updates, ortho, lr, wd)
+        return ortho
 
     def _step_group_zero(self, group: dict) -> None:
         """ZeRO-1: momentum, Newton-Schulz and the update for the pieces this rank owns; then each piece
@@ -124,15 +127,7 @@ class Muon(GroupwiseOptimizer):
                 m.lerp_(g, 1 - beta)
                 ghat = g.lerp(m, beta) if group["nesterov"] else m
                 updates.append((p.view(-1)[piece.start:piece.end], ghat.view(-1, rows, cols)))
-        by_shape: dict[tuple, list[int]] = defaultdict(list)
-        for i, (_, mats) in enumerate(updates):
-            by_shape[tuple(mats.shape[1:])].append(i)
-        ortho: list[torch.Tensor | None] = [None] * len(updates)
-        for (rows, cols), idx in by_shape.items():
-            out = self._ns(torch.cat([updates[i][1] for i in idx]))
-            out = out * (group["rms_scale"] * math.sqrt(max(rows, cols)))
-            for i, part in zip(idx, out.split([updates[i][1].shape[0] for i in idx])):
-                ortho[i] = part
+        ortho = self._orthogonalized(updates, [None] * len(updates), group["rms_scale"])  # owned: NS here
         self._apply(updates, ortho, group["lr"], group["weight_decay"])
         works = []
         for p in live:
