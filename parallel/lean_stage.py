@@ -20,7 +20,11 @@ backward call although only its autograd node is needed once the output is sent.
   produced by the stage's last operation and read by nothing else in the stage may be listed (an
   autograd-saved original would lose its values): `h` is the block chain's final value;
 - the gradient of a received input is handed to the send and not kept on the buffer's `.grad`
-  until the next step.
+  until the next step;
+- the last stage's loss is detached once its backward has run: the schedule keeps every
+  micro-batch's loss until the round ends (for `losses`), and a loss still attached to its graph keeps
+  the graph's leaves alive -- the received inputs among them, M x the stage's input carry (80 GiB for
+  16 micro-batches of exp=flash at 64K, measured with launch/estimate.py).
 It also calls `before_last_backward(stage)` (when set) before the backward the schedule marks as the
 round's last, so the data-parallel gradient reduction (parallel/grad_reduce.py) starts buckets as
 that backward completes them.
@@ -37,6 +41,12 @@ def _empty_like_meta(meta, device: torch.device) -> torch.Tensor:
     return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
 
 
+def _release_graph(loss: torch.Tensor) -> None:
+    """Keep the loss's value, drop its reference to the (already back-propagated) graph."""
+    if loss.grad_fn is not None and not loss._is_view():
+        loss.detach_()
+
+
 class LeanPipelineStage(PipelineStage):
     def __init__(self, *args, release_outputs: tuple[int, ...] = (), **kwargs):
         super().__init__(*args, **kwargs)
@@ -44,6 +54,7 @@ class LeanPipelineStage(PipelineStage):
         # called with the stage before the backward that completes its parameters' gradients for the
         # round (the schedule's `last_backward`): the data-parallel reduction starts as they arrive
         self.before_last_backward = None
+        self._pending_loss: dict[int, torch.Tensor] = {}  # last stage: losses awaiting their weight backward
 
     # --- receive buffers: allocated on demand ----------------------------------------------------
     def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
@@ -105,11 +116,19 @@ class LeanPipelineStage(PipelineStage):
             for t in input_values:
                 if isinstance(t, torch.Tensor) and t.is_leaf:
                     t.grad = None
+        if self.is_last and isinstance(loss, torch.Tensor):
+            if full_backward:
+                _release_graph(loss)
+            else:  # the weight backward still walks the graph
+                self._pending_loss[bwd_chunk_id] = loss
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
         if last_backward and self.before_last_backward is not None:
             self.before_last_backward(self)
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        loss = self._pending_loss.pop(bwd_chunk_id, None)
+        if loss is not None:
+            _release_graph(loss)
 
     # --- sent outputs: storage released ----------------------------------------------------------
     def get_fwd_send_ops(self, fwd_chunk_id: int):

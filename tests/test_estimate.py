@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = ["+exp=flash_tiny", "parallel.pp=2", "parallel.ep=2", "data.batch_size=1"]
@@ -72,3 +73,24 @@ def test_skipping_repeated_chunks_keeps_the_simulated_memory(mode, monkeypatch):
         fast = probe_block(cfg, layer, mode)
         monkeypatch.setattr(chunks, "SIMULATE_EVERY_CHUNK", True)
         assert probe_block(cfg, layer, mode) == fast, layer
+
+
+def test_step_tracker_keeps_no_graph_alive():
+    """torch's MemTracker (through ModTracker's multi-grad hooks) kept every module input's autograd
+    graph, leaves included, alive for the life of the process; the estimator's tracker must not, or a
+    pipeline stage's received inputs are counted long after the real step frees them."""
+    import gc
+    import weakref
+
+    from train.estimate import _step_tracker
+
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    tracker = _step_tracker()
+    tracker.track_external(block)
+    with tracker:
+        x = torch.randn(4, 8, requires_grad=True)  # a received input: a leaf
+        block(x).sum().backward()
+        alive = weakref.ref(x)
+        del x
+        gc.collect()
+        assert alive() is None

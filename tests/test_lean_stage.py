@@ -65,3 +65,49 @@ def test_middle_stage_holds_only_the_boundary_tensors_in_use():
         assert all(n <= torch.finfo(torch.float32).bits // 8 and same and graph for n, same, graph in released)
     finally:
         dist.destroy_process_group()
+
+
+def test_last_stage_frees_each_micro_batch_after_its_backward(monkeypatch):
+    """The schedule keeps every micro-batch's loss until the round ends; a loss still attached to its
+    graph would keep the graph's leaves -- the stage's received inputs -- alive, M x the input carry.
+    Simulated for the last stage of pp=2 with all its micro-batches (not the estimator's shortened
+    round), without the estimator's memory tracker (the real step)."""
+    import gc
+    import weakref
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import train.estimate as estimate
+
+    monkeypatch.setattr(estimate, "_peak_preserving_microbatches", lambda *a: {})
+    cfg = compose(["+exp=flash_tiny", "parallel.pp=2", "data.batch_size=1"])
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        sim = estimate.SimulatedTrainer(cfg, 2, 1, "cpu", fake)
+        stage = sim.pipe.schedule._stage
+        assert stage.is_last and sim.layout.round_microbatches >= 4
+        inputs, done, stale = {}, set(), []
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def watched_forward(chunk, *args, **kwargs):
+            gc.collect()  # received inputs of finished micro-batches still alive (the schedule's
+            stale.append(sum(any(r() is not None for r in inputs[c]) for c in done))  # last `output`: <= 1)
+            out = forward(chunk, *args, **kwargs)
+            inputs[chunk] = [weakref.ref(t) for t in stage.fwd_cache[chunk][1] if isinstance(t, torch.Tensor)]
+            return out
+
+        def watched_backward(chunk, *args, **kwargs):
+            out = backward(chunk, *args, **kwargs)
+            done.add(chunk)
+            return out
+
+        stage.forward_one_chunk, stage.backward_one_chunk = watched_forward, watched_backward
+        with fake:
+            sim.prime_optimizer_state()
+            sim.compute_step()
+        assert len(stale) == sim.layout.round_microbatches * sim.layout.rounds
+        assert max(stale) <= 1, stale
+    finally:
+        dist.destroy_process_group()
