@@ -6,6 +6,9 @@
 - `microbatches`: micro-batches per pipeline round; null = every micro-batch of the optimizer step in
   one round (the gradient-accumulation count). It must divide that count and meet the schedule's rule.
 - `stage_layers`: layer counts per stage (pp x stages per rank entries) to pin the partition by hand.
+- `partition_memory_slack`: the cost-balanced partition first minimises the largest stage's memory M, then
+  the slowest stage's compute among splits whose stages all stay within M x (1 + slack)
+  (parallel/partition.py); 0 = never trade memory for speed.
 - `ep`: expert parallelism: routed experts sharded over ep ranks (it divides dp), parallel/experts.py.
 - `engram_shard`: row-shard the Engram tables over the stage's data-parallel ranks (parallel/engram_shard.py);
   null = when one table is larger than `engram_shard_min_gb` (fp32), true / false to force.
@@ -35,6 +38,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int | None = None
     stage_layers: list | None = None
+    partition_memory_slack: float = 0.0
     engram_shard: bool | None = None
     engram_shard_min_gb: float = 4.0
     grad_bucket_mb: float = 25.0
@@ -65,6 +69,9 @@ class ParallelConfig:
         if self.grad_bucket_mb <= 0 or self.engram_shard_min_gb < 0:
             raise ConfigError(f"parallel.grad_bucket_mb={self.grad_bucket_mb} must be > 0 and "
                               f"parallel.engram_shard_min_gb={self.engram_shard_min_gb} >= 0")
+        if self.partition_memory_slack < 0:
+            raise ConfigError(f"parallel.partition_memory_slack={self.partition_memory_slack}: must be >= 0 (the "
+                              f"fraction of extra stage memory allowed for a faster pipeline; 0 = none)")
         if self.microbatches is not None and self.microbatches < 1:
             raise ConfigError(f"parallel.microbatches={self.microbatches}: must be >= 1 (or null for one round "
                               f"per optimizer step)")

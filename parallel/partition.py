@@ -24,8 +24,9 @@ Cost model (fast and analytic; launch/estimate.py simulates the real step and is
 - compute per token of a block = 2 x its activated parameters + attention (4 x heads x head_dim x
   (window + selected compressed entries)) + indexer scoring (Full / Reindex: 2 x index heads x index
   head_dim x visible compressed entries, on average seq_len / (2 m)).
-The objective is the maximum per-stage memory (state + activations), ties broken towards the most even
-split (the Engram stages' tables often set the maximum alone); compute is reported beside it.
+The objective is the maximum per-stage memory (state + activations), then the slowest stage's compute
+among the splits within `parallel.partition_memory_slack` of that memory, then the most even memory
+(`partition`).
 Works on the meta device (shapes only).
 """
 
@@ -58,6 +59,10 @@ class PartitionCosts:
             return local / self.dp * self.bytes_per_value * (2 + n_state)
         replicas = (self.dp // self.ep if expert else self.dp) if self.zero else 1
         return local * self.bytes_per_value * (2 + n_state / max(1, replicas))
+
+
+def _nbytes(spec) -> int:
+    return math.prod(spec.shape) * spec.dtype.itemsize
 
 
 def _engram_cols(cfg: ModelConfig) -> int:
@@ -129,7 +134,7 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
     """Per block: state bytes, activations of one micro-batch (`carry`, `kept`, `work`, and
     `activation_bytes` = carry + kept, what each micro-batch in flight holds) and forward FLOPs per
     token, with the embedding/vision unit folded into block 0 and the head into the last block."""
-    from parallel.pipeline import boundary_specs
+    from parallel.pipeline import boundary_specs, live_shared_fields
 
     n_state = {"muon": 1, "sinkhorn": 1, "adamw": 2}
     units = []
@@ -150,8 +155,11 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
         if role.has_indexer:
             visible = seq_len / (2 * role.compress_ratio)
             flops += 2 * cfg.index_n_heads * cfg.index_head_dim * visible
-        carry = sum(math.prod(s.shape) * s.dtype.itemsize
-                    for s in boundary_specs(cfg, model.plan, role.id, micro_batch, seq_len))
+        specs = boundary_specs(cfg, model.plan, role.id, micro_batch, seq_len)
+        carry = sum(_nbytes(s) for s in specs)
+        written = live_shared_fields(model.plan, role.id)  # inside a stage, only what the previous block
+        new_carry = sum(_nbytes(s) for s in specs  # wrote is new; the rest are the same tensors
+                        if s.name in ("h", "pre_mix") or (s.name in written and written[s.name].id == role.id - 1))
         rows = 0 if block.engram is None else block.engram.embed.weight.shape[0]
         if rows and costs.engram_shard and costs.dp > 1:  # the local row block's dense gradient only
             rows = -(-rows // costs.dp)
@@ -160,7 +168,7 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
         if costs.mixed_precision:  # autocast's bf16 copies of the dense weights, once per step
             state += 2 * (params - engram - routed)
         units.append({"name": f"layers.{role.id}", "state_bytes": state, "carry_bytes": acts["carry"],
-                      "kept_bytes": acts["kept"], "work_bytes": acts["work"],
+                      "new_carry_bytes": new_carry, "kept_bytes": acts["kept"], "work_bytes": acts["work"],
                       "activation_bytes": acts["carry"] + acts["kept"], "flops_per_token": flops})
     first, last = units[0], units[-1]
     for n, p in model.named_parameters():
@@ -196,8 +204,19 @@ def in_flight_microbatches(pp: int, schedule: str = "1f1b") -> list[int]:
     return [2 * pp - 1 - s if s < pp else pp for s in range(2 * pp)]
 
 
+def _held(unit: dict, first: bool) -> float:
+    """What one micro-batch in flight holds for this block: its input carry and what its forward kept.
+    A block after the stage's first receives the previous block's outputs: the residual and the
+    shared fields that block wrote (`new_carry_bytes`); the other shared fields are the tensors the
+    stage received, counted once."""
+    if first or "new_carry_bytes" not in unit:
+        return unit["activation_bytes"]
+    return unit["activation_bytes"] - unit["carry_bytes"] + unit["new_carry_bytes"]
+
+
 def _stage_activations(units: list[dict], a: int, b: int, in_flight: int) -> float:
-    return in_flight * sum(u["activation_bytes"] for u in units[a:b]) + max(u["work_bytes"] for u in units[a:b])
+    held = sum(_held(u, i == a) for i, u in enumerate(units[a:b], a))
+    return in_flight * held + max(u["work_bytes"] for u in units[a:b])
 
 
 def _stage_cost(units: list[dict], a: int, b: int, in_flight: int) -> float:
@@ -205,11 +224,16 @@ def _stage_cost(units: list[dict], a: int, b: int, in_flight: int) -> float:
 
 
 def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
-              in_flight: list[int] | None = None) -> list[tuple[int, int]]:
-    """Contiguous [start, end) unit ranges for `pp` stages (virtual stages included) minimising the
-    maximum stage cost; among those, the smallest maximum of the other stages (those below 99% of it:
-    a stage holding an Engram table often sets the maximum alone, and the rest should still balance);
-    then the most even split (smallest sum of squared costs) -- each an exact dynamic programme; or the ranges given by `stage_layers` (layer counts per stage).
+              in_flight: list[int] | None = None, memory_slack: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous [start, end) unit ranges for `pp` stages (virtual stages included), or the ranges
+    given by `stage_layers` (layer counts per stage). Lexicographic, each an exact dynamic programme:
+    1. the smallest possible largest stage memory M (state + activations, `_stage_cost`);
+    2. among splits whose every stage stays within M x (1 + `memory_slack`), the smallest largest
+       stage compute (`flops_per_token`): a pipeline runs at the pace of its slowest stage, and the
+       memory-optimal splits differ a lot in it -- a stage holding an Engram table often sets M
+       alone, and the last stage, with one micro-batch in flight, would otherwise take the most
+       layers (exp=flash: 10 of 40 layers, 4.4x the mean compute);
+    3. among those, the most even memory (smallest sum of squared stage costs).
     `in_flight`: micro-batches in flight per stage (default: 1F1B's)."""
     n = len(units)
     in_flight = in_flight or in_flight_microbatches(pp)
@@ -222,31 +246,37 @@ def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
     INF = float("inf")
     cost = {(s, i, j): _stage_cost(units, i, j, in_flight[s - 1])
             for s in range(1, pp + 1) for j in range(s, n - (pp - s) + 1) for i in range(s - 1, j)}
+    prefix = [0.0]
+    for u in units:
+        prefix.append(prefix[-1] + u.get("flops_per_token", 0))
 
-    def solve(objective, allowed=lambda c: True):
+    def solve(objective, allowed=lambda s, i, j: True):
         best = [[INF] * (n + 1) for _ in range(pp + 1)]  # best[s][j]: first j units in s stages
         cut = [[0] * (n + 1) for _ in range(pp + 1)]
         best[0][0] = 0.0
         for s in range(1, pp + 1):
             for j in range(s, n - (pp - s) + 1):
                 for i in range(s - 1, j):
-                    c = cost[s, i, j]
-                    if best[s - 1][i] == INF or not allowed(c):
+                    if best[s - 1][i] == INF or not allowed(s, i, j):
                         continue
-                    v = objective(best[s - 1][i], c)
+                    v = objective(best[s - 1][i], s, i, j)
                     if v < best[s][j]:
                         best[s][j], cut[s][j] = v, i
         return best[pp][n], cut
 
     tol = 1 + 1e-9
-    peak, _ = solve(max)  # 1. the smallest possible largest stage
-    # 2. the stages that set it (e.g. one holding an Engram table) aside, the smallest largest other stage
-    def ordinary(c):
-        return c if c < 0.99 * peak else 0.0
+    peak, _ = solve(lambda acc, s, i, j: max(acc, cost[s, i, j]))  # 1.
+    limit = peak * (1 + memory_slack) * tol
 
-    second, _ = solve(lambda acc, c: max(acc, ordinary(c)), lambda c: c <= peak * tol)
-    # 3. among those, the most even split
-    _, cut = solve(lambda acc, c: acc + (c / peak) ** 2, lambda c: c <= peak * tol and ordinary(c) <= second * tol)
+    def fits(s, i, j):
+        return cost[s, i, j] <= limit
+
+    compute, _ = solve(lambda acc, s, i, j: max(acc, prefix[j] - prefix[i]), fits)  # 2.
+
+    def fits_and_fast(s, i, j):
+        return fits(s, i, j) and prefix[j] - prefix[i] <= compute * tol
+
+    _, cut = solve(lambda acc, s, i, j: acc + (cost[s, i, j] / peak) ** 2, fits_and_fast)  # 3.
     bounds, j = [], n
     for s in range(pp, 0, -1):
         i = cut[s][j]

@@ -29,4 +29,4 @@ def stage_units(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig
 def plan_stages(units: list[dict], parallel: ParallelConfig) -> list[tuple[int, int]]:
     """[start, end) blocks of the parallel.n_stages stages."""
     return partition(units, parallel.n_stages, parallel.stage_layers,
-                     in_flight_microbatches(parallel.pp, parallel.schedule))
+                     in_flight_microbatches(parallel.pp, parallel.schedule), parallel.partition_memory_slack)
