@@ -386,6 +386,23 @@ MUTANTS = [
            '    limit = peak * (1 + memory_slack) * tol',
            '    limit = peak * tol',
            ['tests/test_partition.py', '-k', 'brute_force or slack']),
+    Mutant('gradient buckets start in completion order', 'parallel/grad_reduce.py',
+           '        while self.next_bucket < len(self.buckets):\n'
+           '            b = self.buckets[self.next_bucket]\n'
+           '            if b.arrived < len(b.params):\n'
+           '                return\n'
+           '            self._launch(b)\n'
+           '            self.launches += 1\n'
+           '            self.next_bucket += 1',
+           '        for k in range(self.next_bucket, len(self.buckets)):\n'
+           '            b = self.buckets[k]\n'
+           '            if b.arrived == len(b.params):\n'
+           '                self._launch(b)\n'
+           '                self.launches += 1\n'
+           '                self.buckets.insert(self.next_bucket, self.buckets.pop(k))\n'
+           '                self.next_bucket += 1\n'
+           '                return',
+           ['tests/test_zero.py', '-k', 'two_processes']),
     Mutant('fake chunks skipped by length only', 'model/chunks.py',
            '        shape = (t1 - t0, t1 - max(0, t0 - window + 1) if window else 0)',
            '        shape = (t1 - t0, 0)',

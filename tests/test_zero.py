@@ -1,7 +1,8 @@
 """Data parallelism in parallel/ (DESIGN.md "Parallelism": data parallel): ZeRO-1 ownership planning
 against brute force, global-tensor checkpoints resharding, and on 2 gloo processes the overlapped
 bucketed reduction and the ZeRO-1 step against the replicated one (same gradients, same update, half
-the state, state reloaded into a replicated run). The trainer-level parity runs (ZeRO-1 by default
+the state, state reloaded into a replicated run), and buckets reduced in the same order on ranks whose
+backward completes them in opposite orders. The trainer-level parity runs (ZeRO-1 by default
 with dp > 1, Engram tables row-sharded, resumes across dp / ep / pp layouts) are in test_trainer.py."""
 
 import itertools
@@ -152,6 +153,26 @@ ref = {(tname[id(p)], k): v for o in repl.optimizers.values() for p, k, v, _ in 
 assert mine.keys() == ref.keys(), sorted(set(mine) ^ set(ref))[:5]
 for key in ref:
     torch.testing.assert_close(mine[key].reshape(ref[key].shape).float(), ref[key].float(), rtol=1e-5, atol=1e-6, msg=str(key))
+# buckets start in bucket order whatever order this rank's backward completes them in (an image on
+# one rank only changes its graph): one backward call per parameter, rank 0 completing the buckets
+# first to last, rank 1 last to first; one more parameter is reached on rank 0 only (zero-fill rule)
+from parallel.grad_reduce import GradReducer
+extra, qs = torch.nn.Parameter(torch.zeros(2)), [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 7, 11)]
+red = GradReducer([("extra", extra)] + [(f"q{i}", q) for i, q in enumerate(qs)], lambda name: dist.group.WORLD, 2,
+                  bucket_bytes=4)  # one parameter per bucket, in reverse registration order: q3 q2 q1 q0 extra
+red.zero_grad()
+assert [[id(p) for p in b.params] for b in red.buckets] == [[id(q)] for q in reversed(qs)] + [[id(extra)]]
+red.mark_final()
+order = [3, 2, 1, 0] if r == 0 else [0, 1, 2, 3]
+for k, i in enumerate(order):
+    (qs[i] * (i + 1 + r)).sum().backward()
+    assert red.launches == (k + 1 if r == 0 else 4 * (k == 3)), (r, k, red.launches)  # rank 1: q3 comes last
+if r == 0:
+    (extra * 3).sum().backward()
+red.finish()
+for i, q in enumerate(qs):  # (i + 1 + i + 2) / 2 on both ranks
+    torch.testing.assert_close(q.grad, torch.full_like(q, (2 * i + 3) / 2))
+torch.testing.assert_close(extra.grad, torch.full_like(extra, 1.5))
 print(f"rank {r}: zero ok", flush=True)
 dist.destroy_process_group()
 '''
