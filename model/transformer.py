@@ -193,6 +193,22 @@ class Transformer(nn.Module):
             carry = block(carry, ctx)
         return carry
 
+    def engram_round_requests(self, tokens: torch.Tensor, token_types: torch.Tensor | None, n_microbatches: int,
+                              start: int = 0, end: int | None = None) -> list[dict]:
+        """The lookups of the row-sharded Engram tables among blocks [start, end) for every micro-batch of
+        a round (`tokens` [M x b, S]), counts exchanged (parallel/engram_shard.py `request_round`), id
+        exchanges not yet started: per micro-batch, {layer id: request} for `ForwardContext`."""
+        out: list[dict] = [{} for _ in range(n_microbatches)]
+        blocks = [b for b in self.layers[start:end] if b.engram is not None and b.engram.rows_of is not None]
+        if not blocks:
+            return out
+        ids = self.context(tokens, token_types).engram_ids.chunk(n_microbatches)
+        for block in blocks:
+            e = block.engram
+            for k, request in enumerate(e.rows_of.request_round([t[:, :, e.index] for t in ids])):
+                out[k][e.layer_id] = request
+        return out
+
     def final_hidden(self, carry: Carry) -> torch.Tensor:
         """Collapse with the last pending pre, then the final RMSNorm: the head's input [B, S, D]."""
         return self.norm(hc_collapse(carry.h, carry.pre_mix))

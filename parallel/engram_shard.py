@@ -10,10 +10,18 @@ the block at its offset, train/checkpoint.py). A lookup (`ShardedRows`), per Eng
 3. the ids go to their owners (all-to-all);
 4. each owner gathers its rows (autograd to its block), the rows come back (all-to-all with autograd)
    and are expanded to every position.
-Hash ids depend only on tokens, so steps 1-3 (`request`) run when the stage's forward starts, before
-its first block (model/transformer.py `run_blocks`): the id exchange travels while the blocks before
-the Engram layer compute, and a recomputed forward (train.recompute) reuses the request instead of
-exchanging ids again; step 4 runs in the layer.
+Hash ids depend only on tokens, so steps 1-3 run ahead of the layer:
+- under pipelining (every rank reads the round's batches), steps 1-2 run for every micro-batch of the
+  round when the round starts (`request_round`: the counts of all micro-batches in one all-to-all, one
+  host sync per layer and round, before any of the round's compute is queued), and each micro-batch's
+  id exchange (step 3, `RowRequest.launch`) starts when the previous micro-batch's forward on the stage
+  starts (parallel/pipeline.py `StageModule`) -- so it travels during that micro-batch's compute even
+  when the Engram layer is the stage's first block (both are, in exp=flash's partition);
+- without a pipeline, steps 1-3 run when the forward starts, before its first block
+  (model/transformer.py `run_blocks`), and travel while the blocks before the Engram layer compute.
+A recomputed forward (train.recompute) reuses the request. Step 4 runs in the layer: the rows (up to
+S x cols x head_dim fp32 per micro-batch, 1.5 GiB at exp=flash's 64K tokens) would otherwise be held
+from the prefetch to the micro-batch's backward by every micro-batch in flight.
 Backward runs the reverse: each row's gradient goes back to its owner, summed over every rank that
 looked it up, into the owner's block gradient -- which is therefore already the sum over dp and is
 not all-reduced (parallel/grad_reduce.py only divides it by dp). The row-sharded Sinkhorn update then
@@ -44,18 +52,25 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class RowRequest:
-    """A lookup in flight: the distinct ids asked for, how to expand them back, the split sizes, and
-    the ids this rank must serve (an all-to-all still running until first used)."""
+    """A lookup: the distinct ids asked for, how to expand them back, the split sizes, and the ids this
+    rank must serve (`asked`: None until `launch`, then an all-to-all running until first used)."""
 
     wanted: torch.Tensor
     inverse: torch.Tensor | None
     send: list[int]
     recv: list[int]
-    asked: torch.Tensor
+    group: object
+    asked: torch.Tensor | None = None
+
+    def launch(self) -> "RowRequest":
+        """Step 3: send the ids to their owners (asynchronous; once)."""
+        if self.asked is None:
+            self.asked = all_to_all_single(self.wanted, self.recv, self.send, self.group)
+        return self
 
     def wait(self) -> None:
         """Called before the layer (outside any recomputed region): the ids this rank serves are here."""
-        self.asked = _waited(self.asked)
+        self.asked = _waited(self.launch().asked)
 
 
 class ShardedRows:
@@ -66,17 +81,23 @@ class ShardedRows:
         self.starts = starts  # first global row of each rank's block, and the total at the end
 
     def request(self, ids: torch.Tensor) -> RowRequest:
-        """Steps 1-3's exchanges: counts (synchronous: the split sizes), then the ids, left running."""
-        flat = ids.reshape(-1)
-        if is_fake(flat):
-            send = balanced_split(flat.numel(), self.size)
-            return RowRequest(flat, None, send, send, all_to_all_single(flat, send, send, self.group))
-        wanted, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        bounds = torch.tensor(self.starts[1:-1], dtype=wanted.dtype, device=wanted.device)
-        counts = torch.bincount(torch.bucketize(wanted, bounds, right=True), minlength=self.size)
-        recv_counts = _waited(all_to_all_single(counts, None, None, self.group))
-        send, recv = counts.tolist(), recv_counts.tolist()
-        return RowRequest(wanted, inverse, send, recv, all_to_all_single(wanted, recv, send, self.group))
+        """Steps 1-3 for one micro-batch: counts (synchronous: the split sizes), then the ids, left running."""
+        return self.request_round([ids])[0].launch()
+
+    def request_round(self, ids: list[torch.Tensor]) -> list[RowRequest]:
+        """Steps 1-2 for the micro-batches `ids` (one tensor each): distinct ids, and the per-owner
+        counts of all of them exchanged in one all-to-all (one host sync). Step 3 is `launch`."""
+        if is_fake(ids[0]):
+            sends = [balanced_split(t.numel(), self.size) for t in ids]
+            return [RowRequest(t.reshape(-1), None, send, send, self.group) for t, send in zip(ids, sends)]
+        uniques = [torch.unique(t.reshape(-1), sorted=True, return_inverse=True) for t in ids]
+        bounds = torch.tensor(self.starts[1:-1], dtype=ids[0].dtype, device=ids[0].device)
+        counts = torch.stack([torch.bincount(torch.bucketize(w, bounds, right=True), minlength=self.size)
+                              for w, _ in uniques], dim=1)  # [owner, micro-batch]: each owner its row
+        recv_counts = _waited(all_to_all_single(counts.reshape(-1), None, None, self.group))
+        send = counts.T.tolist()
+        recv = recv_counts.view(self.size, len(ids)).T.tolist()
+        return [RowRequest(w, inv, s, r, self.group) for (w, inv), s, r in zip(uniques, send, recv)]
 
     def __call__(self, block: torch.Tensor, ids: torch.Tensor, request: RowRequest | None = None) -> torch.Tensor:
         req = request if request is not None else self.request(ids)

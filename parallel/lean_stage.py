@@ -100,6 +100,7 @@ class LeanPipelineStage(PipelineStage):
 
     # --- consumption -----------------------------------------------------------------------------
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
+        self.submod.microbatch = fwd_chunk_id  # the stage module's per-micro-batch prefetches
         out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         if not self.is_first:  # the received input lives on in fwd_cache (the autograd input)
             self._drop(self.args_recv_info[fwd_chunk_id])

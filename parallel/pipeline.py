@@ -229,6 +229,10 @@ class StageModule(nn.Module):
         self.out_specs = out_specs
         self.stats = stats
         self.images: list[list[torch.Tensor]] = []  # first stage: this round's images, by row
+        # this round's row-sharded Engram lookups, per micro-batch (parallel/engram_shard.py): counts
+        # exchanged at the round's start; a micro-batch's ids are sent when the previous one's forward starts
+        self.engram_requests: list[dict] = []
+        self.microbatch = 0  # the micro-batch being run (set by LeanPipelineStage)
         self.aux_grad_scale = 1.0
 
     def forward(self, *tensors: torch.Tensor):
@@ -241,6 +245,13 @@ class StageModule(nn.Module):
         else:
             carry = Carry(f["h"], f["pre_mix"], SharedKV(**{k: f.get(k) for k in SHARED_FIELDS}))
         ctx = model.context(tokens, types, StepStats(), self.aux_grad_scale)
+        if self.engram_requests:
+            k = self.microbatch
+            ctx.engram_requests = dict(self.engram_requests[k])
+            for request in self.engram_requests[k].values():
+                request.launch()  # no-op unless this is the round's first micro-batch
+            for request in (self.engram_requests[k + 1] if k + 1 < len(self.engram_requests) else {}).values():
+                request.launch()  # travels while this micro-batch computes
         carry = model.run_blocks(carry, ctx, self.range.start, self.range.end)
         self.stats.add(ctx.stats)
         if self.range.is_last:
@@ -282,6 +293,7 @@ class Pipeline:
     has_first: bool
     has_last: bool
     stages: list = field(default_factory=list)
+    n_microbatches: int = 1  # per round
 
     def set_before_last_backward(self, fn) -> None:
         """fn(stage) runs before each local stage's last backward of the round (None: nothing)."""
@@ -298,12 +310,14 @@ class Pipeline:
         for m in self.modules:
             if m.range.is_first:
                 m.images = images
+            m.engram_requests = m._model[0].engram_round_requests(tokens, token_types, self.n_microbatches,
+                                                                   m.range.start, m.range.end)
         args = (tokens, token_types, torch.arange(tokens.shape[0], device=tokens.device)) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, return_outputs=False, **kwargs)
         for m in self.modules:
-            m.images = []
+            m.images, m.engram_requests = [], []
         return losses
 
 
@@ -340,4 +354,5 @@ def build_pipeline(model: Transformer, parallel: ParallelConfig, bounds: list[tu
         schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(schedule, modules, stats, any(r.is_first for r in mine), any(r.is_last for r in mine), stages)
+    return Pipeline(schedule, modules, stats, any(r.is_first for r in mine), any(r.is_last for r in mine), stages,
+                    n_microbatches)

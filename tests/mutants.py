@@ -403,6 +403,10 @@ MUTANTS = [
            '                self.next_bucket += 1\n'
            '                return',
            ['tests/test_zero.py', '-k', 'two_processes']),
+    Mutant('engram ids sent only when their micro-batch runs', 'parallel/pipeline.py',
+           '                request.launch()  # travels while this micro-batch computes',
+           '                pass',
+           ['tests/test_zero.py', '-k', 'previous_forward']),
     Mutant('fake chunks skipped by length only', 'model/chunks.py',
            '        shape = (t1 - t0, t1 - max(0, t0 - window + 1) if window else 0)',
            '        shape = (t1 - t0, 0)',

@@ -173,6 +173,25 @@ red.finish()
 for i, q in enumerate(qs):  # (i + 1 + i + 2) / 2 on both ranks
     torch.testing.assert_close(q.grad, torch.full_like(q, (2 * i + 3) / 2))
 torch.testing.assert_close(extra.grad, torch.full_like(extra, 1.5))
+# row-sharded Engram lookups of a whole round: counts of every micro-batch in one exchange, ids sent
+# only on launch, rows equal to the whole table's; each looked-up row's gradient reaches its owner
+from parallel.engram_shard import ShardedRows
+table = torch.randn(10, 4, generator=torch.Generator().manual_seed(3))
+block = table[5 * r:5 * r + 5].clone().requires_grad_()
+rows = ShardedRows(dist.group.WORLD, 2, r, [0, 5, 10])
+ids = [torch.tensor([[1, 7, 7, 3]]) + r, torch.tensor([[9, 1, 2, 2, 6]]) - r]
+reqs = rows.request_round(ids)
+assert all(q.asked is None for q in reqs) and [sum(q.send) for q in reqs] == [3, 4]  # distinct ids
+total = 0
+for q, t in zip(reqs, ids):
+    got = rows(block, t, q)
+    torch.testing.assert_close(got, table[t])
+    total = total + got.sum()
+total.backward()
+looked_up = torch.zeros(10)
+for t in [torch.tensor([1, 7, 7, 3]) + k for k in (0, 1)] + [torch.tensor([9, 1, 2, 2, 6]) - k for k in (0, 1)]:
+    looked_up.index_add_(0, t, torch.ones(len(t)))
+torch.testing.assert_close(block.grad, looked_up[5 * r:5 * r + 5, None].expand(5, 4))
 print(f"rank {r}: zero ok", flush=True)
 dist.destroy_process_group()
 '''
@@ -185,3 +204,53 @@ def test_overlapped_reduction_and_zero1_step_match_the_replicated_path_two_proce
                          timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "rank 0: zero ok" in out.stdout and "rank 1: zero ok" in out.stdout
+
+
+def test_pipeline_sends_each_micro_batchs_engram_ids_during_the_previous_forward(monkeypatch):
+    """Under pipelining a row-sharded Engram layer's counts are exchanged for the whole round when it
+    starts and micro-batch k's ids are sent when micro-batch k - 1's forward starts, so the exchange
+    travels during compute even when the Engram layer is the stage's first block. Simulated (fake
+    tensors and process group) for the first stage of pp=2 x dp=2 of flash_tiny."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import parallel.engram_shard as engram_shard
+    import train.estimate as estimate
+    from train.config import compose
+
+    monkeypatch.setattr(estimate, "_peak_preserving_microbatches", lambda *a: {})
+    launches, rounds = [], []
+    launch, request_round = engram_shard.RowRequest.launch, engram_shard.ShardedRows.request_round
+
+    def watched_launch(self):
+        if self.asked is None:
+            launches.append((id(self), sim.pipe.modules[0].microbatch))
+        return launch(self)
+
+    def watched_round(self, ids):
+        out = request_round(self, ids)
+        rounds.append([id(q) for q in out])
+        return out
+
+    monkeypatch.setattr(engram_shard.RowRequest, "launch", watched_launch)
+    monkeypatch.setattr(engram_shard.ShardedRows, "request_round", watched_round)
+    cfg = compose(["+exp=flash_tiny", "parallel.pp=2", "parallel.engram_shard=true", "data.batch_size=1",
+                   "train.global_batch_tokens=1024",
+                   "parallel.stage_layers=[20,20]"])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        sim = estimate.SimulatedTrainer(cfg, 4, 0, "cpu", fake)
+        n = sim.layout.round_microbatches
+        assert n >= 3 and sim.pipe.modules[0].range.start == 0
+        with fake:
+            sim.prime_optimizer_state()
+            sim.compute_step()
+    finally:
+        dist.destroy_process_group()
+    engram_layers = 2  # layers 1 and 14, both on the first stage
+    assert len(rounds) == engram_layers * sim.layout.rounds and all(len(r) == n for r in rounds)
+    when = dict(launches)
+    for per_mb in rounds:
+        assert [when[q] for q in per_mb] == [0] + list(range(n - 1))  # k's ids leave during k - 1's forward
