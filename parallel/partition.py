@@ -132,8 +132,10 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
 def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str], seq_len: int,
                micro_batch: int, costs: PartitionCosts) -> list[dict]:
     """Per block: state bytes, activations of one micro-batch (`carry`, `kept`, `work`, and
-    `activation_bytes` = carry + kept, what each micro-batch in flight holds) and forward FLOPs per
-    token, with the embedding/vision unit folded into block 0 and the head into the last block."""
+    `activation_bytes` = carry + kept, what each micro-batch in flight holds; `new_carry_bytes`, the
+    part of the carry the previous block wrote -- all a block after a stage's first adds) and forward
+    FLOPs per token, with the embedding/vision unit folded into block 0 and the head into the last
+    block."""
     from parallel.pipeline import boundary_specs, live_shared_fields
 
     n_state = {"muon": 1, "sinkhorn": 1, "adamw": 2}
