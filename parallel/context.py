@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed._functional_collectives import all_gather_single_autograd
 
 
 def _shift(t: torch.Tensor, group, forward: bool) -> torch.Tensor:
@@ -64,7 +64,7 @@ def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     size = dist.get_world_size(group)
     if size == 1:
         return x
-    out = all_gather_tensor_autograd(x.movedim(dim, 0).contiguous(), gather_dim=0, group=group)
+    out = all_gather_single_autograd(x.movedim(dim, 0).contiguous(), gather_dim=0, group=group)
     if hasattr(out, "wait"):
         out = out.wait()
     return out.movedim(0, dim)

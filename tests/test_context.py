@@ -54,6 +54,7 @@ try:
 except ValueError as e:
     assert "parallel.cp" in str(e)
 print(f"rank {c}: context ok", flush=True)
+dist.barrier()
 dist.destroy_process_group()
 '''
 
