@@ -45,6 +45,7 @@ from model.layer_plan import LayerRole, Role
 from model.norm import RMSNorm
 from model.rope import apply_rope, rope_angles, rope_frequencies
 from model.index_logits import index_logits_lean
+from model.sequence_split import SequenceSplit
 from model.sparse_attention import sparse_attention_lean
 
 
@@ -60,13 +61,22 @@ class SharedKV:
 
 def visible_compressed(seq_len: int, ratio: int, device=None) -> torch.Tensor:
     """n_vis[t] = number of compressed groups visible to query t: group j is visible once t >= (j+1)m - 1."""
-    return torch.arange(1, seq_len + 1, device=device) // ratio
+    return visible_compressed_at(torch.arange(seq_len, device=device), ratio)
+
+
+def visible_compressed_at(positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """n_vis at the (global) positions of this rank's queries."""
+    return (positions + 1) // ratio
 
 
 class Compressor(nn.Module):
     """Ratio 1: RMSNorm(wkv(x)). Ratio m > 1: per channel softmax-weighted pooling of each complete,
     non-overlapping group of m tokens (kv = wkv(x), score = wgate(x), both fp32), then RMSNorm.
-    Returns the pre-RoPE latent [B, S // m, head_dim]."""
+    Returns the pre-RoPE latent [B, S // m, head_dim].
+
+    In two steps for context parallelism: `project` (per token) and `pool` (per group, on projections
+    that start at a group boundary), so a group straddling a slice boundary is pooled by its owner from
+    the neighbour's projected tail (model/sequence_split.py)."""
 
     def __init__(self, cfg: ModelConfig, ratio: int):
         super().__init__()
@@ -76,17 +86,24 @@ class Compressor(nn.Module):
             self.wgate = nn.Linear(cfg.dim, cfg.head_dim, bias=False)
         self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Ratio m > 1: [B, S, 2 head_dim] fp32 = (kv, score) of every token."""
+        xf = x.float()
+        return torch.cat([F.linear(xf, self.wkv.weight.float()), F.linear(xf, self.wgate.weight.float())], dim=-1)
+
+    def pool(self, proj: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """proj [B, n m, 2 head_dim] (from a group boundary) -> the latent of its n groups [B, n, head_dim]."""
+        m = self.ratio
+        kv, score = proj.unflatten(1, (-1, m)).chunk(2, dim=-1)
+        pooled = (kv * score.softmax(dim=2)).sum(dim=2)
+        return self.norm(pooled.to(dtype))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.ratio
         if m == 1:
             return self.norm(self.wkv(x))
-        B, S, _ = x.shape
-        n = S // m
-        xf = x[:, : n * m].float()
-        kv = F.linear(xf, self.wkv.weight.float()).unflatten(1, (n, m))
-        score = F.linear(xf, self.wgate.weight.float()).unflatten(1, (n, m))
-        pooled = (kv * score.softmax(dim=2)).sum(dim=2)
-        return self.norm(pooled.to(x.dtype))
+        n = x.shape[1] // m
+        return self.pool(self.project(x[:, : n * m]), x.dtype)
 
 
 class Indexer(nn.Module):
@@ -152,16 +169,20 @@ def candidate_mask(candidates: torch.Tensor, n_entries: int, block: int) -> torc
     return hit[..., :nb].repeat_interleave(block, dim=-1)[..., :n_entries]
 
 
-def indexer_kl(target_probs: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def indexer_kl(target_probs: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor,
+               split: SequenceSplit | None = None) -> torch.Tensor:
     """sum over queries of KL(p || softmax(logits)) over each query's valid selected entries, divided by
     the number of queries that have any. target_probs [B, S, k]: the main attention's probabilities of
-    the selected entries summed over heads (no gradient); logits/valid [B, S, k]."""
+    the selected entries summed over heads (no gradient); logits/valid [B, S, k]. Under context
+    parallelism the queries are this rank's and the count is the whole sequence's: the ranks' values sum
+    to the loss."""
     p = target_probs.masked_fill(~valid, 0.0)
     has = valid.any(-1)
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
     logq = logits.masked_fill(~valid, float("-inf")).log_softmax(-1)
     terms = torch.where(valid, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p))
-    return terms.sum() / has.sum().clamp_min(1)  # queries without a valid entry contribute 0 terms
+    count = has.sum() if split is None else split.sum(has.sum())
+    return terms.sum() / count.clamp_min(1)  # queries without a valid entry contribute 0 terms
 
 
 class Attention(nn.Module):
@@ -236,20 +257,29 @@ class Attention(nn.Module):
         return topk, index_logits_lean(q_i, w_i, k_i, topk, self.chunk), topk >= 0
 
     def forward(self, x: torch.Tensor, shared: SharedKV, stats: StepStats | None = None,
-                aux_grad_scale: float = 1.0) -> torch.Tensor:
-        """x [B, S, dim] (already attn_norm'ed) -> [B, S, dim]; reads/writes `shared` per the role."""
-        B, S, _ = x.shape
-        pos = torch.arange(S, device=x.device)
+                aux_grad_scale: float = 1.0, split: SequenceSplit | None = None) -> torch.Tensor:
+        """x [B, L, dim] (already attn_norm'ed) -> [B, L, dim]; reads/writes `shared` per the role.
+
+        `split` (model/sequence_split.py): under context parallelism x holds this rank's positions of
+        each sequence; the window keys/values and the compressor's projections of the positions just
+        before each local chunk come from their owners (`halo`), the compressed KV / index-K are
+        gathered whole, queries, top-k and candidates stay local. None: the whole sequence is here."""
+        B, L, _ = x.shape
+        split = split or SequenceSplit.whole(L)
+        pos = split.positions(x.device)
         cos, sin = rope_angles(self.rope_freqs, pos)
         qr = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
         window_kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        pooled = self.role.role is Role.FULL and self.ratio > 1
+        proj = self.compressor.project(x) if pooled else None
+        halos = self._halos(split, window_kv, proj)
 
         comp_kv = topk = sel_logits = sel_valid = None
         if self.ratio:
-            n_vis = visible_compressed(S, self.ratio, x.device)
+            n_vis = visible_compressed_at(pos, self.ratio)
             if self.role.role is Role.FULL:
-                latent = self.compressor(x)
+                latent = self._compress(x, split, proj, halos)
                 ccos, csin = rope_angles(self.rope_freqs, torch.arange(latent.shape[1], device=x.device) * self.ratio)
                 shared.kv = apply_rope(latent, ccos, csin)
                 shared.index_k = self.indexer.index_keys(latent, ccos, csin)
@@ -260,24 +290,62 @@ class Attention(nn.Module):
                                    f"layer {self.role.kv_source}, but the carry has none")
             if self.role.has_indexer:
                 if comp_kv.shape[1] == 0:
-                    topk = torch.full((B, S, 0), -1, dtype=torch.long, device=x.device)
+                    topk = torch.full((B, L, 0), -1, dtype=torch.long, device=x.device)
                 else:
                     topk, sel_logits, sel_valid = self._select(x, qr, shared, cos, sin, n_vis)
                 shared.topk = topk
             else:
                 topk = shared.topk
 
-        o, kl_target = sparse_attention_lean(q, window_kv, comp_kv, topk, self.attn_sink, self.window, self.scale,
-                                             self.chunk)
+        outs, targets = [], []
+        for (a, b), o, (halo_kv, _) in zip(split.chunks, split.offsets, halos):
+            # under a split, always through the halo (even an empty one): every rank's graph then has the same
+            # nodes, so the exchanges' backward collectives run on every rank, in the same order
+            keys = window_kv[:, o:o + b - a] if split.size == 1 else torch.cat(
+                [halo_kv.to(window_kv.dtype), window_kv[:, o:o + b - a]], dim=1)
+            out_c, target_c = sparse_attention_lean(q[:, o:o + b - a], keys, comp_kv,
+                                                    None if topk is None else topk[:, o:o + b - a], self.attn_sink,
+                                                    self.window, self.scale, self.chunk, halo_kv.shape[1])
+            outs.append(out_c)
+            targets.append(target_c)
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        kl_target = targets[0] if len(targets) == 1 else torch.cat(targets, dim=1)
         o = apply_rope(o, cos, sin, inverse=True)
 
-        o = o.reshape(B, S, self.n_groups, -1)
+        o = o.reshape(B, L, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         out = self.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
 
         if sel_logits is not None and kl_target.shape[-1] and self.kl_weight > 0 and torch.is_grad_enabled():
-            loss = self.kl_weight * indexer_kl(kl_target, sel_logits, sel_valid)
+            loss = self.kl_weight * indexer_kl(kl_target, sel_logits, sel_valid, split)
             if stats is not None:
                 stats.indexer_loss[self.role.id] = loss.detach()
             out = attach_aux_loss(out, loss, aux_grad_scale)
         return out
+
+    def _halos(self, split: SequenceSplit, window_kv: torch.Tensor, proj: torch.Tensor | None):
+        """Per local chunk, (window keys/values, compressor projections) of the positions before it that
+        this layer reads: window - 1 for the band, m - 1 for a group straddling the chunk start."""
+        width = max(self.window - 1, self.ratio - 1 if proj is not None else 0)
+        if split.size == 1:
+            return [(window_kv[:, :0], None if proj is None else proj[:, :0])]
+        feats = window_kv.float() if proj is None else torch.cat([window_kv.float(), proj], dim=-1)
+        d = window_kv.shape[-1]
+        return [(h[..., :d], None if proj is None else h[..., d:]) for h in split.halo(feats, width)]
+
+    def _compress(self, x: torch.Tensor, split: SequenceSplit, proj: torch.Tensor | None, halos) -> torch.Tensor:
+        """The compressed latent of the whole sequence [B, S // m, head_dim]: each local chunk [g0, g1)
+        pools the groups that end inside it (g0 // m .. g1 // m - 1), the part before g0 from the halo."""
+        m = self.ratio
+        if proj is None:  # ratio 1: one entry per token, nothing straddles a boundary
+            return split.gather_entries([self.compressor(x[:, o:o + b - a])
+                                         for (a, b), o in zip(split.chunks, split.offsets)], m)
+        parts = []
+        for (a, b), o, (_, halo_proj) in zip(split.chunks, split.offsets, halos):
+            j0, j1 = a // m, b // m
+            before = a - j0 * m if j1 > j0 else 0  # tokens of the first group that precede the chunk
+            rows = proj[:, o:o + max(0, j1 * m - a)]
+            if split.size > 1:  # through the halo even when empty: the same nodes on every rank (see forward)
+                rows = torch.cat([halo_proj[:, halo_proj.shape[1] - before:], rows], dim=1)
+            parts.append(self.compressor.pool(rows, x.dtype))
+        return split.gather_entries(parts, m)

@@ -17,15 +17,16 @@ from torch._subclasses.fake_tensor import is_fake
 SIMULATE_EVERY_CHUNK = False
 
 
-def query_chunks(S: int, chunk: int, like: torch.Tensor, window: int = 0) -> Iterator[tuple[int, int]]:
+def query_chunks(S: int, chunk: int, like: torch.Tensor, window: int = 0, offset: int = 0) -> Iterator[tuple[int, int]]:
     """[t0, t1) ranges of `chunk` queries covering S positions. A chunk's shapes are its length and, with
-    a sliding `window`, its key band [max(0, t0 - window + 1), t1); on fake tensors (`like`) only the
-    first chunk of each shape is yielded."""
+    a sliding `window`, its key band [max(0, t0 + offset - window + 1), t1 + offset) (keys `offset`
+    rows ahead of the queries: a context-parallel halo); on fake tensors (`like`) only the first chunk
+    of each shape is yielded."""
     skip = is_fake(like) and not SIMULATE_EVERY_CHUNK
     seen = set()
     for t0 in range(0, S, chunk):
         t1 = min(S, t0 + chunk)
-        shape = (t1 - t0, t1 - max(0, t0 - window + 1) if window else 0)
+        shape = (t1 - t0, t1 + offset - max(0, t0 + offset - window + 1) if window else 0)
         if skip and shape in seen:
             continue
         seen.add(shape)

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from model.aux import StepStats, attach_aux_loss
 from model.config import ModelConfig
+from model.sequence_split import SequenceSplit
 
 
 def balanced_split(total: int, parts: int) -> list[int]:
@@ -127,17 +128,23 @@ class SharedExpert(nn.Module):
         return self.w2(swiglu_clamped(self.w1(x), self.w3(x), self.limit).to(x.dtype))
 
 
-def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, n_experts: int) -> torch.Tensor:
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, n_experts: int,
+                          split: SequenceSplit | None = None) -> torch.Tensor:
     """Unweighted sum_i f_i P_i per sequence, averaged over sequences.
 
     scores [B, T, E] (unbiased gate scores), indices [B, T, k] (selected experts);
     f_i = E / (k T) * #{t : i in topk(t)},  P_i = (1/T) sum_t s_it / sum_j s_jt.
+    Under context parallelism (`split`) the T tokens here are this rank's part of each sequence: the
+    selection counts are summed over the split (f has no gradient) and P is this rank's share of the
+    sum over the whole sequence, so the ranks' values add up to the loss.
     """
     B, T, k = indices.shape
     sel = torch.zeros(B, n_experts, dtype=torch.float32, device=scores.device)
     sel.scatter_add_(1, indices.reshape(B, -1), torch.ones(B, T * k, device=scores.device))
+    if split is not None:
+        sel, T = split.sum(sel), split.seq_len
     f = sel * n_experts / (k * T)
-    p = (scores / scores.sum(-1, keepdim=True)).mean(dim=1)
+    p = (scores / scores.sum(-1, keepdim=True)).sum(dim=1) / T
     return (f * p).sum(-1).mean()
 
 
@@ -152,7 +159,7 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None, stats: StepStats | None = None,
-                aux_grad_scale: float = 1.0) -> torch.Tensor:
+                aux_grad_scale: float = 1.0, split: SequenceSplit | None = None) -> torch.Tensor:
         B, S, D = x.shape
         flat = x.reshape(-1, D)
         flat_mask = None if image_mask is None else image_mask.reshape(-1)
@@ -170,7 +177,8 @@ class MoE(nn.Module):
                 load = load.view(2, self.n_experts)
             stats.expert_load[self.layer_id] = load
         if self.alpha > 0 and torch.is_grad_enabled():
-            loss = self.alpha * sequence_balance_loss(scores.view(B, S, -1), indices.view(B, S, -1), self.n_experts)
+            loss = self.alpha * sequence_balance_loss(scores.view(B, S, -1), indices.view(B, S, -1), self.n_experts,
+                                                      split)
             if stats is not None:
                 stats.balance_loss[self.layer_id] = loss.detach()
             y = attach_aux_loss(y, loss, aux_grad_scale)

@@ -94,12 +94,13 @@ def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, q_start: int, win
 
 class _LeanSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, window_kv, comp_kv, sink, topk, window: int, scale: float, chunk: int):
+    def forward(ctx, q, window_kv, comp_kv, sink, topk, window: int, scale: float, chunk: int, q_offset: int):
         with no_autocast(q.device):
-            return _LeanSparseAttention._forward(ctx, q, window_kv, comp_kv, sink, topk, window, scale, chunk)
+            return _LeanSparseAttention._forward(ctx, q, window_kv, comp_kv, sink, topk, window, scale, chunk,
+                                                 q_offset)
 
     @staticmethod
-    def _forward(ctx, q, window_kv, comp_kv, sink, topk, window, scale, chunk):
+    def _forward(ctx, q, window_kv, comp_kv, sink, topk, window, scale, chunk, q_offset):
         B, S, H, D = q.shape
         acc = torch.promote_types(q.dtype, torch.float32)
         has_comp = topk is not None and topk.shape[-1] > 0
@@ -107,8 +108,8 @@ class _LeanSparseAttention(torch.autograd.Function):
         lse = torch.empty(B, S, H, dtype=acc, device=q.device)
         target = torch.zeros(B, S, topk.shape[-1] if has_comp else 0, dtype=acc, device=q.device)
         sink_col = sink.to(acc).view(1, 1, H, 1)
-        for t0, t1 in query_chunks(S, chunk, q, window):
-            _, keys, lw, gathered, lc = chunk_logits(q[:, t0:t1], window_kv, t0, window, comp_kv,
+        for t0, t1 in query_chunks(S, chunk, q, window, q_offset):
+            _, keys, lw, gathered, lc = chunk_logits(q[:, t0:t1], window_kv, t0 + q_offset, window, comp_kv,
                                                      topk[:, t0:t1] if has_comp else None, scale, acc)
             parts = [lw] + ([lc] if has_comp else []) + [sink_col.expand(B, t1 - t0, H, 1)]
             lse_c = torch.cat(parts, dim=-1).logsumexp(dim=-1)
@@ -121,7 +122,7 @@ class _LeanSparseAttention(torch.autograd.Function):
             out[:, t0:t1] = o.to(q.dtype)
             lse[:, t0:t1] = lse_c
         ctx.save_for_backward(q, window_kv, comp_kv if has_comp else None, sink, topk if has_comp else None, out, lse)
-        ctx.window, ctx.scale, ctx.chunk = window, scale, chunk
+        ctx.window, ctx.scale, ctx.chunk, ctx.q_offset = window, scale, chunk, q_offset
         ctx.mark_non_differentiable(target)
         return out, target
 
@@ -135,21 +136,22 @@ class _LeanSparseAttention(torch.autograd.Function):
         q, window_kv, comp_kv, sink, topk, out, lse = ctx.saved_tensors
         B, S, H, D = q.shape
         acc = lse.dtype
-        window, scale = ctx.window, ctx.scale
+        window, scale, off = ctx.window, ctx.scale, ctx.q_offset
         dq = torch.empty(q.shape, dtype=acc, device=q.device)
         dwin = torch.zeros(window_kv.shape, dtype=acc, device=q.device)
         dcomp = None if comp_kv is None else torch.zeros(comp_kv.shape, dtype=acc, device=q.device)
         dsink = torch.zeros(H, dtype=acc, device=q.device)
-        for t0, t1 in query_chunks(S, ctx.chunk, q, window):
+        for t0, t1 in query_chunks(S, ctx.chunk, q, window, off):
             idx = None if topk is None else topk[:, t0:t1]
-            lo, keys, lw, gathered, lc = chunk_logits(q[:, t0:t1], window_kv, t0, window, comp_kv, idx, scale, acc)
+            lo, keys, lw, gathered, lc = chunk_logits(q[:, t0:t1], window_kv, t0 + off, window, comp_kv, idx, scale,
+                                                      acc)
             lse_c = lse[:, t0:t1].unsqueeze(-1)
             qf, do = q[:, t0:t1].to(acc), dout[:, t0:t1].to(acc)
             row = (do * out[:, t0:t1].to(acc)).sum(-1, keepdim=True)  # D = rowsum(dout * out) [B, C, H, 1]
             pw = (lw - lse_c).exp()
             dsw = pw * (torch.einsum("bchd,bld->bchl", do, keys) - row)
             dq_c = torch.einsum("bchl,bld->bchd", dsw, keys)
-            dwin[:, lo:t1] += torch.einsum("bchl,bchd->bld", dsw, qf) * scale + torch.einsum("bchl,bchd->bld", pw, do)
+            dwin[:, lo:t1 + off] += torch.einsum("bchl,bchd->bld", dsw, qf) * scale + torch.einsum("bchl,bchd->bld", pw, do)
             if gathered is not None:
                 pc = (lc - lse_c).exp()  # 0 at empty slots, so they add nothing below
                 dsc = pc * (torch.einsum("bchd,bckd->bchk", do, gathered) - row)
@@ -160,12 +162,14 @@ class _LeanSparseAttention(torch.autograd.Function):
             p_sink = (sink.to(acc).view(1, 1, H) - lse[:, t0:t1]).exp()
             dsink -= (p_sink * row.squeeze(-1)).sum(dim=(0, 1))
         return (dq.to(q.dtype), dwin.to(window_kv.dtype), None if dcomp is None else dcomp.to(comp_kv.dtype),
-                dsink.to(sink.dtype), None, None, None, None)
+                dsink.to(sink.dtype), None, None, None, None, None)
 
 
 def sparse_attention_lean(q: torch.Tensor, window_kv: torch.Tensor, comp_kv: torch.Tensor | None,
-                          topk: torch.Tensor | None, sink: torch.Tensor, window: int, scale: float, chunk: int):
-    """Whole sequence: q [B, S, H, D], window_kv [B, S, D], comp_kv [B, N, D] and topk [B, S, k] (-1 =
-    empty) or None, sink [H]. Returns (out [B, S, H, D], head-summed probabilities of the compressed
-    slots [B, S, k] without gradient; [B, S, 0] without compressed slots)."""
-    return _LeanSparseAttention.apply(q, window_kv, comp_kv, sink, topk, window, scale, chunk)
+                          topk: torch.Tensor | None, sink: torch.Tensor, window: int, scale: float, chunk: int,
+                          q_offset: int = 0):
+    """Whole sequence: q [B, S, H, D], window_kv [B, q_offset + S, D], comp_kv [B, N, D] and topk [B, S, k]
+    (-1 = empty) or None, sink [H]. Query t sits at window_kv row t + q_offset (the first `q_offset` rows:
+    the context-parallel halo of earlier positions). Returns (out [B, S, H, D], head-summed probabilities
+    of the compressed slots [B, S, k] without gradient; [B, S, 0] without compressed slots)."""
+    return _LeanSparseAttention.apply(q, window_kv, comp_kv, sink, topk, window, scale, chunk, q_offset)

@@ -39,7 +39,8 @@ from model.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
 from model.moe import MoE
 from model.norm import RMSNorm
 from model.recompute import recompute_block, validate_recompute
-from model.vision import Aligner, ViT, encode_images, merge_images
+from model.sequence_split import SequenceSplit
+from model.vision import Aligner, ViT, aligner_rows, encode_images, merge_images
 
 
 
@@ -51,6 +52,7 @@ class ForwardContext:
     stats: StepStats = field(default_factory=StepStats)
     aux_grad_scale: float = 1.0
     engram_requests: dict = field(default_factory=dict)  # layer id -> a row-sharded table's lookup in flight
+    split: SequenceSplit | None = None  # context parallelism: this rank's positions (model/sequence_split.py)
 
 
 @dataclass
@@ -96,12 +98,12 @@ class Block(nn.Module):
                             ctx.engram_requests.get(self.engram.layer_id))
         attn_pre, attn_post, attn_comb = self._mixes(h, "attn")
         x = self.attn_norm(hc_collapse(h, carry.pre_mix))
-        x = self.attn(x, carry.shared, ctx.stats, ctx.aux_grad_scale)
+        x = self.attn(x, carry.shared, ctx.stats, ctx.aux_grad_scale, ctx.split)
         h = hc_expand(x, h, attn_post, attn_comb)
 
         ffn_pre, ffn_post, ffn_comb = self._mixes(h, "ffn")
         x = self.ffn_norm(hc_collapse(h, attn_pre))
-        x = self.ffn(x, ctx.image_mask, ctx.stats, ctx.aux_grad_scale)
+        x = self.ffn(x, ctx.image_mask, ctx.stats, ctx.aux_grad_scale, ctx.split)
         h = hc_expand(x, h, ffn_post, ffn_comb)
         return Carry(h, ffn_pre, carry.shared)
 
@@ -131,6 +133,7 @@ class Transformer(nn.Module):
             self.image_start = nn.Parameter(torch.empty(cfg.dim))
             self.image_newline = nn.Parameter(torch.empty(cfg.dim))
             self.image_end = nn.Parameter(torch.empty(cfg.dim))
+        self.context_parallel: tuple | None = None  # (size, rank, balance, comm): set_context_parallel
         if init:
             init_weights(self, cfg, seed)
 
@@ -150,36 +153,78 @@ class Transformer(nn.Module):
             if isinstance(block, Block):
                 block.recompute = mode
 
+    def set_context_parallel(self, size: int, rank: int = 0, balance: str = "zigzag", comm=None) -> None:
+        """Context parallelism (model/sequence_split.py): every forward then takes whole sequences of
+        tokens and runs this rank's positions of them; `comm` does the exchanges (parallel/context.py)."""
+        self.context_parallel = None if size == 1 else (size, rank, balance, comm)
+
+    def sequence_split(self, seq_len: int) -> SequenceSplit | None:
+        if self.context_parallel is None:
+            return None
+        size, rank, balance, comm = self.context_parallel
+        return SequenceSplit(seq_len, size, rank, balance, comm)
+
     # --- the three stage pieces --------------------------------------------------------------
     def context(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,
                 stats: StepStats | None = None, aux_grad_scale: float = 1.0) -> ForwardContext:
+        """From whole sequences (tokens [B, S]): under context parallelism the Engram n-grams are hashed
+        over the whole sequence (so they look back across slice boundaries) and every field is then cut
+        to this rank's positions."""
         image_mask = None if token_types is None else token_types >= 0
         engram_ids = None if self.engram_hasher is None else self.engram_hasher(tokens, image_mask)
-        return ForwardContext(token_types, image_mask, engram_ids, stats or StepStats(), aux_grad_scale)
+        split = self.sequence_split(tokens.shape[1])
+        if split is not None:
+            token_types, image_mask, engram_ids = (None if t is None else split.local(t)
+                                                   for t in (token_types, image_mask, engram_ids))
+        return ForwardContext(token_types, image_mask, engram_ids, stats or StepStats(), aux_grad_scale, split=split)
 
     def embed_inputs(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,
                      images: list[list[torch.Tensor]] | None = None) -> Carry:
         """Token embeddings, with image spans filled when the batch has images, copied to all 4
         streams; the first block's pending pre is one-hot on stream 0.
 
-        images: per sample, the pixel tensors [3, H, W] of its images in order of appearance."""
-        e = self.embed(tokens)
+        images: per sample, the pixel tensors [3, H, W] of its images in order of appearance.
+        Under context parallelism tokens are whole sequences and the carry holds this rank's positions;
+        each image is encoded once (rank i mod C encodes image i) and its rows reach every rank."""
+        split = self.sequence_split(tokens.shape[1])
         if images is not None and any(images):
             if not self.cfg.vision_n_layers:
                 raise ValueError("the batch has images but model.vision_n_layers=0 (no vision tower)")
             if token_types is None:
                 raise ValueError("a batch with images needs token_types to place them")
             flat = [img for sample in images for img in sample]
-            rows_flat = encode_images(self.vision, self.aligner, flat)
+            rows_flat = self._encode(flat, split)
             rows, k = [], 0
             for sample in images:
                 rows.append(rows_flat[k:k + len(sample)])
                 k += len(sample)
-            e = merge_images(e, token_types, rows, self.image_start, self.image_newline, self.image_end)
-        elif token_types is not None and not is_fake(token_types) and bool((token_types >= 0).any()):
-            raise ValueError("token_types marks image positions but the batch carries no images")
+            e = merge_images(self.embed(tokens), token_types, rows, self.image_start, self.image_newline,
+                             self.image_end)
+            e = e if split is None else split.local(e)
+        else:
+            if token_types is not None and not is_fake(token_types) and bool((token_types >= 0).any()):
+                raise ValueError("token_types marks image positions but the batch carries no images")
+            e = self.embed(tokens if split is None else split.local(tokens))
         h = e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         return Carry(h, one_hot_pre(h))
+
+    def _encode(self, images: list[torch.Tensor], split: SequenceSplit | None) -> list[torch.Tensor]:
+        """Aligner rows of every image; split over the context-parallel ranks, then gathered (autograd)."""
+        if split is None:
+            return encode_images(self.vision, self.aligner, images)
+        mine = list(range(split.rank, len(images), split.size))
+        counts = [aligner_rows(self.cfg, img) for img in images]
+        rows = encode_images(self.vision, self.aligner, [images[i] for i in mine])
+        local = (torch.cat(rows) if rows else self.image_start.new_zeros(0, self.cfg.dim)).float()  # one dtype on all
+        if torch.is_grad_enabled() and not local.requires_grad:
+            local = local.detach().requires_grad_()  # every rank's gather then takes part in backward
+        order = [i for r in range(split.size) for i in range(r, len(images), split.size)]
+        per_rank = [sum(counts[i] for i in range(r, len(images), split.size)) for r in range(split.size)]
+        flat = split.gather_ranks(local, per_rank).split([counts[i] for i in order])
+        out: list[torch.Tensor] = [None] * len(images)  # type: ignore[list-item]
+        for i, t in zip(order, flat):
+            out[i] = t
+        return out
 
     def run_blocks(self, carry: Carry, ctx: ForwardContext, start: int = 0, end: int | None = None) -> Carry:
         for block in self.layers[start:end]:  # Engram lookups of row-sharded tables start before any block

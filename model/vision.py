@@ -167,6 +167,12 @@ class Aligner(nn.Module):
         return self.w2(F.gelu(self.w1(pixel_unshuffle(feats, n_h, n_w, self.r))))
 
 
+def aligner_rows(cfg: ModelConfig, image: torch.Tensor) -> int:
+    """How many aligner rows (LLM positions of IMAGE type) an image [3, H, W] gives."""
+    r, p = cfg.vision_downsample_ratio, cfg.vision_patch_size
+    return -(-(image.shape[-2] // p) // r) * -(-(image.shape[-1] // p) // r)
+
+
 def encode_images(vit: ViT, aligner: Aligner, images: list[torch.Tensor]) -> list[torch.Tensor]:
     """Aligner rows [n_llm_h * n_llm_w, dim] of each image [3, H, W], in the order given. Images of one
     size run through the ViT as one batch; attention never crosses images."""

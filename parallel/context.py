@@ -1,70 +1,35 @@
-"""Context-parallel sequence exchanges (DESIGN.md "Parallelism": context parallel; V41_SPEC §2 CSA2).
+"""Context parallelism, the collectives (DESIGN.md "Context parallel"; the model's side, which positions a
+rank holds and what it exchanges, is model/sequence_split.py).
 
-Under context parallelism each rank of a `cp` group holds one contiguous slice of every sequence
-(rank c: positions [c x S/C, (c + 1) x S/C)) and the queries of its slice. CSA2 needs, across slice
-boundaries, only two kinds of exchange, both with autograd so gradients return to the rank that owns
-the values:
-- `halo_from_previous`: the last `width` positions of the previous rank's slice (zeros on rank 0):
-  the sliding window's keys/values (window - 1), the compressor's straddling group (m - 1 tokens),
-  the Engram n-gram look-back (max_ngram - 1 tokens). Backward sends the halo's gradient to its owner.
-- `gather_sequence`: every rank's slice concatenated along the sequence (the compressed KV and
-  index-K, shared by all 64 heads and small); backward reduce-scatters, each owner receiving the sum
-  of every rank's gradient for its entries.
-Split along the sequence dimension `dim` (1 for [B, S, ...]).
+`ContextComm` is what the model's `SequenceSplit` calls over the `cp` group:
+- `gather(x)`: every rank's `x` (equal shapes) stacked along dim 0 in rank order, with autograd: the
+  backward reduce-scatters, so each rank receives the sum of every rank's gradient for its own rows --
+  the window halo's and the compressed KV's gradients go back to the rank that computed them;
+- `sum(t)`: all-reduce without gradient (whole-sequence statistics: balance-loss selection counts, the
+  number of label positions and of indexer queries).
+Both are functional collectives, so the memory estimator's fake process group and selective
+recomputation (model/recompute.py keeps their outputs) see them as ops.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_single_autograd
+from torch.distributed import _functional_collectives as funcol
 
 
-def _shift(t: torch.Tensor, group, forward: bool) -> torch.Tensor:
-    """Rank c sends `t` to c + 1 (forward) or c - 1 (backward) and returns what it receives (zeros at
-    the end of the chain)."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    peer_to, peer_from = (rank + 1, rank - 1) if forward else (rank - 1, rank + 1)
-    out = torch.zeros_like(t)
-    ops = []
-    if 0 <= peer_to < size:
-        ops.append(dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, peer_to), group))
-    if 0 <= peer_from < size:
-        ops.append(dist.P2POp(dist.irecv, out, dist.get_global_rank(group, peer_from), group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return out
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if hasattr(t, "wait") else t
 
 
-class _Halo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tail: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _shift(tail, group, forward=True)
+class ContextComm:
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _shift(grad, ctx.group, forward=False), None
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return _waited(funcol.all_gather_single_autograd(x.contiguous(), gather_dim=0, group=self.group))
 
-
-def halo_from_previous(x: torch.Tensor, width: int, group, dim: int = 1) -> torch.Tensor:
-    """The previous rank's last `width` positions of `x` along `dim` (zeros on the group's first rank),
-    shaped like `x` with `width` positions. `width` must not exceed the local slice."""
-    if width > x.shape[dim]:
-        raise ValueError(f"halo of {width} positions from a slice of {x.shape[dim]}: context parallelism needs "
-                         f"slices at least as long as the look-back (lower parallel.cp or raise data.seq_len)")
-    if width == 0:
-        return x.narrow(dim, 0, 0)
-    return _Halo.apply(x.narrow(dim, x.shape[dim] - width, width), group)
-
-
-def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """Every rank's slice of `x`, concatenated along `dim` in rank order (equal slices)."""
-    size = dist.get_world_size(group)
-    if size == 1:
-        return x
-    out = all_gather_single_autograd(x.movedim(dim, 0).contiguous(), gather_dim=0, group=group)
-    if hasattr(out, "wait"):
-        out = out.wait()
-    return out.movedim(0, dim)
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return _waited(funcol.all_reduce(t.detach().contiguous(), "sum", self.group))

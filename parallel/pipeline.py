@@ -106,13 +106,16 @@ class FieldSpec:
         return t.requires_grad_(True) if self.differentiable else t
 
 
-def boundary_specs(cfg: ModelConfig, plan: tuple[LayerRole, ...], boundary: int, b: int, seq_len: int) -> list[FieldSpec]:
+def boundary_specs(cfg: ModelConfig, plan: tuple[LayerRole, ...], boundary: int, b: int, seq_len: int,
+                   local_len: int | None = None) -> list[FieldSpec]:
     """The tensors that cross the boundary before block `boundary`, in order, with shapes for a
-    micro-batch of `b` sequences of `seq_len` tokens."""
-    S = seq_len
+    micro-batch of `b` sequences of `seq_len` tokens. Under context parallelism this rank holds
+    `local_len` positions of each: tokens stay whole (the next stage hashes Engram n-grams over the
+    whole sequence), the compressed KV / index-K are the gathered whole, the rest is local."""
+    S, L = seq_len, local_len or seq_len
     specs = [FieldSpec("tokens", (b, S), torch.long), FieldSpec("token_types", (b, S), torch.long),
-             FieldSpec("h", (b, S, cfg.hc_mult, cfg.dim), torch.float32),
-             FieldSpec("pre_mix", (b, S, cfg.hc_mult), torch.float32)]
+             FieldSpec("h", (b, L, cfg.hc_mult, cfg.dim), torch.float32),
+             FieldSpec("pre_mix", (b, L, cfg.hc_mult), torch.float32)]
     for name, writer in live_shared_fields(plan, boundary).items():
         n = S // plan[writer.kv_source].compress_ratio
         if name == "kv":
@@ -120,9 +123,9 @@ def boundary_specs(cfg: ModelConfig, plan: tuple[LayerRole, ...], boundary: int,
         elif name == "index_k":
             specs.append(FieldSpec(name, (b, n, cfg.index_head_dim), torch.float32))
         elif name == "topk":
-            specs.append(FieldSpec(name, (b, S, min(cfg.index_topk, n)), torch.long))
+            specs.append(FieldSpec(name, (b, L, min(cfg.index_topk, n)), torch.long))
         else:
-            specs.append(FieldSpec(name, (b, S, min(cfg.candidate_topk_blocks, -(-n // cfg.candidate_block_size))),
+            specs.append(FieldSpec(name, (b, L, min(cfg.candidate_topk_blocks, -(-n // cfg.candidate_block_size))),
                                    torch.int32))
     return specs
 
@@ -330,11 +333,13 @@ def build_pipeline(model: Transformer, parallel: ParallelConfig, bounds: list[tu
     mine = local_stage_ranges(parallel, bounds, pp_rank)
     prune_to_stages(model, mine)
     cfg, plan = model.cfg, model.plan
+    split = model.sequence_split(seq_len)
+    local_len = seq_len if split is None else split.length
     stats = RoundStats()
     modules, stages = [], []
     for r in mine:
-        in_specs = None if r.is_first else boundary_specs(cfg, plan, r.start, micro_batch, seq_len)
-        out_specs = None if r.is_last else boundary_specs(cfg, plan, r.end, micro_batch, seq_len)
+        in_specs = None if r.is_first else boundary_specs(cfg, plan, r.start, micro_batch, seq_len, local_len)
+        out_specs = None if r.is_last else boundary_specs(cfg, plan, r.end, micro_batch, seq_len, local_len)
         module = StageModule(model, r, in_specs, out_specs, stats)
         if r.is_first:
             ex_in = tuple(torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device) for _ in range(2)) + (
@@ -342,7 +347,7 @@ def build_pipeline(model: Transformer, parallel: ParallelConfig, bounds: list[tu
         else:
             ex_in = tuple(s.example(device) for s in in_specs)
         if r.is_last:
-            ex_out = (torch.zeros(micro_batch, seq_len, cfg.dim, device=device, requires_grad=True),)
+            ex_out = (torch.zeros(micro_batch, local_len, cfg.dim, device=device, requires_grad=True),)
         else:
             ex_out = tuple(s.example(device) for s in out_specs)
         release = () if r.is_last else tuple(i for i, s in enumerate(out_specs) if s.name == "h")

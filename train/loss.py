@@ -43,10 +43,20 @@ class _TiledLogitsLoss(TiledFusedLogitsLoss):
 
 
 def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, tile_tokens: int,
-                  scale: float = 1.0) -> torch.Tensor:
-    """hidden [B, S, D] (after the final norm), labels [B, S] -> scale x mean CE over label positions."""
+                  scale: float = 1.0, split=None) -> torch.Tensor:
+    """hidden [B, S, D] (after the final norm), labels [B, S] -> scale x mean CE over label positions.
+
+    Context parallelism (`split`, model/sequence_split.py): hidden holds this rank's positions, labels
+    the whole sequences; the loss is this rank's positions' CE sum over the whole batch's label count,
+    so the ranks' losses add up to the mean."""
+    if split is not None:
+        labels = split.local(labels)
     # fake labels (the memory estimator, train/estimate.py) have no values: every position counts
-    n_valid = labels.numel() if is_fake(labels) else max(1, int((labels != IGNORE).sum()))
+    if split is not None:
+        n_valid = split.seq_len * labels.shape[0] if is_fake(labels) else max(
+            1, int(split.sum((labels != IGNORE).sum())))
+    else:
+        n_valid = labels.numel() if is_fake(labels) else max(1, int((labels != IGNORE).sum()))
     tiles = max(1, math.ceil(labels.numel() / tile_tokens))
 
     def tile_loss(head: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
