@@ -6,6 +6,7 @@
                dispatch all-to-alls too, in the same order on every rank of the EP group.
 - `selective`: the outputs of the large matmuls (`aten.mm` / `addmm`: every projection, gate and expert
                matmul) and of the collectives (the expert all-to-alls) are kept; everything else -- norms,
+               the context-parallel exchanges (eager collectives, parallel/context.py: they run again),
                activations, RoPE, mHC mixes, the indexer's selection and the sparse-attention core, whose
                score blocks are batched matmuls -- is recomputed in backward. The kept collective outputs
                are replayed from the cache, so the recomputation sends nothing (torch's selective

@@ -9,7 +9,10 @@
 - `partition_memory_slack`: the cost-balanced partition first minimises the largest stage's memory M, then
   the slowest stage's compute among splits whose stages all stay within M x (1 + slack)
   (parallel/partition.py); 0 = never trade memory for speed.
-- `ep`: expert parallelism: routed experts sharded over ep ranks (it divides dp), parallel/experts.py.
+- `ep`: expert parallelism: routed experts sharded over ep ranks (it divides dp x cp), parallel/experts.py.
+- `cp`: context parallelism: cp ranks share every sequence, each holding its queries' slice
+  (model/sequence_split.py, parallel/context.py); dp = world / (pp x cp). `cp_balance`: `zigzag` (2 cp
+  chunks, rank r holds r and 2cp - 1 - r: even causal cost) or `contiguous`.
 - `engram_shard`: row-shard the Engram tables over the stage's data-parallel ranks (parallel/engram_shard.py);
   null = when one table is larger than `engram_shard_min_gb` (fp32), true / false to force.
 - `grad_bucket_mb`: size of the gradient buckets reduced while backward runs (parallel/grad_reduce.py).
@@ -35,6 +38,8 @@ SCHEDULES: dict[str, tuple[int, str]] = {
 class ParallelConfig:
     pp: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_balance: str = "zigzag"
     schedule: str = "1f1b"
     microbatches: int | None = None
     stage_layers: list | None = None
@@ -64,8 +69,12 @@ class ParallelConfig:
     def validate(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule={self.schedule!r}: unknown; use one of {sorted(SCHEDULES)}")
-        if self.pp < 1 or self.ep < 1:
-            raise ConfigError(f"parallel.pp={self.pp}, parallel.ep={self.ep}: degrees must be >= 1")
+        if self.pp < 1 or self.ep < 1 or self.cp < 1:
+            raise ConfigError(f"parallel.pp={self.pp}, parallel.ep={self.ep}, parallel.cp={self.cp}: degrees must be >= 1")
+        from model.sequence_split import BALANCE_MODES
+
+        if self.cp_balance not in BALANCE_MODES:
+            raise ConfigError(f"parallel.cp_balance={self.cp_balance!r}: use one of {', '.join(BALANCE_MODES)}")
         if self.grad_bucket_mb <= 0 or self.engram_shard_min_gb < 0:
             raise ConfigError(f"parallel.grad_bucket_mb={self.grad_bucket_mb} must be > 0 and "
                               f"parallel.engram_shard_min_gb={self.engram_shard_min_gb} >= 0")

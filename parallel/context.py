@@ -7,19 +7,32 @@ rank holds and what it exchanges, is model/sequence_split.py).
   the window halo's and the compressed KV's gradients go back to the rank that computed them;
 - `sum(t)`: all-reduce without gradient (whole-sequence statistics: balance-loss selection counts, the
   number of label positions and of indexer queries).
-Both are functional collectives, so the memory estimator's fake process group and selective
-recomputation (model/recompute.py keeps their outputs) see them as ops.
+Both are eager c10d collectives: an activation-checkpoint recomputation (model/recompute.py) runs them
+again, on every rank of the group in the same order.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed import _functional_collectives as funcol
 
 
-def _waited(t: torch.Tensor) -> torch.Tensor:
-    return t.wait() if hasattr(t, "wait") else t
+class _Gather(torch.autograd.Function):
+    """All-gather along dim 0 (eager c10d, so an activation-checkpoint recomputation simply runs it again on
+    every rank); backward: reduce-scatter sum."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((grad.shape[0] // ctx.size,) + tuple(grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None, None
 
 
 class ContextComm:
@@ -28,8 +41,10 @@ class ContextComm:
         self.size = dist.get_world_size(group)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        return _waited(funcol.all_gather_single_autograd(x.contiguous(), gather_dim=0, group=self.group))
+        return _Gather.apply(x, self.group, self.size)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return _waited(funcol.all_reduce(t.detach().contiguous(), "sum", self.group))
+            out = t.detach().clone()
+            dist.all_reduce(out, group=self.group)
+            return out

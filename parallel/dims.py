@@ -3,11 +3,12 @@
 
 `ParallelDims` always exists: degree 1 where a dimension is unused (its group is then None and
 nothing is exchanged over it). It owns
-- the ("pp", "dp_rep", "ep") DeviceMesh (parallel/mesh.py) and this rank's coordinates;
+- the ("pp", "dp_rep", "ep") DeviceMesh and the cp groups (parallel/mesh.py) and this rank's coordinates;
 - which group each parameter's gradient is reduced over (`replica_group`) and which group holds other
   pieces of it (`shard_group`): routed experts are sharded over ep and replicated over dp_rep;
-  row-sharded Engram tables are sharded over dp and not replicated; everything else is replicated
-  over dp;
+  row-sharded Engram tables are sharded over dp x cp and not replicated; everything else is replicated
+  over dp x cp. Gradients are summed over the group and divided by dp: the cp ranks of one group hold
+  partial sums of the same sequences' loss (model/sequence_split.py), the dp ranks distinct batches;
 - the bucketed, backward-overlapped gradient reduction (parallel/grad_reduce.py);
 - clipping by the norm over every stage and shard (parallel/clipping.py);
 - ZeRO-1 ownership of optimizer state (parallel/zero.py) and Muon's Newton-Schulz split;
@@ -49,22 +50,28 @@ def _forward_position(name: str) -> int:
 class ParallelDims:
     world: int
     pp: int
-    dp: int
+    dp: int  # distinct batches per stage
     ep: int
     rank: int = 0
     mesh: ProcessMesh | None = None
     zero: bool = False
     engram_shard: bool = False
     bucket_bytes: int = 25 << 20
+    cp: int = 1
 
     @classmethod
     def build(cls, world: int, rank: int, pp: int, ep: int, n_layers: int, n_routed_experts: int,
               device_type: str = "cpu", zero: bool = False, engram_shard: bool = False,
-              bucket_bytes: int = 25 << 20) -> "ParallelDims":
-        shape = mesh_shape(world, pp, ep, n_layers, n_routed_experts)
+              bucket_bytes: int = 25 << 20, cp: int = 1) -> "ParallelDims":
+        shape = mesh_shape(world, pp, ep, n_layers, n_routed_experts, cp)
         mesh = build_mesh(shape, device_type) if world > 1 and dist.is_initialized() else None
-        return cls(world, pp, shape.dp, ep, rank, mesh, zero and shape.dp > 1, engram_shard and shape.dp > 1,
-                   bucket_bytes)
+        return cls(world, pp, shape.dp, ep, rank, mesh, zero and shape.dp_cp > 1, engram_shard and shape.dp_cp > 1,
+                   bucket_bytes, cp)
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks of a stage that hold the same parameters."""
+        return self.dp * self.cp
 
     # --- groups and coordinates --------------------------------------------------------------
     def _group(self, name: str, degree: int):
@@ -75,8 +82,12 @@ class ParallelDims:
         return self._group("pp", self.pp)
 
     @property
-    def dp_group(self):
-        return self._group("dp", self.dp)
+    def dp_cp_group(self):
+        return self._group("dp_cp", self.dp_cp)
+
+    @property
+    def cp_group(self):
+        return self._group("cp", self.cp)
 
     @property
     def ep_group(self):
@@ -85,7 +96,7 @@ class ParallelDims:
     @property
     def rep_group(self):
         """The replicas of this rank's expert shard (dp / ep ranks)."""
-        return self._group("dp_rep", self.dp // self.ep)
+        return self._group("dp_rep", self.dp_cp // self.ep)
 
     def _local(self, name: str) -> int:
         return self.mesh.local_rank(name) if self.mesh is not None else 0
@@ -96,7 +107,12 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        return self._local("dp") if self.mesh is not None else 0
+        """Which of the dp distinct batches this rank reads."""
+        return self._local("dp_cp") // self.cp if self.mesh is not None else 0
+
+    @property
+    def cp_rank(self) -> int:
+        return self._local("dp_cp") % self.cp if self.mesh is not None else 0
 
     @property
     def ep_rank(self) -> int:
@@ -108,14 +124,14 @@ class ParallelDims:
             return self.rep_group
         if self.engram_shard and is_engram_table(name):
             return None
-        return self.dp_group
+        return self.dp_cp_group
 
     def shard_group(self, name: str):
         """The group whose ranks hold the other pieces of `name` (None: this rank holds all of it)."""
         if is_expert_param(name):
             return self.ep_group
         if self.engram_shard and is_engram_table(name):
-            return self.dp_group
+            return self.dp_cp_group
         return None
 
     # --- gradients ---------------------------------------------------------------------------
@@ -135,7 +151,7 @@ class ParallelDims:
     # --- optimizer state ---------------------------------------------------------------------
     def muon_split_group_of(self, model: nn.Module):
         """Without ZeRO: the group over which each Muon parameter's Newton-Schulz work is split."""
-        if self.dp == 1:
+        if self.dp_cp == 1:
             return None
         group_of = {id(p): self.replica_group(n) for n, p in model.named_parameters()}
         return lambda p: group_of[id(p)]

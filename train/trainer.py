@@ -52,6 +52,7 @@ from parallel.config import ParallelConfig
 from parallel.dims import ParallelDims
 from parallel.mesh import mesh_shape
 from parallel.construct import build_rank_model, model_template
+from parallel.context import ContextComm
 from parallel.pipeline import build_pipeline, local_stage_ranges
 from train.balancing import accumulate_loads, global_loads, update_biases
 from train.loss import tiled_lm_loss
@@ -106,6 +107,7 @@ class Layout:
     pp: int = 1
     round_microbatches: int = 1  # pipeline: micro-batches per schedule step
     ep: int = 1
+    cp: int = 1  # context parallel: ranks sharing each sequence
 
     @property
     def rounds(self) -> int:
@@ -115,7 +117,7 @@ class Layout:
 def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: ParallelConfig, world: int,
                 n_layers: int = 40, n_routed_experts: int = 1) -> Layout:
     """Validate the process layout and the fixed batch before anything is built."""
-    dp = mesh_shape(world, parallel.pp, parallel.ep, n_layers, n_routed_experts).dp
+    dp = mesh_shape(world, parallel.pp, parallel.ep, n_layers, n_routed_experts, parallel.cp).dp
     if parallel.stage_layers is not None and (len(parallel.stage_layers) != parallel.n_stages
                                               or sum(parallel.stage_layers) != n_layers
                                               or min(parallel.stage_layers) < 1):
@@ -138,8 +140,12 @@ def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: Pa
     if train.checkpoint.interval <= 0 or train.checkpoint.keep <= 0:
         raise ConfigError("train.checkpoint.interval and train.checkpoint.keep must be positive")
     accumulation = g // (dp * micro_batch)
+    if parallel.cp > 1:
+        from model.sequence_split import chunk_ranges
+
+        chunk_ranges(seq_len, parallel.cp, parallel.cp_balance)  # a sequence too short for the split fails here
     return Layout(world, dp, micro_batch, accumulation, g, parallel.pp, parallel.round_microbatches(accumulation),
-                  parallel.ep)
+                  parallel.ep, parallel.cp)
 
 
 def _init_distributed() -> tuple[int, int, torch.device]:
@@ -209,7 +215,7 @@ class Trainer:
         self.schedule = schedule(cfg)
         self.layout = plan_layout(self.train_cfg, self.data_cfg.seq_len, self.data_cfg.batch_size, self.parallel, world,
                                   self.model_cfg.n_layers, self.model_cfg.n_routed_experts)
-        self.engram_shard = self.parallel.shard_engram(self.model_cfg, self.layout.dp)
+        self.engram_shard = self.parallel.shard_engram(self.model_cfg, self.layout.dp * self.layout.cp)
         self.max_steps = self.train_cfg.max_steps or self.schedule.total_steps
         self.spec = token_spec(self.model_cfg)
         self.tensor_mode = None  # a mode every tensor of the run is made under (the estimator's FakeTensorMode)
@@ -224,8 +230,10 @@ class Trainer:
         self.dims = ParallelDims.build(world, self.rank, self.layout.pp, self.layout.ep, self.model_cfg.n_layers,
                                        self.model_cfg.n_routed_experts, self.device.type,
                                        zero=self.optim_cfg.zero, engram_shard=self.engram_shard,
-                                       bucket_bytes=int(self.parallel.grad_bucket_mb * (1 << 20)))
+                                       bucket_bytes=int(self.parallel.grad_bucket_mb * (1 << 20)), cp=self.layout.cp)
         self.pp_rank, self.dp_rank, self.ep_rank = self.dims.pp_rank, self.dims.dp_rank, self.dims.ep_rank
+        self.cp_rank = self.dims.cp_rank
+        self.counts_data = self.cp_rank == 0  # the cp ranks of a group read the same batches: count them once
 
     def _build(self, template) -> None:
         """This rank's model, pipeline stages and optimizers from the whole model's meta-device template
@@ -238,10 +246,14 @@ class Trainer:
         if self.layout.pp > 1:
             bounds = self._partition()
             stages = local_stage_ranges(self.parallel, bounds, self.pp_rank)
+        engram_group = self.dims.dp_cp_group if self.dims.engram_shard else None
         build_rank_model(self.model, self.device, self.train_cfg.seed, stages, self.layout.ep, self.ep_rank,
-                         self.dims.ep_group, self.tensor_mode, self.dims.dp_group if self.dims.engram_shard else None,
-                         self.dp_rank, self.layout.dp)
+                         self.dims.ep_group, self.tensor_mode, engram_group,
+                         dist.get_rank(engram_group) if engram_group is not None else 0, self.dims.dp_cp)
         self.model.set_recompute(self.train_cfg.recompute)
+        if self.layout.cp > 1:
+            self.model.set_context_parallel(self.layout.cp, self.cp_rank, self.parallel.cp_balance,
+                                            ContextComm(self.dims.cp_group))
         with self.tensor_mode or contextlib.nullcontext():
             if self.layout.pp > 1:
                 self.pipe = self._build_pipeline(bounds)
@@ -256,15 +268,18 @@ class Trainer:
     def _partition(self) -> list[tuple[int, int]]:
         """[start, end) blocks of the parallel.n_stages stages (train/stages.py, as launch/plan.py shows)."""
         units = stage_units(self.model, self.model_cfg, self.optim_cfg, self.parallel, self.data_cfg.seq_len,
-                            self.data_cfg.batch_size, self.train_cfg.recompute, self.mixed_precision, self.layout.dp)
+                            self.data_cfg.batch_size, self.train_cfg.recompute, self.mixed_precision,
+                            self.layout.dp * self.layout.cp, self.layout.cp)
         return plan_stages(units, self.parallel)
 
     def _build_pipeline(self, bounds: list[tuple[int, int]]):
         """This rank's stages wrapped in the configured schedule."""
         accum = self.layout.accumulation
 
+        split = self.model.sequence_split(self.data_cfg.seq_len)
+
         def loss_fn(hidden, labels):  # the last stage returns the final hidden states, not logits
-            return tiled_lm_loss(hidden, self.model.head, labels, self.train_cfg.loss_tile_tokens, 1.0 / accum)
+            return tiled_lm_loss(hidden, self.model.head, labels, self.train_cfg.loss_tile_tokens, 1.0 / accum, split)
 
         pipe = build_pipeline(self.model, self.parallel, bounds, self.pp_rank, self.dims.pp_group, self.device,
                               self.data_cfg.batch_size, self.data_cfg.seq_len, self.layout.round_microbatches, loss_fn)
@@ -293,7 +308,7 @@ class Trainer:
         if not self.dims.engram_shard:
             return None
         tables = {id(p) for n, p in self.model.named_parameters() if n.endswith(".engram.embed.weight")}
-        return lambda p: self.dims.dp_group if id(p) in tables else None
+        return lambda p: self.dims.dp_cp_group if id(p) in tables else None
 
     def _resume(self) -> None:
         path = self.train_cfg.resume_from or latest_checkpoint(self.run_dir)
@@ -341,7 +356,7 @@ class Trainer:
             images = [[img.to(self.device) for img in row] for row in batch["images"]]
             hidden = self.model.final_hidden(self.model.run(tokens, types, images, stats, aux_grad_scale=1.0 / accum))
             loss = tiled_lm_loss(hidden, self.model.head, batch["labels"].to(self.device),
-                                 self.train_cfg.loss_tile_tokens, 1.0 / accum)
+                                 self.train_cfg.loss_tile_tokens, 1.0 / accum, self.model.sequence_split(tokens.shape[1]))
             if i == accum - 1:
                 self.reducer.mark_final()  # the gradients complete in this backward: reduce buckets as they do
             loss.backward()
@@ -349,8 +364,9 @@ class Trainer:
             sums.add("ce", loss * accum)
             sums.add("balance_loss", stats.total("balance_loss"))
             sums.add("indexer_loss", stats.total("indexer_loss"))
-            sums.add("pad_tokens", batch["pad_tokens"])
-            sums.add("positions", batch["tokens"].numel() + batch["tokens"].shape[0])
+            if self.counts_data:
+                sums.add("pad_tokens", batch["pad_tokens"])
+                sums.add("positions", batch["tokens"].numel() + batch["tokens"].shape[0])
         return sums, loads
 
     def _pipeline_passes(self) -> tuple[torch.Tensor, dict]:
@@ -372,7 +388,7 @@ class Trainer:
             losses = self.pipe.run_round(tokens, types, labels, images)
             if losses:  # the schedule's losses are CE / accum
                 sums.add("ce", torch.stack(losses) * accum)
-            if self.pp_rank == 0:
+            if self.pp_rank == 0 and self.counts_data:
                 sums.add("pad_tokens", sum(b["pad_tokens"] for b in batches))
                 sums.add("positions", sum(b["tokens"].numel() + b["tokens"].shape[0] for b in batches))
         sums.add("balance_loss", self.pipe.stats.balance)
@@ -425,7 +441,7 @@ class Trainer:
         self.optim.step()
         loads = global_loads(loads, self.model_cfg.n_layers, self.model_cfg.n_routed_experts, device=self.device)
         update_biases(self.model, loads, self.train_cfg.balance_rate)
-        if self.pp_rank == 0:  # the loader's counters of this step's reads, once per dp rank
+        if self.pp_rank == 0 and self.counts_data:  # the loader's counters of this step's reads, once per dp rank
             for k in LOADER_COUNTERS:
                 sums.add(k, self.loader.counters().get(k, 0))
         sums.all_reduce()
