@@ -16,6 +16,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch >= 2.13 names (the older ones warn there); the device machines may run an older torch
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 class _Gather(torch.autograd.Function):
     """All-gather along dim 0 (eager c10d, so an activation-checkpoint recomputation simply runs it again on
@@ -25,13 +29,13 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group, size: int) -> torch.Tensor:
         ctx.group, ctx.size = group, size
         out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((grad.shape[0] // ctx.size,) + tuple(grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        _reduce_scatter(out, grad.contiguous(), group=ctx.group)
         return out, None, None
 
 

@@ -27,6 +27,16 @@ GRAD_CLIP = 0.5
 
 
 @pytest.fixture(scope="module")
+def one_sequence_reference(tmp_path_factory, corpus_args):
+    """One process, one-sequence micro-batches (4 per step), 4 steps, a checkpoint after each: what the
+    pipeline and context-parallel layouts must reproduce. Returns the run directory and its records."""
+    run = tmp_path_factory.mktemp("one_sequence_reference")
+    pretrain(run, corpus_args, "train.max_steps=4", "train.checkpoint.interval=1", "train.checkpoint.keep=4",
+             "data.batch_size=1")
+    return run, records(run)
+
+
+@pytest.fixture(scope="module")
 def four_reader_reference(tmp_path_factory, corpus_args):
     """One process, 4 loader workers, one-sequence micro-batches, 4 steps, a checkpoint after each: the
     global batch that 4 readers (4 data-parallel ranks x 1 worker, or 2 x 2) read. Returns the run
@@ -196,14 +206,13 @@ def test_expert_load_statistics_by_hand():
     assert img.shape == (2, 9, 3) and (img[:, 4] == 255).all()  # text | separator | image
 
 
-def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, corpus_args):
+def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, corpus_args, one_sequence_reference):
     """flash_tiny, 4 one-sequence micro-batches per step: pp=1 straight vs (pp=2 1F1B, 2 steps, then
     pp=1) and (pp=1, 2 steps, then pp=2 DualPipeV, stage 0 + 3 on rank 0, with train.recompute=full
     under its split input / weight backward): the same losses, grad norms
     and expert loads at every step, checkpoints loading across the layouts."""
     one = ["data.batch_size=1"]
-    straight = tmp_path / "straight"
-    pretrain(straight, corpus_args, "train.max_steps=4", "train.checkpoint.interval=1", "train.checkpoint.keep=4", *one)
+    straight, ref = one_sequence_reference
     ma, _ = final_model(straight, 4)
     a = tmp_path / "pp2_then_pp1"
     first = pretrain(a, corpus_args, "train.max_steps=2", "parallel.pp=2", "parallel.stage_layers=[17,23]", *one,
@@ -216,7 +225,6 @@ def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, c
     third = pretrain(b, corpus_args, "train.max_steps=4", "parallel.pp=2", "parallel.schedule=dualpipev",
                      "train.recompute=full", *one, procs=2)
     assert f"resumed from {b}/checkpoints/step_00000002 at step 2" in third.stdout
-    ref = records(straight)
     for run in (a, b):
         got = records(run)
         assert [r["step"] for r in got] == [1, 2, 3, 4]
@@ -299,3 +307,34 @@ def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path,
     assert mb["layers.5.ffn.experts.w1"].shape[0] == 8 and ob.keys() == oa.keys()
     assert all(torch.equal(mb[k], ma[k]) for k in ma if k.endswith(("ffn.gate.bias", "ffn.gate.bias_vl")))
     assert_params_close(mb, ref_run, ref, 4)
+
+
+def test_context_parallel_trains_like_one_process_and_resumes_at_cp1(tmp_path, corpus_args, one_sequence_reference):
+    """flash_tiny with images: cp=2 (with ep=2 folded over the cp ranks and selective recomputation) for 2
+    steps, then resumed at cp=1: the same losses, aux values, grad norms and expert loads at every step
+    as one process, and the biases equal after 4 steps (parallel.cp, model/sequence_split.py)."""
+    straight, ref = one_sequence_reference
+    run = tmp_path / "cp2_then_cp1"
+    pretrain(run, corpus_args, "train.max_steps=2", "parallel.cp=2", "parallel.ep=2", "train.recompute=selective",
+             "data.batch_size=1", procs=2)
+    second = pretrain(run, corpus_args, "train.max_steps=4", "data.batch_size=1")
+    assert f"resumed from {run}/checkpoints/step_00000002 at step 2" in second.stdout
+    got = records(run)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for x, y in zip(ref, got):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
+        assert y["balance_loss"] == pytest.approx(x["balance_loss"], rel=1e-5)
+        assert y["indexer_loss"] == pytest.approx(x["indexer_loss"], rel=1e-4, abs=1e-7)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+        assert y["expert_load"] == x["expert_load"]
+        assert y["padding_fraction"] == x["padding_fraction"] and y["skipped_samples"] == x["skipped_samples"]
+    assert_clipped(ref)
+    mb, _ = final_model(run, 4)
+    ma, _ = final_model(straight, 4)
+    assert_params_close(mb, straight, ref, 4)
+    assert all(torch.equal(mb[k], ma[k]) for k in ma if k.endswith(("ffn.gate.bias", "ffn.gate.bias_vl")))
+
+
+def test_bad_context_parallel_layout_is_refused(tmp_path, corpus_args):
+    out = pretrain(tmp_path / "bad", corpus_args, "parallel.cp=3", "train.max_steps=1", check=False)
+    assert out.returncode != 0 and "parallel.cp=3 does not divide the 1 ranks" in out.stdout + out.stderr

@@ -68,7 +68,6 @@ def reference(tokens, types, labels, images, n_micro):
 
 
 def main(pp: int, cp: int, balances: list[str]) -> None:
-    dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (pp, cp), mesh_dim_names=("pp", "cp"))
@@ -141,9 +140,10 @@ def main(pp: int, cp: int, balances: list[str]) -> None:
         print(f"rank {dist.get_rank()}: context parity ok ({balance}, pp={pp}, cp={cp}, {n_checked} gradients, "
               f"worst {worst[0]:.1e} of the norm ({worst[1]}))", flush=True)
         dist.barrier()
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    dist.init_process_group("gloo")
     main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
+    dist.barrier()  # main's tensors, whose graphs hold the groups, are gone before the groups are destroyed
+    dist.destroy_process_group()
