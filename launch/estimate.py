@@ -43,7 +43,7 @@ def default_ranks(overrides: list[str], world: int) -> list[int]:
     cfg = model_config(conf)
     parallel = ParallelConfig.from_mapping(OmegaConf.to_container(conf.parallel, resolve=True))
     try:
-        shape = mesh_shape(world, parallel.pp, parallel.ep, cfg.n_layers, cfg.n_routed_experts)
+        shape = mesh_shape(world, parallel.pp, parallel.ep, cfg.n_layers, cfg.n_routed_experts, parallel.cp)
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
     return [p * (world // shape.pp) for p in range(shape.pp)]

@@ -5,6 +5,8 @@
     python launch/plan.py +exp=flash_small parallel.pp=2 --device cpu   # the partition a CPU run uses
     python launch/plan.py +exp=flash parallel.pp=16 parallel.ep=64 --world 1024  # state shares with dp=64:
                                                 # ZeRO-1 optimizer state, row-sharded Engram tables
+    python launch/plan.py +exp=flash_2048gpu --world 2048   # with parallel.cp: per-rank tokens and the
+                                                # attention imbalance of contiguous vs zigzag chunks
 
 Any Hydra override works (`model.dim=1024`). Reports parameter totals (text backbone, Engram tables,
 with text and vision separately, total), activated parameters per token, parameters and tensors per optimizer (the V4.1 routing), the
@@ -48,13 +50,18 @@ def build_report(overrides: list[str], device: str = "cuda", world: int | None =
     from omegaconf import OmegaConf
 
     parallel = ParallelConfig.from_mapping(OmegaConf.to_container(conf.parallel, resolve=True))
+    seq_len = int(conf.data.seq_len)
+    if parallel.cp > 1:
+        report["context_parallel"] = context_parallel_report(seq_len, parallel.cp, parallel.cp_balance,
+                                                             cfg.window_size)
     if parallel.pp > 1:
-        dp = max(1, world // parallel.pp) if world else 1
-        units = stage_units(model, cfg, ocfg, parallel, int(conf.data.seq_len), int(conf.data.batch_size),
-                            str(conf.train.recompute), device == "cuda", dp)
+        dp = max(1, world // (parallel.pp * parallel.cp)) if world else 1
+        units = stage_units(model, cfg, ocfg, parallel, seq_len, int(conf.data.batch_size),
+                            str(conf.train.recompute), device == "cuda", dp * parallel.cp, parallel.cp)
         flight = in_flight_microbatches(parallel.pp, parallel.schedule)
         report["pipeline"] = partition_report(units, plan_stages(units, parallel), flight)
         report["pipeline"]["dp"] = dp
+        report["pipeline"]["cp"] = parallel.cp
         report["pipeline"].update(pp=parallel.pp, schedule=parallel.schedule, n_stages=parallel.n_stages,
                                   stages_of_rank=[stage_ids(parallel, r) for r in range(parallel.pp)])
         if parallel.stages_per_rank > 1:  # what a rank holds: the sum of its stages
@@ -67,6 +74,19 @@ def build_report(overrides: list[str], device: str = "cuda", world: int | None =
     report["schedule"] = schedule(conf).summary()
     report["overrides"] = overrides
     return report
+
+
+def context_parallel_report(seq_len: int, cp: int, balance: str, window: int) -> dict:
+    """Per-rank attention / indexing cost of each chunk assignment (model/sequence_split.py): causal work
+    grows with position, so contiguous slices leave the last rank the most; max / mean per rank."""
+    from model.sequence_split import causal_cost, chunk_ranges
+
+    def imbalance(mode: str) -> float:
+        costs = [causal_cost(chunks, seq_len, window) for chunks in chunk_ranges(seq_len, cp, mode)]
+        return max(costs) / (sum(costs) / len(costs))
+
+    return {"cp": cp, "balance": balance, "local_tokens": -(-seq_len // cp),
+            "imbalance_attention": {mode: imbalance(mode) for mode in ("contiguous", "zigzag")}}
 
 
 def _b(n: int) -> str:
@@ -104,6 +124,11 @@ def format_report(report: dict) -> str:
           + ([f"    per rank: imbalance bytes {report['pipeline']['rank_imbalance_bytes']:.3f}, compute "
               f"{report['pipeline']['rank_imbalance_compute']:.3f}"] if "ranks" in report["pipeline"] else [])
           if "pipeline" in report else []),
+        *([f"  context parallel cp={report['context_parallel']['cp']} ({report['context_parallel']['balance']}): "
+           f"{report['context_parallel']['local_tokens']} tokens of each sequence per rank; attention / indexing "
+           f"imbalance (max/mean per rank) contiguous "
+           f"{report['context_parallel']['imbalance_attention']['contiguous']:.3f}, zigzag "
+           f"{report['context_parallel']['imbalance_attention']['zigzag']:.3f}"] if "context_parallel" in report else []),
         "",
         f"{'layer':>5} {'role':<8} {'ratio':>5} {'kv_src':>6} {'idx_src':>7} {'cand':<6} {'engram':<6}"
         f" {'params':>12} {'attn':>10} {'ffn':>10} {'engram':>10}",

@@ -9,6 +9,10 @@
 - `partition_memory_slack`: the cost-balanced partition first minimises the largest stage's memory M, then
   the slowest stage's compute among splits whose stages all stay within M x (1 + slack)
   (parallel/partition.py); 0 = never trade memory for speed.
+- `gpu_memory_gb`: a memory budget per rank (GB = 1e9 bytes) for the partitioner's cost model (which
+  tests/test_partition.py checks block by block against the estimator): set, the partition minimises
+  the slowest stage's (or, with two stages per rank, rank's) compute among the splits that fit it;
+  null = memory first (above).
 - `ep`: expert parallelism: routed experts sharded over ep ranks (it divides dp x cp), parallel/experts.py.
 - `cp`: context parallelism: cp ranks share every sequence, each holding its queries' slice
   (model/sequence_split.py, parallel/context.py); dp = world / (pp x cp). `cp_balance`: `zigzag` (2 cp
@@ -44,6 +48,7 @@ class ParallelConfig:
     microbatches: int | None = None
     stage_layers: list | None = None
     partition_memory_slack: float = 0.0
+    gpu_memory_gb: float | None = None
     engram_shard: bool | None = None
     engram_shard_min_gb: float = 4.0
     grad_bucket_mb: float = 25.0
@@ -81,6 +86,8 @@ class ParallelConfig:
         if self.partition_memory_slack < 0:
             raise ConfigError(f"parallel.partition_memory_slack={self.partition_memory_slack}: must be >= 0 (the "
                               f"fraction of extra stage memory allowed for a faster pipeline; 0 = none)")
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ConfigError(f"parallel.gpu_memory_gb={self.gpu_memory_gb}: a positive per-GPU budget in GB, or null")
         if self.microbatches is not None and self.microbatches < 1:
             raise ConfigError(f"parallel.microbatches={self.microbatches}: must be >= 1 (or null for one round "
                               f"per optimizer step)")

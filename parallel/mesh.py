@@ -75,14 +75,13 @@ class ProcessMesh:
 
 def build_mesh(shape: MeshShape, device_type: str = "cpu") -> ProcessMesh:
     """The process group must already be initialised."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, (shape.pp, shape.dp_cp // shape.ep, shape.ep),
                             mesh_dim_names=("pp", "dp_rep", "ep"))
     dp_cp_mesh = mesh["dp_rep", "ep"]._flatten("dp_cp")  # torch's way to name a product of dims (private-named API)
     cp_group = None
-    if shape.cp > 1:  # every rank creates every group, in the same order
-        cp_group, _ = dist.new_subgroups_by_enumeration(
-            [list(range(start, start + shape.cp)) for start in range(0, shape.world, shape.cp)])
+    if shape.cp > 1:  # the same rank order, cp innermost: a cp group is cp consecutive ranks
+        cp_mesh = init_device_mesh(device_type, (shape.pp, shape.dp, shape.cp), mesh_dim_names=("pp", "dp", "cp"))
+        cp_group = cp_mesh["cp"].get_group()
     return ProcessMesh(mesh, dp_cp_mesh, shape, cp_group)

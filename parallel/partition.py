@@ -226,7 +226,8 @@ def _stage_cost(units: list[dict], a: int, b: int, in_flight: int) -> float:
 
 
 def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
-              in_flight: list[int] | None = None, memory_slack: float = 0.0) -> list[tuple[int, int]]:
+              in_flight: list[int] | None = None, memory_slack: float = 0.0, budget: float | None = None,
+              stages_of_rank: list[list[int]] | None = None) -> list[tuple[int, int]]:
     """Contiguous [start, end) unit ranges for `pp` stages (virtual stages included), or the ranges
     given by `stage_layers` (layer counts per stage). Lexicographic, each an exact dynamic programme:
     1. the smallest possible largest stage memory M (state + activations, `_stage_cost`);
@@ -236,7 +237,15 @@ def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
        alone, and the last stage, with one micro-batch in flight, would otherwise take the most
        layers (exp=flash: 10 of 40 layers, 4.4x the mean compute);
     3. among those, the most even memory (smallest sum of squared stage costs).
-    `in_flight`: micro-batches in flight per stage (default: 1F1B's)."""
+    `in_flight`: micro-batches in flight per stage (default: 1F1B's).
+
+    With a memory `budget` (bytes per rank, `parallel.gpu_memory_gb`) throughput comes first instead:
+    1. the smallest largest stage compute among splits whose every stage fits the budget (exact);
+    2. among those, the most even memory.
+    A rank holding several stages (`stages_of_rank`, e.g. V-shaped ZBV / DualPipeV) runs them all: from
+    that split, boundaries then move one block at a time while the largest per-rank compute (the sum of a
+    rank's stages) falls and every rank's memory (the sum of its stages') fits (a local search, not
+    exact). No split that fits: a ConfigError naming the smallest largest stage memory possible."""
     n = len(units)
     in_flight = in_flight or in_flight_microbatches(pp)
     if not 1 <= pp <= n:
@@ -268,7 +277,11 @@ def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
 
     tol = 1 + 1e-9
     peak, _ = solve(lambda acc, s, i, j: max(acc, cost[s, i, j]))  # 1.
-    limit = peak * (1 + memory_slack) * tol
+    if budget is not None and peak > budget * tol:
+        raise ConfigError(f"no split of the {n} layers into {pp} pipeline stages fits parallel.gpu_memory_gb="
+                          f"{budget / 1e9:g}: the smallest largest stage needs {peak / 1e9:.1f} GB (cost model); raise "
+                          f"parallel.pp, parallel.cp or parallel.ep, set train.recompute, or raise the budget")
+    limit = (budget if budget is not None else peak * (1 + memory_slack)) * tol
 
     def fits(s, i, j):
         return cost[s, i, j] <= limit
@@ -284,7 +297,37 @@ def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
         i = cut[s][j]
         bounds.append((i, j))
         j = i
-    return bounds[::-1]
+    bounds = bounds[::-1]
+    if budget is not None and stages_of_rank and any(len(r) > 1 for r in stages_of_rank):
+        bounds = _balance_ranks(bounds, stages_of_rank, lambda s, i, j: cost[s + 1, i, j],
+                                lambda i, j: prefix[j] - prefix[i], budget * tol)
+    return bounds
+
+
+def _balance_ranks(bounds, stages_of_rank, stage_cost, stage_compute, budget):
+    """Local search over stage boundaries: lower the largest per-rank compute (then the sum of squared
+    rank computes) while every rank's memory stays within `budget`."""
+    def score(b):
+        mem = [sum(stage_cost(s, *b[s]) for s in r) for r in stages_of_rank]
+        comp = [sum(stage_compute(*b[s]) for s in r) for r in stages_of_rank]
+        ok = max(mem) <= budget
+        return (not ok, max(comp), sum(c * c for c in comp)) if ok else (True, max(mem), 0.0)
+
+    best, best_score = list(bounds), score(bounds)
+    improved = True
+    while improved:
+        improved = False
+        for k in range(1, len(best)):  # boundary between stage k - 1 and k
+            for step in (-1, 1):
+                cut = best[k][0] + step
+                if not best[k - 1][0] < cut < best[k][1]:
+                    continue
+                trial = list(best)
+                trial[k - 1], trial[k] = (best[k - 1][0], cut), (cut, best[k][1])
+                sc = score(trial)
+                if sc < best_score:
+                    best, best_score, improved = trial, sc, True
+    return best
 
 
 def partition_report(units: list[dict], bounds: list[tuple[int, int]], in_flight: list[int] | None = None) -> dict:

@@ -10,6 +10,9 @@ tensors. What crosses a boundary:
   topk                  [b, S, k] int64                                                      } a later
   candidates            [b, S, min(candidate_topk_blocks, ceil((S/m) / block))] int32        } layer reads
                                                                                                them
+Under context parallelism (parallel.cp) S above is the whole sequence for tokens / token_types and for
+the compressed fields' S/m (gathered whole on every rank), and this rank's positions (S / cp) for h,
+pre_mix, topk and candidates (model/sequence_split.py).
 So when a Full layer and its Reuse / Reindex layers sit on different stages, the compressed KV,
 index-K, top-k and candidate pool travel with the activations, and the gradients of kv / index_k flow
 back to the owner's compressor over the boundary. Which fields are live at a boundary is derived from

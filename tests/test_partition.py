@@ -72,6 +72,51 @@ def test_memory_slack_trades_memory_for_the_slowest_stage():
     assert loose == [(0, 3), (3, 4)]  # memory 30 / 11 (<= 21 x 1.5), compute 3 / 9 instead of 2 / 10
 
 
+@pytest.mark.parametrize("seed, n, pp, loose", [(10, 9, 3, 1.3), (11, 10, 4, 1.6), (12, 8, 2, 1.05), (13, 10, 4, 3.0)])
+def test_memory_budget_puts_the_slowest_stage_first(seed, n, pp, loose):
+    """parallel.gpu_memory_gb: brute force over every split -- among the splits whose every stage fits the
+    budget, the slowest stage's compute is the smallest possible; among those the memory is the most
+    even. A budget below the smallest possible largest stage is refused with the number to beat."""
+    units = _units(seed, n)
+    flight = [pp - s for s in range(pp)]
+    splits = [list(zip((0,) + c, c + (n,))) for c in itertools.combinations(range(1, n), pp - 1)]
+
+    def costs(bounds):
+        return [_stage_cost(units, a, b, flight[s]) for s, (a, b) in enumerate(bounds)]
+
+    def compute(bounds):
+        return max(sum(u["flops_per_token"] for u in units[a:b]) for a, b in bounds)
+
+    smallest = min(max(costs(b)) for b in splits)
+    budget = smallest * loose
+    fits = [b for b in splits if max(costs(b)) <= budget]
+    fastest = min(compute(b) for b in fits)
+    bounds = partition(units, pp, in_flight=flight, budget=budget)
+    assert max(costs(bounds)) <= budget and compute(bounds) == fastest
+    even = min(sum((c / smallest) ** 2 for c in costs(b)) for b in fits if compute(b) == fastest)
+    assert sum((c / smallest) ** 2 for c in costs(bounds)) == pytest.approx(even)
+    with pytest.raises(ConfigError, match=r"gpu_memory_gb=.*smallest largest stage needs"):
+        partition(units, pp, in_flight=flight, budget=smallest * 0.99)
+
+
+def test_memory_budget_balances_the_sum_of_a_ranks_two_stages():
+    """V-shaped placement (rank r holds stages r and 2P - 1 - r): the local search lowers the largest
+    per-rank compute below the per-stage optimum's, and every rank's memory (its two stages) fits."""
+    units = [{"state_bytes": 10, "activation_bytes": 0, "work_bytes": 0, "flops_per_token": f}
+             for f in (1, 1, 1, 1, 1, 1, 1, 9)]
+    ranks = [[0, 3], [1, 2]]
+    flight = [1, 1, 1, 1]
+    per_stage = partition(units, 4, in_flight=flight, budget=1000)
+    paired = partition(units, 4, in_flight=flight, budget=1000, stages_of_rank=ranks)
+
+    def rank_compute(bounds):
+        return max(sum(sum(u["flops_per_token"] for u in units[slice(*bounds[s])]) for s in r) for r in ranks)
+
+    assert rank_compute(paired) < rank_compute(per_stage)
+    assert rank_compute(paired) == 10  # rank 0 holds the first unit and the 9: stages [1] and [9] at best
+    assert all(sum(_stage_cost(units, *paired[s], 1) for s in r) <= 1000 for r in ranks)
+
+
 def test_stage_cost_is_state_plus_in_flight_activations_plus_the_largest_backward():
     units = [{"state_bytes": 100, "activation_bytes": 10, "work_bytes": 7},
              {"state_bytes": 50, "activation_bytes": 20, "work_bytes": 30}]

@@ -157,8 +157,11 @@ def test_bad_layout_and_changed_model_are_refused(tmp_path, corpus_args):
     assert bad.returncode != 0 and "train.global_batch_tokens=384" in bad.stderr and "data.batch_size=2" in bad.stderr
     run = tmp_path / "run"
     pretrain(run, corpus_args, "train.max_steps=1")
-    other = pretrain(run, corpus_args, "train.max_steps=2", "model.init_std=0.01", check=False)
+    other = pretrain(run, corpus_args, "train.max_steps=2", "model.init_std=0.01", "model.attn_chunk_size=32",
+                     check=False)
     assert other.returncode != 0 and "different model config" in other.stderr and "init_std" in other.stderr
+    assert "attn_chunk_size" not in other.stderr.split("different model config")[1].split("\n")[0]
+    pretrain(run, corpus_args, "train.max_steps=2", "model.attn_chunk_size=32")  # execution only: resumes
 
 
 @pytest.mark.parametrize("async_save", ["false", "true"])

@@ -31,5 +31,9 @@ def stage_units(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig
 
 def plan_stages(units: list[dict], parallel: ParallelConfig) -> list[tuple[int, int]]:
     """[start, end) blocks of the parallel.n_stages stages."""
+    from parallel.pipeline import stage_ids
+
+    budget = None if parallel.gpu_memory_gb is None else parallel.gpu_memory_gb * 1e9
     return partition(units, parallel.n_stages, parallel.stage_layers,
-                     in_flight_microbatches(parallel.pp, parallel.schedule), parallel.partition_memory_slack)
+                     in_flight_microbatches(parallel.pp, parallel.schedule), parallel.partition_memory_slack,
+                     budget, [stage_ids(parallel, r) for r in range(parallel.pp)])

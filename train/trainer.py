@@ -66,6 +66,9 @@ from train.stages import plan_stages, stage_units
 from train.step_values import LOADER_COUNTERS, StepValues
 
 log = logging.getLogger(__name__)
+# model fields that change how the step is computed, not what: a run may resume with other values (e.g. a
+# smaller attention chunk for the 1M-token extension, whose indexer scores [chunk, heads, S / m] per chunk)
+EXECUTION_ONLY = frozenset({"attn_chunk_size"})
 FAULT_ENV = "FLASHTRAIN_FAULT_KILL_AFTER_CHECKPOINT_WRITE"  # tests only: SIGKILL after writing step N's shards
 
 
@@ -317,9 +320,9 @@ class Trainer:
         meta, mine = load_checkpoint(path, self.model, self.optim.optimizers, self.dp_rank, self.layout.dp,
                                      self.dims.global_layout(self.model))
         saved_model = meta["config"]["model"]
-        if saved_model != self.cfg_dict["model"]:
-            diff = sorted(k for k in set(saved_model) | set(self.cfg_dict["model"])
-                          if saved_model.get(k) != self.cfg_dict["model"].get(k))
+        diff = sorted(k for k in set(saved_model) | set(self.cfg_dict["model"])
+                      if saved_model.get(k) != self.cfg_dict["model"].get(k) and k not in EXECUTION_ONLY)
+        if diff:
             raise ValueError(f"checkpoint {path} was written for a different model config (fields {diff} differ); "
                              f"use a new run directory, or the model config it was trained with")
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
