@@ -114,9 +114,14 @@ class SequenceSplit:
     # --- exchanges -------------------------------------------------------------------------------
     def halo(self, feats: torch.Tensor, width: int) -> list[torch.Tensor]:
         """feats [B, L, F] (local order) -> per local chunk [g0, g1), the rows of positions
-        [g0 - h, g0) with h = min(width, g0), gathered from their owners (with autograd)."""
-        if self.size == 1:  # (never decided per rank: every rank of the split must take part in the gather)
+        [g0 - h, g0) with h = min(width, g0), from their owners (with autograd). When every chunk is at
+        least `width` long the previous chunk holds them all: point-to-point with its owner (or a local
+        copy); otherwise one all-gather of every chunk's tail."""
+        if self.size == 1:  # (never decided per rank: every rank of the split must take part in the exchange)
             return [feats[:, :0] for _ in self.chunks]
+        plan = halo_plan(self.seq_len, self.size, self.balance, width, self.rank)
+        if plan is not None:
+            return list(self.comm.neighbours(feats, plan))
         tails = []
         for (a, b), o in zip(self.chunks, self.offsets):
             n = min(width, b - a)
@@ -146,6 +151,48 @@ class SequenceSplit:
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.size == 1 else self.comm.gather(x)
+
+
+@dataclass(frozen=True)
+class HaloPlan:
+    """Point-to-point halo of one rank: per local chunk, where its halo rows come from -- ("none", 0, 0,
+    -1): the sequence start; ("local", a, b, -1): local rows a..b (the previous chunk is this rank's);
+    ("peer", 0, h, r): h rows from rank r -- and the local row ranges it sends to the rank holding the
+    next chunk (a, b, r)."""
+
+    sources: tuple[tuple[str, int, int, int], ...]
+    sends: tuple[tuple[int, int, int], ...]
+
+
+@functools.cache
+def halo_plan(seq_len: int, size: int, balance: str, width: int, rank: int) -> HaloPlan | None:
+    """None when some chunk is shorter than `width` (a halo would span several chunks)."""
+    ranges = chunk_ranges(seq_len, size, balance)
+    chunks = sorted((a, b, r, k) for r, cs in enumerate(ranges) for k, (a, b) in enumerate(cs))
+    if any(b - a < width for a, b, _, _ in chunks):
+        return None
+    offsets = {}
+    for r, cs in enumerate(ranges):
+        o = 0
+        for k, (a, b) in enumerate(cs):
+            offsets[r, k] = o
+            o += b - a
+    sources, sends = [], []
+    for i, (a, b, r, k) in enumerate(chunks):
+        if r == rank:
+            if i == 0:
+                sources.append((a, ("none", 0, 0, -1)))
+            else:
+                pa, pb, pr, pk = chunks[i - 1]
+                if pr == rank:
+                    end = offsets[pr, pk] + pb - pa
+                    sources.append((a, ("local", end - width, end, -1)))
+                else:
+                    sources.append((a, ("peer", 0, width, pr)))
+        if i + 1 < len(chunks) and r == rank and chunks[i + 1][2] != rank:
+            end = offsets[r, k] + b - a
+            sends.append((end - width, end, chunks[i + 1][2]))
+    return HaloPlan(tuple(src for _, src in sorted(sources)), tuple(sends))
 
 
 @functools.cache

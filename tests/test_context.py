@@ -4,7 +4,8 @@ Layout, by hand: zigzag gives rank r chunks r and 2C - 1 - r of 2C as-even-as-po
 halo and compressed-entry tables point at the positions they claim. Exchanges on 2 gloo processes
 against the unsplit sequence: a causal window from local rows + halo equals the whole sequence's and
 each rank's gradient equals the whole-sequence gradient at its positions (the halo's gradient reached
-its owner); the gathered compressed entries equal the whole sequence's group pooling and their
+its owner), both by point-to-point with the previous chunk's owner and, for a halo longer than a chunk,
+by the all-gather of every chunk's tail; the gathered compressed entries equal the whole sequence's group pooling and their
 gradients, summed over ranks, reach the owners; rows gathered by rank come back in rank order."""
 
 import os
@@ -30,6 +31,17 @@ def test_zigzag_and_contiguous_chunks_by_hand():
         chunk_ranges(3, 2, "zigzag")
     with pytest.raises(ConfigError, match="cp_balance"):
         chunk_ranges(8, 2, "diagonal")
+
+
+def test_point_to_point_halo_plan_by_hand():
+    from model.sequence_split import halo_plan
+
+    # zigzag, 2 ranks, 40 positions: chunks (0,10) (30,40) | (10,20) (20,30); width 4
+    assert halo_plan(40, 2, "zigzag", 4, 0).sources == (("none", 0, 0, -1), ("peer", 0, 4, 1))
+    assert halo_plan(40, 2, "zigzag", 4, 0).sends == ((6, 10, 1),)  # tail of chunk (0,10) to rank 1
+    assert halo_plan(40, 2, "zigzag", 4, 1).sources == (("peer", 0, 4, 0), ("local", 6, 10, -1))
+    assert halo_plan(40, 2, "zigzag", 4, 1).sends == ((16, 20, 0),)  # tail of chunk (20,30) to rank 0
+    assert halo_plan(40, 2, "zigzag", 11, 0) is None  # a chunk of 10 cannot hold a halo of 11
 
 
 def test_halo_and_entry_tables_point_at_the_right_positions():
@@ -64,9 +76,8 @@ c, C = dist.get_rank(), dist.get_world_size()
 def main():  # in a function: its tensors (whose graphs hold the group) are gone before the group is destroyed
     comm = ContextComm(dist.group.WORLD)
     g = torch.Generator().manual_seed(0)
-    B, S, D, w, m = 2, 22, 3, 4, 3  # chunks of 6, 6, 5, 5: boundaries inside groups of 3
+    B, S, D, m = 2, 22, 3, 3  # chunks of 6, 6, 5, 5: boundaries inside groups of 3
     x = torch.randn(B, S, D, generator=g, dtype=torch.float64)
-    wgt = torch.randn(w, D, generator=g, dtype=torch.float64)
     r = torch.randn(B, S, D, generator=g, dtype=torch.float64)
 
     def window(seq, start):  # y_t = sum_j wgt_j * seq_{t-j} over the positions that exist (causal window of w)
@@ -77,7 +88,10 @@ def main():  # in a function: its tensors (whose graphs hold the group) are gone
         n = seq.shape[1] // m
         return seq[:, :n * m].unflatten(1, (n, m)).mean(2)
 
-    for balance in ("zigzag", "contiguous"):
+    # window 4: every chunk holds a whole halo (point-to-point with the previous chunk's owner); window 8:
+    # a halo of 7 spans two chunks of 5 (the all-gather of every chunk's tail)
+    for w, balance in ((4, "zigzag"), (4, "contiguous"), (8, "zigzag"), (8, "contiguous")):
+        wgt = torch.randn(w, D, generator=torch.Generator().manual_seed(w), dtype=torch.float64)
         split = SequenceSplit(S, C, c, balance, comm)
         mine = split.positions()
         xw = x.clone().requires_grad_()
