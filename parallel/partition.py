@@ -70,7 +70,7 @@ def _engram_cols(cfg: ModelConfig) -> int:
 
 
 def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, engram_rows: int, carry_bytes: int,
-                      tokens: int, micro_batch: int, costs: PartitionCosts) -> dict:
+                      tokens: int, micro_batch: int, costs: PartitionCosts, seq_tokens: int | None = None) -> dict:
     """Per micro-batch of `tokens` tokens: the block's input `carry` (bytes), what its forward `kept`
     for backward under `costs.recompute`, and the transient `work` of its backward. Per token, the
     tensors of the reference implementation under bf16 autocast (fp32 master data), term by term:
@@ -91,8 +91,14 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
     expert weight per slice: 2 of them live), or the chunked sparse attention's gathered-KV gradients
     (17 topk hd per query of a chunk), or the Engram table's dense gradient (in the activation dtype),
     whichever is largest (they do not overlap); recomputation adds the activations it rebuilds (what
-    `none` keeps minus what the mode kept)."""
+    `none` keeps minus what the mode kept).
+
+    Context parallelism: `tokens` are this rank's, `seq_tokens` the whole sequences' (default: the
+    same). The compressed entries (22 hd / m per token above) exist for the whole sequence on every rank,
+    and the indexer scores a chunk of queries against all of them: [chunk, index heads, S / m] fp32
+    (with its masked copy) per chunk in the forward and again in a recomputing backward."""
     D, hc, k, I = cfg.dim, cfg.hc_mult, cfg.n_activated_experts, cfg.moe_inter_dim
+    seq_tokens = seq_tokens or tokens
     H, hd, ns, R = cfg.n_heads, cfg.head_dim, cfg.n_shared_experts, cfg.hc_sinkhorn_iters
     act = 2 if costs.mixed_precision else 4  # bytes of a value autocast computes in bf16
     engram = role.id in cfg.engram_layer_ids
@@ -103,9 +109,10 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
                  + 10 * cfg.q_lora_rank + 4 * k * D + 24 * k * I + 22 * ns * I)
     selective = (act * (cfg.q_lora_rank + H * hd + hd + D + 2 * k * I + k * D + ns * (2 * I + D))
                  + 4 * cfg.n_routed_experts + 8 * 2 * (2 + hc) * hc)
+    compressed = 0
     if role.has_indexer:
-        per_token += 6 * D + 18 * cfg.index_topk + 2 * cfg.index_n_heads * cfg.index_head_dim \
-            + 22 * hd // role.compress_ratio
+        per_token += 6 * D + 18 * cfg.index_topk + 2 * cfg.index_n_heads * cfg.index_head_dim
+        compressed = seq_tokens * (22 * hd // role.compress_ratio)
         selective += act * cfg.index_n_heads * cfg.index_head_dim + 4 * cfg.index_n_heads
         if role.role is Role.FULL:  # the compressor's projections
             selective += act * 2 * hd
@@ -114,10 +121,13 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
         selective += act * (hc + 1) * D
     if not costs.mixed_precision:  # fp32 throughout: no bf16 duplicates, the rest twice as large (measured)
         per_token = int(per_token * 0.85)
-    none_kept = tokens * per_token + (act * local_routed if costs.mixed_precision else 0)
+    none_kept = tokens * per_token + compressed + (act * local_routed if costs.mixed_precision else 0)
     work = tokens * 28 * k * D + 8 * local_routed // 3
     if role.compress_ratio:
         work = max(work, 17 * cfg.index_topk * hd * micro_batch * min(cfg.attn_chunk_size, tokens // micro_batch))
+    if role.has_indexer and seq_tokens > tokens:  # long sequences split over ranks: the indexer's chunk scores
+        chunk = min(cfg.attn_chunk_size, tokens // micro_batch)
+        work = max(work, 8 * chunk * cfg.index_n_heads * seq_tokens // role.compress_ratio)
     if engram:  # the table's dense gradient, last in the block's backward
         work = max(work, act * engram_rows * cfg.engram_head_dim)
     if costs.recompute == "none":
@@ -130,18 +140,19 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
 
 
 def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str], seq_len: int,
-               micro_batch: int, costs: PartitionCosts) -> list[dict]:
+               micro_batch: int, costs: PartitionCosts, local_len: int | None = None) -> list[dict]:
     """Per block: state bytes, activations of one micro-batch (`carry`, `kept`, `work`, and
     `activation_bytes` = carry + kept, what each micro-batch in flight holds; `new_carry_bytes`, the
     part of the carry the previous block wrote -- all a block after a stage's first adds) and forward
     FLOPs per token, with the embedding/vision unit folded into block 0 and the head into the last
-    block."""
+    block. `local_len`: this rank's positions of each sequence under context parallelism."""
     from parallel.pipeline import boundary_specs, live_shared_fields
 
     n_state = {"muon": 1, "sinkhorn": 1, "adamw": 2}
     units = []
     per_expert = sum(p.numel() for p in model.layers[0].ffn.experts.parameters()) // cfg.n_routed_experts
-    tokens = seq_len * micro_batch
+    local_len = local_len or seq_len
+    tokens = local_len * micro_batch
 
     def state_bytes(prefix: str, module: nn.Module) -> int:  # this rank's share (experts, ZeRO-1, Engram rows)
         return int(sum(costs.param_state_bytes(f"{prefix}{n}", p.numel(), n_state[optimizer_of[f"{prefix}{n}"]])
@@ -157,7 +168,7 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
         if role.has_indexer:
             visible = seq_len / (2 * role.compress_ratio)
             flops += 2 * cfg.index_n_heads * cfg.index_head_dim * visible
-        specs = boundary_specs(cfg, model.plan, role.id, micro_batch, seq_len)
+        specs = boundary_specs(cfg, model.plan, role.id, micro_batch, seq_len, local_len)
         carry = sum(_nbytes(s) for s in specs)
         written = live_shared_fields(model.plan, role.id)  # inside a stage, only what the previous block
         new_carry = sum(_nbytes(s) for s in specs  # wrote is new; the rest are the same tensors
@@ -165,7 +176,7 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
         rows = 0 if block.engram is None else block.engram.embed.weight.shape[0]
         if rows and costs.engram_shard and costs.dp > 1:  # the local row block's dense gradient only
             rows = -(-rows // costs.dp)
-        acts = block_activations(cfg, role, routed, rows, carry, tokens, micro_batch, costs)
+        acts = block_activations(cfg, role, routed, rows, carry, tokens, micro_batch, costs, seq_len * micro_batch)
         state = state_bytes(f"layers.{role.id}.", block)
         if costs.mixed_precision:  # autocast's bf16 copies of the dense weights, once per step
             state += 2 * (params - engram - routed)

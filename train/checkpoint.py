@@ -249,8 +249,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_ran
     if rank_key not in md or (dp is not None and len(saved) != dp):
         raise ValueError(f"checkpoint {path} was written with {len(saved)} data-parallel reader(s) and this run has "
                          f"{dp if dp is not None else 'more'}: the data-loader state needs the same number of "
-                         f"data-parallel ranks (world size / parallel.pp = {len(saved)}); the model and optimizer "
-                         f"state would load into any layout, and parallel.pp / parallel.ep may differ")
+                         f"data-parallel ranks (world size / (parallel.pp x parallel.cp) = {len(saved)}); the model and "
+                         f"optimizer state would load into any layout, and parallel.pp / parallel.ep / parallel.cp "
+                         f"may differ")
     state = {"model": _sharded_model_state(model, layout), "optim": _optimizer_templates(md, optimizers, model, layout),
              "meta": b"", rank_key: b""}
     with warnings.catch_warnings():

@@ -21,12 +21,12 @@ def stage_units(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig
                 seq_len: int, micro_batch: int, recompute: str, mixed_precision: bool, dp: int, cp: int = 1) -> list[dict]:
     """The partitioner's per-block costs for this run (`model` may live on the meta device). `dp`: the
     ranks holding the same parameters (dp x cp); under context parallelism a rank's activations are those
-    of its seq_len / cp positions (the gathered compressed KV, 1/m of a slice's positions per Full
-    layer, is counted at that share too)."""
+    of its seq_len / cp positions, plus the whole sequence's compressed entries and the indexer's scores
+    against them (parallel/partition.py `block_activations`)."""
     optimizer_of = {n: g.optimizer for g in route_parameters(model, model_cfg, optim_cfg) for n in g.names}
     costs = PartitionCosts(recompute=recompute, mixed_precision=mixed_precision, ep=parallel.ep, dp=dp,
                            zero=optim_cfg.zero, engram_shard=parallel.shard_engram(model_cfg, dp))
-    return unit_costs(model, model_cfg, optimizer_of, -(-seq_len // cp), micro_batch, costs)
+    return unit_costs(model, model_cfg, optimizer_of, seq_len, micro_batch, costs, -(-seq_len // cp))
 
 
 def plan_stages(units: list[dict], parallel: ParallelConfig) -> list[tuple[int, int]]:

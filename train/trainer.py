@@ -22,6 +22,10 @@ of gradients, clipping and optimizer-state ownership lives in `parallel.dims.Par
 - Expert parallel (`parallel.ep`, parallel/experts.py): each EP rank holds E / ep experts of every MoE
   layer and dispatches tokens by all-to-all; expert gradients are reduced over the replicas of the
   shard only, and checkpoints hold the experts as global tensors (loadable with any ep).
+- Context parallel (`parallel.cp`, model/sequence_split.py): the cp ranks of a group read the same
+  batches and each runs its positions of every sequence; losses are partial sums over the whole
+  sequence's denominators, so gradients are summed over dp x cp and divided by dp; the data counters are
+  taken on cp rank 0 only. Checkpoints do not depend on cp (a cp=2 run resumes at cp=1).
 """
 
 from __future__ import annotations
