@@ -198,9 +198,9 @@ class Transformer(nn.Module):
             for sample in images:
                 rows.append(rows_flat[k:k + len(sample)])
                 k += len(sample)
-            e = merge_images(self.embed(tokens), token_types, rows, self.image_start, self.image_newline,
-                             self.image_end)
-            e = e if split is None else split.local(e)
+            e = merge_images(self.embed(tokens if split is None else split.local(tokens)), token_types, rows,
+                             self.image_start, self.image_newline, self.image_end,
+                             None if split is None else split.positions(tokens.device))
         else:
             if token_types is not None and not is_fake(token_types) and bool((token_types >= 0).any()):
                 raise ValueError("token_types marks image positions but the batch carries no images")

@@ -192,15 +192,19 @@ def encode_images(vit: ViT, aligner: Aligner, images: list[torch.Tensor]) -> lis
 
 
 def merge_images(h: torch.Tensor, token_types: torch.Tensor, rows: list[list[torch.Tensor]],
-                 start: torch.Tensor, newline: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+                 start: torch.Tensor, newline: torch.Tensor, end: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
     """Write aligner rows into IMAGE positions (reading order, per sample) and the learned vectors into
-    START / NEWLINE / END positions. h [B, S, D]; rows[b] = the aligner rows of sample b's images."""
+    START / NEWLINE / END positions. h [B, S, D]; rows[b] = the aligner rows of sample b's images.
+    `positions` (context parallelism): h holds only these positions of the [B, S] sequences that
+    token_types describes; each gets the row its position has in the whole sequence."""
     B = h.shape[0]
     if len(rows) != B:
         raise ValueError(f"images are given for {len(rows)} samples but the batch has {B}")
     out = h.clone()
     for b in range(B):
-        pos = (token_types[b] == IMAGE).nonzero().squeeze(-1)
+        is_image = token_types[b] == IMAGE
+        pos = is_image.nonzero().squeeze(-1)
         feats = torch.cat(rows[b]) if rows[b] else h.new_zeros(0, h.shape[-1])
         n_start = int((token_types[b] == IMAGE_START).sum())
         if pos.numel() != feats.shape[0] or n_start != len(rows[b]):
@@ -208,7 +212,13 @@ def merge_images(h: torch.Tensor, token_types: torch.Tensor, rows: list[list[tor
                 f"sample {b}: token_types has {pos.numel()} IMAGE positions in {n_start} image span(s), but "
                 f"{len(rows[b])} image(s) give {feats.shape[0]} aligner rows; build the span with "
                 f"data.images.image_token_types(n_llm_h, n_llm_w) for each processed image")
-        out[b, pos] = feats.to(h.dtype)
+        if positions is None:
+            out[b, pos] = feats.to(h.dtype)
+        else:
+            local = is_image[positions]
+            row = (is_image.long().cumsum(0) - 1)[positions]  # which aligner row each local position takes
+            out[b, local] = feats[row[local]].to(h.dtype)
+    types = token_types if positions is None else token_types[:, positions]
     for t, vec in ((IMAGE_START, start), (IMAGE_NEWLINE, newline), (IMAGE_END, end)):
-        out = torch.where((token_types == t).unsqueeze(-1), vec.to(h.dtype), out)
+        out = torch.where((types == t).unsqueeze(-1), vec.to(h.dtype), out)
     return out
