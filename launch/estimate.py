@@ -2,6 +2,7 @@
 
     python launch/estimate.py +exp=flash --world 1024 parallel.pp=16 parallel.ep=64 train.recompute=full
     python launch/estimate.py +exp=flash_tiny --world 2 parallel.pp=2 --rank 1 --json
+    python launch/estimate.py +exp=flash_2048gpu --json      # --world defaults to parallel.world (2048)
 
 Any Hydra override works (`parallel.*`, `train.recompute`, `data.*`, `model.*`). Without `--rank`, one
 rank per pipeline position is simulated (ranks at one position differ only in their data-parallel /
@@ -29,6 +30,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 GiB = 1 << 30
+
+
+def configured_world(overrides: list[str]) -> int | None:
+    """The config's parallel.world (the processes its layout is for), if it sets one."""
+    from train.config import compose
+
+    return compose(overrides).parallel.get("world")
 
 
 def default_ranks(overrides: list[str], world: int) -> list[int]:
@@ -80,12 +88,17 @@ def human(report: dict) -> str:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world", type=int, required=True, help="number of GPUs (processes) of the layout")
+    parser.add_argument("--world", type=int, default=None,
+                        help="number of GPUs (processes) of the layout; default: the config's parallel.world")
     parser.add_argument("--rank", type=int, default=None, help="simulate this rank only")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--jobs", type=int, default=2, help="ranks simulated at once (one process each)")
     parser.add_argument("--json", action="store_true")
     args, overrides = parser.parse_known_args(argv)
+    if args.world is None:
+        args.world = configured_world(overrides)
+        if args.world is None:
+            raise SystemExit("error: give --world N (the number of GPUs), or an exp that sets parallel.world")
     if args.rank is not None and not 0 <= args.rank < args.world:
         raise SystemExit(f"error: --rank {args.rank} is not a rank of --world {args.world}")
     t0 = time.time()

@@ -5,8 +5,8 @@
     python launch/plan.py +exp=flash_small parallel.pp=2 --device cpu   # the partition a CPU run uses
     python launch/plan.py +exp=flash parallel.pp=16 parallel.ep=64 --world 1024  # state shares with dp=64:
                                                 # ZeRO-1 optimizer state, row-sharded Engram tables
-    python launch/plan.py +exp=flash_2048gpu --world 2048   # with parallel.cp: per-rank tokens and the
-                                                # attention imbalance of contiguous vs zigzag chunks
+    python launch/plan.py +exp=flash_2048gpu     # --world defaults to parallel.world; with parallel.cp:
+                                                # per-rank tokens, attention imbalance of the chunkings
 
 Any Hydra override works (`model.dim=1024`). Reports parameter totals (text backbone, Engram tables,
 with text and vision separately, total), activated parameters per token, parameters and tensors per optimizer (the V4.1 routing), the
@@ -50,6 +50,8 @@ def build_report(overrides: list[str], device: str = "cuda", world: int | None =
     from omegaconf import OmegaConf
 
     parallel = ParallelConfig.from_mapping(OmegaConf.to_container(conf.parallel, resolve=True))
+    world = world or parallel.world
+    report["world"] = world
     seq_len = int(conf.data.seq_len)
     if parallel.cp > 1:
         report["context_parallel"] = context_parallel_report(seq_len, parallel.cp, parallel.cp_balance,

@@ -1,6 +1,8 @@
 """Parallel layout config (DESIGN.md "Parallelism"), filled from Hydra's `parallel` group.
 
-- `pp`: pipeline degree; `dp` = world size / pp is derived, never configured.
+- `world`: the number of processes the layout is for; null = any. Set (an exp for a cluster), the trainer
+  refuses another world size and launch/plan.py / launch/estimate.py take it as their default --world.
+- `pp`: pipeline degree; `dp` = world size / (pp x cp) is derived, never configured.
 - `schedule`: `1f1b` | `interleaved_1f1b` | `zbv` | `dualpipev` (torch.distributed.pipelining schedules;
   the last three hold two stages per rank: looped for interleaved 1F1B, V-shaped for ZBV and DualPipeV).
 - `microbatches`: micro-batches per pipeline round; null = every micro-batch of the optimizer step in
@@ -40,6 +42,7 @@ SCHEDULES: dict[str, tuple[int, str]] = {
 
 @dataclass
 class ParallelConfig:
+    world: int | None = None
     pp: int = 1
     ep: int = 1
     cp: int = 1
@@ -86,6 +89,8 @@ class ParallelConfig:
         if self.partition_memory_slack < 0:
             raise ConfigError(f"parallel.partition_memory_slack={self.partition_memory_slack}: must be >= 0 (the "
                               f"fraction of extra stage memory allowed for a faster pipeline; 0 = none)")
+        if self.world is not None and self.world < 1:
+            raise ConfigError(f"parallel.world={self.world}: the number of processes of the layout (>= 1), or null")
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ConfigError(f"parallel.gpu_memory_gb={self.gpu_memory_gb}: a positive per-GPU budget in GB, or null")
         if self.microbatches is not None and self.microbatches < 1:

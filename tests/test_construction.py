@@ -125,3 +125,27 @@ def test_bad_global_batch_names_the_nearest_valid_one():
         plan_layout(TrainConfig(global_batch_tokens=60), 10, 2, ParallelConfig(), 2, 40, 8)
     with pytest.raises(ConfigError, match="train.loss_tile_tokens=0: must be a positive number"):
         plan_layout(TrainConfig(global_batch_tokens=40, loss_tile_tokens=0), 10, 2, ParallelConfig(), 2, 40, 8)
+
+
+def test_a_layout_for_another_world_size_is_refused_and_the_tools_default_to_it():
+    """parallel.world (exp=flash_2048gpu): the trainer refuses another process count, naming both;
+    launch/estimate.py and launch/plan.py take it as their --world."""
+    import importlib.util
+    from pathlib import Path
+
+    from model.config import ConfigError
+    from train.config import compose
+    from train.trainer import TrainConfig, plan_layout
+
+    ROOT = Path(__file__).resolve().parent.parent
+
+    with pytest.raises(ConfigError, match=r"parallel.world=4 but this run has 2 process"):
+        plan_layout(TrainConfig(global_batch_tokens=40), 10, 2, ParallelConfig(world=4), 2, 40, 8)
+    assert plan_layout(TrainConfig(global_batch_tokens=40), 10, 2, ParallelConfig(world=2), 2, 40, 8).dp == 2
+    spec = importlib.util.spec_from_file_location("estimate_cli", ROOT / "launch" / "estimate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.configured_world(["+exp=flash_2048gpu"]) == 2048
+    assert cli.configured_world(["+exp=flash_tiny"]) is None
+    assert compose(["+exp=flash_2048gpu_1m"]).parallel.world == 2048
+

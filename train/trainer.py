@@ -124,6 +124,10 @@ class Layout:
 def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: ParallelConfig, world: int,
                 n_layers: int = 40, n_routed_experts: int = 1) -> Layout:
     """Validate the process layout and the fixed batch before anything is built."""
+    if parallel.world is not None and parallel.world != world:
+        raise ConfigError(f"parallel.world={parallel.world} but this run has {world} process(es): the layout "
+                          f"(pp={parallel.pp}, cp={parallel.cp}, ep={parallel.ep}) is for {parallel.world}; launch "
+                          f"that many, or set parallel.world=null and degrees that divide {world}")
     dp = mesh_shape(world, parallel.pp, parallel.ep, n_layers, n_routed_experts, parallel.cp).dp
     if parallel.stage_layers is not None and (len(parallel.stage_layers) != parallel.n_stages
                                               or sum(parallel.stage_layers) != n_layers
