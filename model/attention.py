@@ -45,6 +45,8 @@ from model.layer_plan import LayerRole, Role
 from model.norm import RMSNorm
 from model.rope import apply_rope, rope_angles, rope_frequencies
 from model.index_logits import index_logits_lean
+from model.kernels.index_topk import index_topk_triton
+from model.kernels.select import use_triton
 from model.sequence_split import SequenceSplit
 from model.sparse_attention import sparse_attention_lean
 
@@ -155,8 +157,7 @@ def select_candidate_blocks(scores: torch.Tensor, n_vis: torch.Tensor, topk_bloc
     nb = blocks.shape[-1]
     newest = ((n_vis - 1) // block).unsqueeze(-1)  # -1 when nothing is visible: pins nothing
     blocks = blocks.masked_fill(torch.arange(nb, device=scores.device) == newest, float("inf"))
-    top = blocks.topk(min(topk_blocks, nb), dim=-1)
-    return torch.where(top.values > float("-inf"), top.indices, -1).to(torch.int32)
+    return top_indices(blocks, min(topk_blocks, nb)).to(torch.int32)
 
 
 def candidate_mask(candidates: torch.Tensor, n_entries: int, block: int) -> torch.Tensor:
@@ -167,6 +168,40 @@ def candidate_mask(candidates: torch.Tensor, n_entries: int, block: int) -> torc
     hit = torch.zeros(*idx.shape[:-1], nb + 1, dtype=torch.bool, device=idx.device)
     hit.scatter_(-1, torch.where(idx >= 0, idx, nb), True)  # empty slots land in the spare column nb
     return hit[..., :nb].repeat_interleave(block, dim=-1)[..., :n_entries]
+
+
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best entries of scores [..., N] by value, ties to the lower index (a stable sort: the Triton
+    kernel breaks ties the same way, so both paths select the same entries), -1 where the k-th best
+    is -inf (nothing left to select)."""
+    values, order = scores.sort(dim=-1, descending=True, stable=True)
+    return torch.where(values[..., :k] > float("-inf"), order[..., :k], -1)
+
+
+def index_select(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, n_vis: torch.Tensor, topk: int, chunk: int,
+                 candidates: torch.Tensor | None, block: int, source_blocks: int):
+    """The indexer's selection, reference path, chunk by chunk: q [B, S, H, d], w [B, S, H], index keys
+    k [B, N, d], n_vis [S] (entries j < n_vis[t] are visible to query t). Scores only inside the
+    candidate pool when `candidates` [B, S, n] (block indices, -1 empty) is given. Returns (top-k
+    indices [B, S, topk] int64, -1 = empty; with `source_blocks` > 0 (the candidate source) the best
+    `source_blocks` blocks of `block` entries per query [B, S, n_cand] int32, else None)."""
+    B, S = q.shape[:2]
+    N = k.shape[1]
+    out = torch.empty(B, S, topk, dtype=torch.long, device=q.device)
+    cands = None
+    pos = torch.arange(N, device=q.device)
+    for t0, t1 in query_chunks(S, chunk, q):
+        sc = index_scores(q[:, t0:t1], w[:, t0:t1], k)
+        sc = sc.masked_fill(pos >= n_vis[t0:t1].unsqueeze(-1), float("-inf"))
+        if source_blocks:
+            c = select_candidate_blocks(sc, n_vis[t0:t1], source_blocks, block)
+            if cands is None:
+                cands = torch.empty(B, S, c.shape[-1], dtype=c.dtype, device=c.device)
+            cands[:, t0:t1] = c
+        if candidates is not None:
+            sc = sc.masked_fill(~candidate_mask(candidates[:, t0:t1], N, block), float("-inf"))
+        out[:, t0:t1] = top_indices(sc, topk)
+    return out, cands
 
 
 def indexer_kl(target_probs: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor,
@@ -198,6 +233,7 @@ class Attention(nn.Module):
         self.chunk = cfg.attn_chunk_size
         self.kl_weight = cfg.indexer_loss_weight
         self.scale = cfg.head_dim ** -0.5
+        self.use_triton = cfg.use_triton
 
         self.attn_sink = nn.Parameter(torch.zeros(cfg.n_heads, dtype=torch.float32))
         self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
@@ -228,33 +264,22 @@ class Attention(nn.Module):
     def _select(self, x, qr, shared: SharedKV, cos, sin, n_vis):
         """Run this layer's indexer: top-k indices [B, S, k], grad-carrying logits of the selected
         entries and their validity (for the KL loss); publish candidates when this is the source."""
-        B, S, _ = x.shape
         q_i, w_i = self.indexer.queries(x, qr, cos, sin)
         k_i = shared.index_k
-        N = k_i.shape[1]
-        k = min(self.index_topk, N)
         restrict = self.role.uses_candidates and shared.candidates is not None
-        topk = torch.empty(B, S, k, dtype=torch.long, device=x.device)
-        cands = None
-        pos = torch.arange(N, device=x.device)
-        for t0, t1 in query_chunks(S, self.chunk, x):
-            with torch.no_grad():
-                sc = index_scores(q_i[:, t0:t1], w_i[:, t0:t1], k_i)
-                sc = sc.masked_fill(pos >= n_vis[t0:t1].unsqueeze(-1), float("-inf"))
-                if self.role.is_candidate_source:
-                    c = select_candidate_blocks(sc, n_vis[t0:t1], self.cand_blocks, self.cand_block_size)
-                    if cands is None:
-                        cands = torch.empty(B, S, c.shape[-1], dtype=c.dtype, device=c.device)
-                    cands[:, t0:t1] = c
-                if restrict:
-                    keep = candidate_mask(shared.candidates[:, t0:t1], N, self.cand_block_size)
-                    sc = sc.masked_fill(~keep, float("-inf"))
-                top = sc.topk(k, dim=-1)
-                topk[:, t0:t1] = torch.where(top.values > float("-inf"), top.indices, -1)
-        if cands is not None:
+        args = (q_i, w_i, k_i, n_vis, min(self.index_topk, k_i.shape[1]), self.chunk,
+                shared.candidates if restrict else None, self.cand_block_size,
+                self.cand_blocks if self.role.is_candidate_source else 0)
+        with torch.no_grad():
+            if use_triton(q_i, self.use_triton):
+                topk, values, cands = index_topk_triton(*args)
+            else:
+                (topk, cands), values = index_select(*args), None
+        if self.role.is_candidate_source:
             shared.candidates = cands
-        # grad-carrying logits of the selected entries only (for the KL loss), memory-lean
-        return topk, index_logits_lean(q_i, w_i, k_i, topk, self.chunk), topk >= 0
+        # grad-carrying logits of the selected entries only (for the KL loss), memory-lean; the forward
+        # values come from the selection pass when the kernel computed them
+        return topk, index_logits_lean(q_i, w_i, k_i, topk, self.chunk, values), topk >= 0
 
     def forward(self, x: torch.Tensor, shared: SharedKV, stats: StepStats | None = None,
                 aux_grad_scale: float = 1.0, split: SequenceSplit | None = None) -> torch.Tensor:

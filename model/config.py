@@ -107,6 +107,9 @@ class ModelConfig:
     hc_comb_init_logit: float = 1.0
     # runtime: queries processed per attention chunk (memory, not math)
     attn_chunk_size: int = 1024
+    # runtime: None = the Triton kernels on CUDA, the plain-PyTorch references on CPU (model/kernels/);
+    # False forces the references (debugging), True the kernels (CUDA, or CPU under TRITON_INTERPRET=1)
+    use_triton: bool | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -211,5 +214,7 @@ class ModelConfig:
         for name in ("bos_id", "eos_id", "pad_id", "image_token_id"):
             if not 0 <= getattr(self, name) < self.vocab_size:
                 raise bad(name, f"must be a token id in [0, {self.vocab_size})")
+        if self.use_triton not in (None, True, False):
+            raise bad("use_triton", "must be null (kernels on CUDA, references on CPU), true or false")
         if self.norm_eps <= 0 or self.hc_eps <= 0:
             raise bad("norm_eps", "norm_eps and hc_eps must be > 0")

@@ -26,22 +26,24 @@ def index_logits_reference(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, id
 
 class _LeanIndexLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, w, k, idx, chunk: int):
+    def forward(ctx, q, w, k, idx, chunk: int, values):
         with no_autocast(q.device):
-            return _LeanIndexLogits._forward(ctx, q, w, k, idx, chunk)
+            return _LeanIndexLogits._forward(ctx, q, w, k, idx, chunk, values)
 
     @staticmethod
-    def _forward(ctx, q, w, k, idx, chunk):
+    def _forward(ctx, q, w, k, idx, chunk, values):
         B, S = idx.shape[:2]
         acc = torch.promote_types(q.dtype, torch.float32)
+        ctx.save_for_backward(q, w, k, idx)
+        ctx.chunk = chunk
+        if values is not None:  # the selection kernel's scores of the selected entries: the same numbers
+            return values.to(acc).masked_fill(idx < 0, 0.0)
         out = torch.empty(B, S, idx.shape[-1], dtype=acc, device=q.device)
         for t0, t1 in query_chunks(S, chunk, q):
             kg = gather_rows(k, idx[:, t0:t1]).to(acc)
             s = torch.einsum("bchd,bckd->bchk", q[:, t0:t1].to(acc), kg).relu_()
             logits = (s * w[:, t0:t1].to(acc).unsqueeze(-1)).sum(dim=2)
             out[:, t0:t1] = logits.masked_fill(idx[:, t0:t1] < 0, 0.0)
-        ctx.save_for_backward(q, w, k, idx)
-        ctx.chunk = chunk
         return out
 
     @staticmethod
@@ -68,10 +70,12 @@ class _LeanIndexLogits(torch.autograd.Function):
             dq[:, t0:t1] = torch.einsum("bchk,bckd->bchd", ds, kg)
             dkg = torch.einsum("bchk,bchd->bckd", ds, qc)
             dk.view(-1, d).index_add_(0, _flat_rows(idx[:, t0:t1], k.shape[1]).reshape(-1), dkg.reshape(-1, d))
-        return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None
+        return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None, None
 
 
-def index_logits_lean(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, chunk: int) -> torch.Tensor:
+def index_logits_lean(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, chunk: int,
+                      values: torch.Tensor | None = None) -> torch.Tensor:
     """Whole sequence: q [B, S, H, d], w [B, S, H], k [B, N, d], idx [B, S, k] -> [B, S, k] (0, with no
-    gradient, at empty slots)."""
-    return _LeanIndexLogits.apply(q, w, k, idx, chunk)
+    gradient, at empty slots). `values` [B, S, k]: the logits already computed by the selection pass
+    (model/kernels/index_topk.py), taken as the forward result instead of recomputing them."""
+    return _LeanIndexLogits.apply(q, w, k, idx, chunk, values)

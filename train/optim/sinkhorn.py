@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
 from train.optim.base import GroupwiseOptimizer
-from train.optim.triton_util import HAS_TRITON, interpreting, use_triton
+from model.kernels.select import HAS_TRITON, interpreting, use_triton
 
 
 def _row_mean(rho: torch.Tensor, row_group) -> torch.Tensor:

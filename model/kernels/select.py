@@ -1,6 +1,7 @@
 """When the Triton path runs, and how it is tuned.
 
-On CUDA the Triton kernels are the default. `TRITON_INTERPRET=1` runs them on CPU tensors in Triton's
+Shared by the model's kernels (model/kernels/) and the optimizer's (train/optim/). On CUDA the Triton
+kernels are the default. `TRITON_INTERPRET=1` runs them on CPU tensors in Triton's
 interpreter (fp32 only), which is how the tests check them against the plain-PyTorch references;
 under the interpreter a single autotune config is used.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 try:  # triton is optional on CPU-only machines; the reference paths need nothing from it
     import triton  # noqa: F401
@@ -24,7 +26,11 @@ def interpreting() -> bool:
 
 
 def use_triton(t: torch.Tensor, requested: bool | None) -> bool:
-    """requested=None: Triton on CUDA (or under the interpreter), the reference elsewhere."""
+    """requested=None: Triton on CUDA (or under the interpreter), the reference elsewhere. Fake tensors
+    (the memory estimator, train/estimate.py) always take the reference: a kernel has no values to run on,
+    and the kernels keep the same saved tensors as the references they sit beside."""
+    if is_fake(t):
+        return False
     if requested is False or not HAS_TRITON:
         if requested:
             raise RuntimeError("use_triton=True but triton is not installed (pip install triton)")
