@@ -330,7 +330,8 @@ class Attention(nn.Module):
                 [halo_kv.to(window_kv.dtype), window_kv[:, o:o + b - a]], dim=1)
             out_c, target_c = sparse_attention_lean(q[:, o:o + b - a], keys, comp_kv,
                                                     None if topk is None else topk[:, o:o + b - a], self.attn_sink,
-                                                    self.window, self.scale, self.chunk, halo_kv.shape[1])
+                                                    self.window, self.scale, self.chunk, halo_kv.shape[1],
+                                                    self.use_triton)
             outs.append(out_c)
             targets.append(target_c)
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

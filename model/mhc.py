@@ -11,12 +11,17 @@ and the sublayer update is X'_j = C_j * F(input) + sum_i B_ij X_i.
 Single-pass shift: the `pre` a site computes is consumed by the *next* sublayer (the attention site
 of block l uses the FFN site's pre of block l-1, the FFN site uses its own block's attention-site
 pre); the first block starts from one-hot on stream 0 and the output collapse uses the last pending
-pre. `hc_split_sinkhorn_reference` is the plain-PyTorch reference a Triton kernel can slot in beside.
+pre. The functions here are the plain-PyTorch references; with `use_triton` (model/kernels/select.py:
+None = on CUDA) `hc_mixes`, `hc_collapse` and `hc_expand` run the fused Triton kernels of
+model/kernels/mhc.py instead (one kernel per site for the mixes, the 20 Sinkhorn rounds in registers).
 """
 
 from __future__ import annotations
 
 import torch
+
+from model.kernels.mhc import hc_collapse_triton, hc_expand_triton, hc_mixes_triton
+from model.kernels.select import use_triton as _use_triton
 
 
 def hc_split_sinkhorn_reference(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -39,21 +44,28 @@ def hc_split_sinkhorn_reference(mixes: torch.Tensor, scale: torch.Tensor, base: 
 
 
 def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-             norm_eps: float, hc_eps: float, iters: int):
+             norm_eps: float, hc_eps: float, iters: int, use_triton: bool | None = False):
     """h [B, S, n, D] -> (pre, post, comb) for one site."""
+    if _use_triton(h, use_triton):
+        return hc_mixes_triton(h, fn, scale, base, norm_eps, hc_eps, iters)
     x = h.flatten(2).float()
     rsqrt = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
     mixes = torch.nn.functional.linear(x, fn.float()) * rsqrt
     return hc_split_sinkhorn_reference(mixes, scale.float(), base.float(), h.shape[2], iters, hc_eps)
 
 
-def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+def hc_collapse(h: torch.Tensor, pre: torch.Tensor, use_triton: bool | None = False) -> torch.Tensor:
     """sum_i A_i X_i: [B, S, n, D] x [B, S, n] -> [B, S, D]."""
+    if _use_triton(h, use_triton):
+        return hc_collapse_triton(h, pre)
     return (pre.unsqueeze(-1) * h.float()).sum(dim=2).to(h.dtype)
 
 
-def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+              use_triton: bool | None = False) -> torch.Tensor:
     """X'_j = C_j y + sum_i B_ij X_i: y [B, S, D], h [B, S, n, D] -> [B, S, n, D]."""
+    if _use_triton(h, use_triton):
+        return hc_expand_triton(y, h, post, comb)
     mixed = torch.einsum("bsij,bsid->bsjd", comb, h.float())
     return (post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(h.dtype)
 

@@ -16,6 +16,14 @@ Two implementations, side by side (DESIGN.md "Memory"):
   gradient), the indexer KL's target, instead of keeping [B, S, H, k].
 The window part is a band: a chunk's queries against the contiguous key range [t0 - W + 1, t1),
 masked to t - W < p <= t; the compressed part gathers each query's k entries once for all heads.
+
+On CUDA (or CPU tensors under TRITON_INTERPRET=1) `sparse_attention_lean` runs the Triton kernels of
+model/kernels/sparse_attention.py instead of the chunked PyTorch loops (`use_triton`, decided by
+model.kernels.select.use_triton): `sparse_attention_fwd_triton`, one online softmax per (query, head
+block) over the window band and the gathered compressed entries in tiles, and
+`sparse_attention_bwd_triton`, recomputing P from the same saved log-sum-exp (dq and the compressed
+rows' dK query-major, the latter with fp32 atomics; the window rows' dK key-major). Same math, same
+saved tensors; `chunk` only sizes the PyTorch path's chunks.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from model.chunks import query_chunks
+from model.kernels.select import use_triton as _select_triton
+from model.kernels.sparse_attention import sparse_attention_bwd_triton, sparse_attention_fwd_triton
 
 
 def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -94,10 +104,25 @@ def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, q_start: int, win
 
 class _LeanSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, window_kv, comp_kv, sink, topk, window: int, scale: float, chunk: int, q_offset: int):
+    def forward(ctx, q, window_kv, comp_kv, sink, topk, window: int, scale: float, chunk: int, q_offset: int,
+                use_triton: bool | None = None):
+        ctx.triton = _select_triton(q, use_triton)
         with no_autocast(q.device):
+            if ctx.triton:
+                return _LeanSparseAttention._forward_triton(ctx, q, window_kv, comp_kv, sink, topk, window, scale,
+                                                            chunk, q_offset)
             return _LeanSparseAttention._forward(ctx, q, window_kv, comp_kv, sink, topk, window, scale, chunk,
                                                  q_offset)
+
+    @staticmethod
+    def _forward_triton(ctx, q, window_kv, comp_kv, sink, topk, window, scale, chunk, q_offset):
+        has_comp = topk is not None and topk.shape[-1] > 0
+        out, lse, target = sparse_attention_fwd_triton(q, window_kv, comp_kv if has_comp else None,
+                                                       topk if has_comp else None, sink, window, scale, q_offset)
+        ctx.save_for_backward(q, window_kv, comp_kv if has_comp else None, sink, topk if has_comp else None, out, lse)
+        ctx.window, ctx.scale, ctx.chunk, ctx.q_offset = window, scale, chunk, q_offset
+        ctx.mark_non_differentiable(target)
+        return out, target
 
     @staticmethod
     def _forward(ctx, q, window_kv, comp_kv, sink, topk, window, scale, chunk, q_offset):
@@ -129,7 +154,17 @@ class _LeanSparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dtarget):
         with no_autocast(dout.device):
+            if ctx.triton:
+                return _LeanSparseAttention._backward_triton(ctx, dout)
             return _LeanSparseAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _backward_triton(ctx, dout):
+        q, window_kv, comp_kv, sink, topk, out, lse = ctx.saved_tensors
+        dq, dwin, dcomp, dsink = sparse_attention_bwd_triton(q, window_kv, comp_kv, topk, sink, out, lse, dout,
+                                                             ctx.window, ctx.scale, ctx.q_offset)
+        return (dq.to(q.dtype), dwin.to(window_kv.dtype), None if dcomp is None else dcomp.to(comp_kv.dtype),
+                dsink.to(sink.dtype), None, None, None, None, None, None)
 
     @staticmethod
     def _backward(ctx, dout):
@@ -162,14 +197,16 @@ class _LeanSparseAttention(torch.autograd.Function):
             p_sink = (sink.to(acc).view(1, 1, H) - lse[:, t0:t1]).exp()
             dsink -= (p_sink * row.squeeze(-1)).sum(dim=(0, 1))
         return (dq.to(q.dtype), dwin.to(window_kv.dtype), None if dcomp is None else dcomp.to(comp_kv.dtype),
-                dsink.to(sink.dtype), None, None, None, None, None)
+                dsink.to(sink.dtype), None, None, None, None, None, None)
 
 
 def sparse_attention_lean(q: torch.Tensor, window_kv: torch.Tensor, comp_kv: torch.Tensor | None,
                           topk: torch.Tensor | None, sink: torch.Tensor, window: int, scale: float, chunk: int,
-                          q_offset: int = 0):
+                          q_offset: int = 0, use_triton: bool | None = None):
     """Whole sequence: q [B, S, H, D], window_kv [B, q_offset + S, D], comp_kv [B, N, D] and topk [B, S, k]
     (-1 = empty) or None, sink [H]. Query t sits at window_kv row t + q_offset (the first `q_offset` rows:
     the context-parallel halo of earlier positions). Returns (out [B, S, H, D], head-summed probabilities
-    of the compressed slots [B, S, k] without gradient; [B, S, 0] without compressed slots)."""
-    return _LeanSparseAttention.apply(q, window_kv, comp_kv, sink, topk, window, scale, chunk, q_offset)
+    of the compressed slots [B, S, k] without gradient; [B, S, 0] without compressed slots).
+    use_triton: None = the Triton kernels on CUDA (or under TRITON_INTERPRET=1), the chunked PyTorch path
+    (chunks of `chunk` queries) elsewhere; True / False force one (model.kernels.select.use_triton)."""
+    return _LeanSparseAttention.apply(q, window_kv, comp_kv, sink, topk, window, scale, chunk, q_offset, use_triton)

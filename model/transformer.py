@@ -70,6 +70,7 @@ class Block(nn.Module):
         self.layer_id = role.id
         self.role = role
         self.norm_eps, self.hc_eps, self.iters = cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
+        self.use_triton = cfg.use_triton
         n, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
         self.engram = Engram(cfg, role.id, engram_rows) if role.engram else None
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -84,7 +85,7 @@ class Block(nn.Module):
 
     def _mixes(self, h, site: str):
         return hc_mixes(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
-                        getattr(self, f"hc_{site}_base"), self.norm_eps, self.hc_eps, self.iters)
+                        getattr(self, f"hc_{site}_base"), self.norm_eps, self.hc_eps, self.iters, self.use_triton)
 
     def forward(self, carry: Carry, ctx: ForwardContext) -> Carry:
         if self.recompute != "none" and torch.is_grad_enabled():
@@ -97,14 +98,14 @@ class Block(nn.Module):
             h = self.engram(h, ctx.engram_ids[:, :, self.engram.index], ctx.image_mask,
                             ctx.engram_requests.get(self.engram.layer_id))
         attn_pre, attn_post, attn_comb = self._mixes(h, "attn")
-        x = self.attn_norm(hc_collapse(h, carry.pre_mix))
+        x = self.attn_norm(hc_collapse(h, carry.pre_mix, self.use_triton))
         x = self.attn(x, carry.shared, ctx.stats, ctx.aux_grad_scale, ctx.split)
-        h = hc_expand(x, h, attn_post, attn_comb)
+        h = hc_expand(x, h, attn_post, attn_comb, self.use_triton)
 
         ffn_pre, ffn_post, ffn_comb = self._mixes(h, "ffn")
-        x = self.ffn_norm(hc_collapse(h, attn_pre))
+        x = self.ffn_norm(hc_collapse(h, attn_pre, self.use_triton))
         x = self.ffn(x, ctx.image_mask, ctx.stats, ctx.aux_grad_scale, ctx.split)
-        h = hc_expand(x, h, ffn_post, ffn_comb)
+        h = hc_expand(x, h, ffn_post, ffn_comb, self.use_triton)
         return Carry(h, ffn_pre, carry.shared)
 
 
@@ -256,7 +257,7 @@ class Transformer(nn.Module):
 
     def final_hidden(self, carry: Carry) -> torch.Tensor:
         """Collapse with the last pending pre, then the final RMSNorm: the head's input [B, S, D]."""
-        return self.norm(hc_collapse(carry.h, carry.pre_mix))
+        return self.norm(hc_collapse(carry.h, carry.pre_mix, self.cfg.use_triton))
 
     def logits(self, carry: Carry) -> torch.Tensor:
         """The head on the final hidden states (fp32 logits [B, S, vocab]; training never builds them

@@ -29,7 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
-from model.moe import RoutedExperts, balanced_split
+from model.moe import RoutedExperts, balanced_split, expert_sizes
 
 
 def _chunks(xs: list[int], n: int) -> list[list[int]]:
@@ -49,20 +49,23 @@ class AllToAllDispatch:
 
     def _exchange_plan(self, flat: torch.Tensor, E: int, e_local: int):
         """(rows sent to each EP rank, rows received from each, the permutation that regroups the received
-        rows by local expert, rows per local expert). Fake tensors (train/estimate.py) carry no values:
-        every rank then sends and receives the balanced split, without exchanging counts."""
+        rows by local expert, rows per local expert as a device tensor). The split sizes are the one host
+        synchronisation of the layer: a single `tolist` of both lists. Fake tensors (train/estimate.py)
+        carry no values: every rank then sends and receives the balanced split, without exchanging counts."""
         ep = self.ep
         if is_fake(flat):
             splits = [sum(part) for part in _chunks(balanced_split(flat.numel(), E), e_local)]
             n = sum(splits)
-            return splits, splits, torch.arange(n, device=flat.device), balanced_split(n, e_local)
-        per_expert = torch.bincount(flat, minlength=E)  # pairs this rank sends to each global expert
+            sizes = torch.tensor(balanced_split(n, e_local), dtype=torch.int32, device=flat.device)
+            return splits, splits, torch.arange(n, device=flat.device), sizes
+        per_expert = expert_sizes(flat, E)  # pairs this rank sends to each global expert
         # functional (an op selective recomputation can keep, so a recomputed block does not exchange again)
         recv_per_expert = all_to_all_single(per_expert, None, None, self.group).wait().view(ep, e_local)
+        in_splits, out_splits = torch.stack([per_expert.view(ep, e_local).sum(1), recv_per_expert.sum(1)]).tolist()
         # received rows: by source rank, then by expert; regroup by local expert
-        local_id = torch.arange(e_local, device=flat.device).repeat(ep).repeat_interleave(recv_per_expert.flatten())
-        return (per_expert.view(ep, e_local).sum(1).tolist(), recv_per_expert.sum(1).tolist(),
-                local_id.argsort(stable=True), recv_per_expert.sum(0).tolist())
+        local_id = torch.arange(e_local, device=flat.device).repeat(ep).repeat_interleave(
+            recv_per_expert.flatten(), output_size=sum(out_splits))
+        return in_splits, out_splits, local_id.argsort(stable=True), recv_per_expert.sum(0, dtype=torch.int32)
 
     def __call__(self, experts: RoutedExperts, x: torch.Tensor, weights: torch.Tensor,
                  indices: torch.Tensor) -> torch.Tensor:
@@ -71,10 +74,10 @@ class AllToAllDispatch:
         flat = indices.flatten()
         order = flat.argsort(stable=True)
         token = order // indices.shape[1]
-        in_splits, out_splits, perm, counts = self._exchange_plan(flat, E, e_local)
+        in_splits, out_splits, perm, sizes = self._exchange_plan(flat, E, e_local)
         recv_x = _a2a(x[token], out_splits, in_splits, self.group)
         recv_w = _a2a(weights.flatten()[order], out_splits, in_splits, self.group)
-        ys = experts.local_experts(recv_x[perm], recv_w[perm], counts)
+        ys = experts.local_experts(recv_x[perm], recv_w[perm], sizes)
         back = torch.empty_like(ys).index_copy(0, perm, ys)  # undo the regrouping
         result = _a2a(back, in_splits, out_splits, self.group)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

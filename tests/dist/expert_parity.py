@@ -1,7 +1,8 @@
 """Run under torchrun (gloo, 2 processes): flash_tiny with ep=2 (each rank holds 4 of the 8 experts of
 every MoE layer, tokens dispatched by all-to-all) against ep=1 on the same 2 data-parallel ranks, each
 rank with its own 2 sequences: the same losses, gradients (expert gradients compared on the slice each
-rank holds), global expert loads and MoE bias updates. Exits non-zero with a message on a mismatch."""
+rank holds), global expert loads and MoE bias updates; and one host synchronisation per layer (the
+all-to-all split sizes). Exits non-zero with a message on a mismatch."""
 
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 
 from model.aux import StepStats  # noqa: E402
 from parallel.experts import is_expert_param, shard_experts  # noqa: E402
+from host_syncs import HostSyncs  # noqa: E402
 from parity_batch import IGNORE, batch, tiny_model  # noqa: E402
 from train.balancing import global_loads, update_biases  # noqa: E402
 
@@ -31,6 +33,15 @@ def step(model, tokens, types, labels, images):
     loads = global_loads(stats.expert_load, model.cfg.n_layers, model.cfg.n_routed_experts)
     update_biases(model, loads, 1e-3)
     return loss.detach(), grads, loads
+
+
+def check_one_host_sync_per_layer(moe, shape) -> None:
+    """An expert-parallel MoE layer's forward+backward reads one thing back to the host: the split sizes
+    of its all-to-alls (tests/host_syncs.py counts every synchronising op)."""
+    x = torch.randn(*shape, moe.gate.weight.shape[1], requires_grad=True)
+    with HostSyncs() as syncs:
+        moe(x, None).backward(torch.ones(*shape, x.shape[-1]))
+    assert syncs.events == ["Tensor.tolist"], syncs.events
 
 
 def main() -> None:
@@ -55,6 +66,7 @@ def main() -> None:
     for l in range(ep.cfg.n_layers):
         for b in ("bias", "bias_vl"):
             assert torch.equal(getattr(ep.layers[l].ffn.gate, b), getattr(ref.layers[l].ffn.gate, b))
+    check_one_host_sync_per_layer(ep.layers[3].ffn, args[0].shape[:2])
     print(f"rank {r}: ep=2 matches ep=1 (loss {loss.item():.6f})", flush=True)
     dist.destroy_process_group()
 
