@@ -1,11 +1,65 @@
-"""One training step of a model exp on this machine: forward+backward and optimizer time, tokens/s.
-A benchmark, not a test.
+"""Forward+backward of a model exp on this machine: the model's Triton kernels against the plain-PyTorch
+references in one process, tokens/s and MFU. A benchmark, not a test.
 
-    python launch/bench_model.py [+exp=flash_small] [--batch 2] [--seq 512] [--steps 3]
+    python launch/bench_model.py [+exp=flash_small] [--batch 1] [--seq 256] [--rounds 3] [--peak-tflops T]
+                                 [--no-optim] [--flops-only] [hydra overrides...]
+
+Variants (two models built from the same config and seed, so the same weights): `reference`
+(`model.use_triton=false`) and `kernels` (`model.use_triton=true`), and on the CPU `default`
+(`model.use_triton=null`: the references, but the routed experts through grouped GEMM). They alternate in one process
+(launch/bench_util.py): one warm-up round of each, then `--rounds` rounds (`--steps` is an alias), the
+order flipped every round; each variant's time is the median of its rounds and the speed-up is the
+median of the per-round ratios reference time / kernels time, printed with its min-max and
+interquartile range. The kernels need CUDA (or `TRITON_INTERPRET=1` on CPU, where the interpreter's
+time says nothing about the kernels); without either only the reference runs, and a line says so.
+
+A round of a variant is what the trainer does per micro-batch (train/trainer.py): embedding, every block,
+final norm, the tiled head + cross-entropy (train/loss.py, `train.loss_tile_tokens`) and backward, with
+the exp's `train.recompute`. On CUDA: fp32 parameters under bf16 autocast, as the trainer; on CPU fp32.
+Tokens are random text ids (no images). Unless `--no-optim`, the optimizer step (train/optim,
+`build_optimizers`) is timed too, as a third run of each round, on the reference model's gradients at
+learning rate 0 (the same work, the weights stay equal to the kernels model's); its median is
+`optim_s`. The JSON keeps the old keys: `fwd_bwd_s` / `optim_s` / `tokens_per_s = batch * seq /
+(fwd_bwd_s + optim_s)` describe the variant the trainer runs by default here (kernels on CUDA,
+`default` on CPU).
+
+Model FLOPs per token (the MFU numerator; averaged over positions 0..S-1 of one sequence of S = --seq):
+
+    flops/token = 6 * P_mm + F_attn + F_index
+
+- P_mm, activated matmul parameters per token: every dense weight a text token multiplies with --
+  attention (wq_a, wq_b, wkv, wo_a, wo_b; wo_a is block-diagonal over o_groups but each of its weights
+  is still used once per token), the compressor's wkv / wgate (projected per token before pooling),
+  the indexer's wq_b and weights_proj, its wk divided by the compress ratio (it runs on the S / m
+  compressed entries), the mHC mixing matrices hc_{attn,ffn}_fn, the MoE gate, the shared expert,
+  `n_activated_experts` of the routed experts' w1 / w2 / w3, Engram's wkv, and the LM head. Not
+  counted: the token embedding and the Engram tables (lookups), norms, sinks and other element-wise
+  parameters, and the vision tower (it runs per image; the tokens here are text). 6 = 2 (multiply-add)
+  x 3 (forward, input gradient, weight gradient); the indexer's wq_b / weights_proj see detached inputs
+  (no input gradient: 4 would be exact), kept at 6 for simplicity.
+- F_attn, the attention core, per layer, per query t, per head: 2 * 2 * head_dim * (w_t + c_t) for
+  QK^T and PV, times 3 for forward + backward, with w_t = min(window_size, t + 1) window slots (the
+  causal prefix at short sequences) and, for layers with a compress ratio m, c_t = min(index_topk,
+  n_t, pool) selected compressed entries, n_t = (t + 1) // m visible ones (pool = candidate_topk_blocks
+  * candidate_block_size when the layer's index source scores inside the candidate pool). SWA layers
+  (ratio 0) have c_t = 0. The backward's recomputation of the logits (the lean path) is not counted.
+- F_index, per layer with its own indexer (`LayerRole.has_indexer`: FULL and REINDEX), per query:
+  2 * index_n_heads * index_head_dim * n_t for scoring every visible entry (forward only: no gradient
+  flows through the selection; the candidate restriction is ignored, the reference scores every
+  visible entry), plus 4 * index_n_heads * index_head_dim * c_t for the backward of the KL loss's logits
+  on the selected entries (dq and dk). The mHC Sinkhorn / collapse / expand, the compressor's pooling,
+  softmaxes and the other element-wise work are not counted.
+
+MFU = tokens/s * flops/token / peak. Peak: bf16 dense tensor-core FLOP/s of known GPUs, looked up by a
+substring of `torch.cuda.get_device_name()` (PEAK_BF16 below); on CPU a large fp32 matmul timed in this
+process ("measured CPU matmul peak"); `--peak-tflops` overrides both. `--flops-only` prints the
+accounting (parameters, flops per token and their parts) without building real weights: it works for
+any exp (`+exp=flash_node`, `+exp=flash`), at `--seq` or else the exp's `data.seq_len`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -13,49 +67,283 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-from model import Transformer  # noqa: E402
+from bench_util import alternate, format_ratio, ratio_summary, take_int  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from model.inspect import VISION_ROOTS, inspect_model  # noqa: E402
+from model.kernels.select import HAS_TRITON, interpreting  # noqa: E402
+from model.layer_plan import layer_plan  # noqa: E402
+from parallel.construct import model_template  # noqa: E402
 from train.config import compose, model_config, optim_config  # noqa: E402
-from train.optim import build_optimizers  # noqa: E402
+
+# bf16 dense (no sparsity) tensor-core peak FLOP/s; the first substring found in the device name wins,
+# so the more specific names come first ("H200" before "H20", "GB200" before "B200", "L40S" before "L4")
+PEAK_BF16: list[tuple[str, float]] = [
+    ("GH200", 989e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+    ("H800", 989e12), ("H20", 148e12), ("A100", 312e12), ("A800", 312e12), ("GB200", 2500e12),
+    ("B200", 2250e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("RTX 4090", 165e12),
+]
 
 
-def _opt(argv: list[str], name: str, default: int) -> tuple[int, list[str]]:
+# --------------------------------------------------------------------------------------------- flops
+def matmul_params(model, cfg: ModelConfig) -> dict[str, float]:
+    """Activated matmul parameters per text token by part (see the module docstring); `model` may be on
+    the meta device. Unknown 2-D parameters are counted under `other` (and should be classified here)."""
+    k_over_e = cfg.n_activated_experts / cfg.n_routed_experts
+    parts = dict.fromkeys(("attention", "compressor", "indexer", "mhc", "gate", "shared_expert",
+                           "routed_experts", "engram", "head", "other"), 0.0)
+    for name, p in model.named_parameters():
+        root = name.split(".")[0]
+        if root in VISION_ROOTS or root == "embed":
+            continue
+        if name == "head.weight":
+            parts["head"] += p.numel()
+            continue
+        if root != "layers":
+            if p.dim() >= 2:
+                parts["other"] += p.numel()
+            continue
+        layer = int(name.split(".")[1])
+        rest = name.split(".", 2)[2]
+        if rest.startswith("engram."):
+            if rest == "engram.wkv.weight":
+                parts["engram"] += p.numel()
+            continue  # the table (a lookup), q_weight / k_weight (element-wise)
+        if p.dim() < 2:
+            continue  # norms, sinks, mHC base / scale, biases
+        if rest.startswith("ffn.experts."):
+            parts["routed_experts"] += p.numel() * k_over_e
+        elif rest == "ffn.gate.weight":
+            parts["gate"] += p.numel()
+        elif rest.startswith("ffn.shared_experts."):
+            parts["shared_expert"] += p.numel()
+        elif rest.startswith("attn.indexer.wk."):
+            parts["indexer"] += p.numel() / cfg.compress_ratios[layer]  # on the S / m compressed entries
+        elif rest.startswith("attn.indexer."):
+            parts["indexer"] += p.numel()
+        elif rest.startswith("attn.compressor."):
+            parts["compressor"] += p.numel()
+        elif rest.startswith("attn."):
+            parts["attention"] += p.numel()
+        elif rest in ("hc_attn_fn", "hc_ffn_fn"):
+            parts["mhc"] += p.numel()
+        else:
+            parts["other"] += p.numel()
+    return parts
+
+
+def attention_flops(cfg: ModelConfig, seq: int) -> dict[str, float]:
+    """Attention-core and indexer FLOPs per token (forward + backward as in the module docstring),
+    averaged over positions 0..seq-1."""
+    t = torch.arange(seq, dtype=torch.float64)
+    window = (t + 1).clamp(max=cfg.window_size)
+    plan = layer_plan(cfg)
+    pool = cfg.candidate_topk_blocks * cfg.candidate_block_size
+    core = index = 0.0
+    for role in plan:
+        per_query = 2 * 2 * cfg.head_dim * cfg.n_heads * window
+        if role.compress_ratio:
+            visible = torch.div(t + 1, role.compress_ratio, rounding_mode="floor")
+            selected = visible.clamp(max=cfg.index_topk)
+            if role.index_source is not None and plan[role.index_source].uses_candidates:
+                selected = selected.clamp(max=pool)
+            per_query = per_query + 2 * 2 * cfg.head_dim * cfg.n_heads * selected
+            if role.has_indexer:
+                hd = cfg.index_n_heads * cfg.index_head_dim
+                index += float((2 * hd * visible + 4 * hd * selected).mean())
+        core += 3 * float(per_query.mean())
+    return {"attention_core": core, "indexer_scoring": index}
+
+
+def flop_accounting(cfg: ModelConfig, seq: int) -> dict:
+    template = model_template(cfg)  # meta device: shapes only
+    parts = matmul_params(template, cfg)
+    p_mm = sum(parts.values())
+    attn = attention_flops(cfg, seq)
+    info = inspect_model(template, cfg)
+    return {
+        "seq": seq,
+        "flops_per_token": 6 * p_mm + attn["attention_core"] + attn["indexer_scoring"],
+        "flops_breakdown": {"matmul_params_x6": 6 * p_mm, **attn},
+        "matmul_params_per_token": p_mm,
+        "matmul_params_by_part": parts,
+        "params_total": info["params_total"],
+        "params_activated_per_token_inspect": info["params_activated_per_token"],  # model/inspect.py's count
+    }
+
+
+# ---------------------------------------------------------------------------------------------- peak
+def gpu_peak(name: str) -> float | None:
+    for key, peak in PEAK_BF16:
+        if key.lower() in name.lower():
+            return peak
+    return None
+
+
+def measured_cpu_peak(n: int = 2048, reps: int = 5) -> float:
+    """Best FLOP/s of an n x n x n fp32 matmul over `reps` runs (after one warm-up)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+# ---------------------------------------------------------------------------------------------- main
+def _take_float(argv: list[str], name: str) -> tuple[float | None, list[str]]:
     if name in argv:
         i = argv.index(name)
-        return int(argv[i + 1]), argv[:i] + argv[i + 2:]
-    return default, argv
+        return float(argv[i + 1]), argv[:i] + argv[i + 2:]
+    return None, argv
+
+
+def _token_map(cfg: ModelConfig) -> torch.Tensor | None:
+    """A stand-in compressed-tokenizer map when the config fixes a compressed Engram vocabulary (the
+    trainer builds the real one from the tokenizer): id mod that size, so it has exactly that many ids.
+    The cost of a step does not depend on which ids share a row."""
+    n = cfg.engram_compressed_vocab_size
+    if not cfg.engram_layer_ids or n is None or n == cfg.vocab_size:
+        return None
+    return torch.arange(cfg.vocab_size) % n
 
 
 def main(argv: list[str]) -> int:
-    batch, argv = _opt(argv, "--batch", 2)
-    seq, argv = _opt(argv, "--seq", 512)
-    steps, argv = _opt(argv, "--steps", 3)
+    batch, argv = take_int(argv, "--batch", 1)
+    seq, argv = take_int(argv, "--seq", None)
+    rounds, argv = take_int(argv, ("--rounds", "--steps"), 3)
+    peak_tflops, argv = _take_float(argv, "--peak-tflops")
+    flops_only, with_optim = "--flops-only" in argv, "--no-optim" not in argv
+    argv = [a for a in argv if a not in ("--flops-only", "--no-optim")]
     overrides = argv or ["+exp=flash_small"]
     conf = compose(overrides)
-    mcfg, ocfg = model_config(conf), optim_config(conf)
-    torch.manual_seed(0)
-    model = Transformer(mcfg)
-    opt = build_optimizers(model, mcfg, ocfg)
-    tokens = torch.randint(3, mcfg.image_token_id, (batch, seq + 1))
-    fb, op = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.reshape(-1, mcfg.vocab_size), tokens[:, 1:].reshape(-1)).backward()
-        t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        t2 = time.perf_counter()
-        fb.append(t1 - t0)
-        op.append(t2 - t1)
-    res = {"exp": overrides, "params": sum(p.numel() for p in model.parameters()), "batch": batch, "seq": seq,
-           "fwd_bwd_s": statistics.median(fb), "optim_s": statistics.median(op),
-           "tokens_per_s": batch * seq / (statistics.median(fb) + statistics.median(op))}
-    print(f"{overrides}: {res['params'] / 1e6:.1f}M params, {batch} x {seq} tokens: forward+backward "
-          f"{res['fwd_bwd_s']:.2f} s, optimizer {res['optim_s']:.2f} s, {res['tokens_per_s']:.0f} tokens/s")
+    mcfg = model_config(conf)
+    if seq is None:
+        seq = int(conf.data.seq_len) if flops_only else 256
+    acc = flop_accounting(mcfg, seq)
+    fb = acc["flops_breakdown"]
+    print(f"{overrides}: {acc['params_total'] / 1e6:,.1f}M params, {acc['matmul_params_per_token'] / 1e6:,.1f}M "
+          f"activated matmul params per token (model/inspect.py's activated count: "
+          f"{acc['params_activated_per_token_inspect'] / 1e6:,.1f}M)")
+    print(f"model flops per token at seq {seq}: {acc['flops_per_token'] / 1e9:,.3f} GFLOP = 6 x matmul params "
+          f"{fb['matmul_params_x6'] / 1e9:,.3f} + attention core {fb['attention_core'] / 1e9:,.3f} + indexer "
+          f"{fb['indexer_scoring'] / 1e9:,.3f} (forward + backward; formula in the module docstring)")
+    if flops_only:
+        print(json.dumps({"exp": overrides, **acc}))
+        return 0
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    device_name = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
+    if peak_tflops is not None:
+        peak, peak_source = peak_tflops * 1e12, "--peak-tflops"
+    elif cuda:
+        peak, peak_source = gpu_peak(device_name), "bf16 dense peak (table PEAK_BF16)"
+    else:
+        peak, peak_source = measured_cpu_peak(), "measured CPU matmul peak (fp32, 2048^3, best of 5)"
+    print(f"device: {device_name}; {'fp32 params under bf16 autocast (as the trainer)' if cuda else 'fp32'}; "
+          + (f"peak {peak / 1e12:,.1f} TFLOP/s, {peak_source}" if peak else
+             "peak unknown for this GPU: pass --peak-tflops for MFU"))
+
+    kernels_skipped = None
+    if not (cuda or interpreting()):
+        kernels_skipped = "no CUDA device and TRITON_INTERPRET is not set"
+    elif not HAS_TRITON:
+        kernels_skipped = "triton is not installed"
+    if kernels_skipped:
+        print(f"kernels variant not run: {kernels_skipped}; timing the reference (model.use_triton=false) only")
+    elif not cuda:
+        print("kernels variant under TRITON_INTERPRET=1: its time is the interpreter's, not the kernels'")
+    variants = {"reference": False} if kernels_skipped else {"reference": False, "kernels": True}
+    if not (cuda or interpreting()):  # the CPU default (model.use_triton=null): references + grouped-GEMM experts
+        variants["default"] = None
+
+    seed = int(conf.train.seed)
+    recompute = str(conf.train.recompute)
+    tile = int(conf.train.loss_tile_tokens)
+    token_map = _token_map(mcfg)
+    if token_map is not None:
+        print(f"engram: a stand-in token map (id mod {mcfg.engram_compressed_vocab_size}) instead of the tokenizer's")
+    models = {}
+    for name, flag in variants.items():
+        m = model_template(dataclasses.replace(mcfg, use_triton=flag), token_map).materialize(device, seed)
+        m.set_recompute(recompute)
+        models[name] = m
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, mcfg.image_token_id, (batch, seq + 1), generator=gen).to(device)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    from train.loss import tiled_lm_loss  # imports deepspeed: after the accounting path
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+
+    def fwd_bwd(model):
+        def run():
+            model.zero_grad(set_to_none=True)
+            with autocast():
+                hidden = model.final_hidden(model.run(inputs))
+                loss = tiled_lm_loss(hidden, model.head, labels, tile)
+            loss.backward()
+        return run
+
+    runs = {name: fwd_bwd(m) for name, m in models.items()}
+    if with_optim:
+        from train.optim import build_optimizers
+
+        ocfg = optim_config(conf)
+        if not cuda and ocfg.use_triton is not False:
+            ocfg = dataclasses.replace(ocfg, use_triton=False)  # never the interpreter for the optimizer
+        opt = build_optimizers(models["reference"], mcfg, ocfg)
+        opt.set_lr(0.0)  # the full step's work; the weights stay as the kernels model's
+        runs["optimizer"] = opt.step  # on the reference model's gradients of its last round
+    print(f"{batch} x {seq} tokens, recompute={recompute}; {', '.join(runs)} alternate: 1 warm-up round, "
+          f"then {rounds} round{'s' if rounds != 1 else ''}")
+    times = alternate(runs, rounds, warmup=1)
+
+    n_tokens = batch * seq
+    out_variants = {}
+    for name in variants:
+        t = statistics.median(times[name])
+        tps = n_tokens / t
+        mfu = tps * acc["flops_per_token"] / peak if peak else None
+        out_variants[name] = {"fwd_bwd_s": t, "fwd_bwd_times_s": times[name], "fwd_bwd_tokens_per_s": tps,
+                              "mfu": mfu}
+        print(f"{name:<10} forward+backward {t:8.3f} s (median; rounds {', '.join(f'{x:.3f}' for x in times[name])})"
+              f"  {tps:>12,.1f} tokens/s  MFU " + (f"{100 * mfu:.2f}%" if mfu is not None else "n/a"))
+    speedup = default_speedup = None
+    if "kernels" in variants:
+        speedup = ratio_summary(times["reference"], times["kernels"])
+        print(f"kernels vs reference speed-up (per round: reference time / kernels time): {format_ratio(speedup)}")
+    if "default" in variants:
+        default_speedup = ratio_summary(times["reference"], times["default"])
+        print(f"CPU default (grouped experts) vs reference speed-up (reference time / default time): "
+              f"{format_ratio(default_speedup)}")
+    optim_s = statistics.median(times["optimizer"]) if with_optim else None
+    if with_optim:
+        print(f"optimizer step {optim_s:.3f} s (median; lr 0 on the reference model's gradients)")
+
+    default = "default" if "default" in variants else "kernels" if cuda and not kernels_skipped else "reference"
+    fwd_bwd_s = out_variants[default]["fwd_bwd_s"]
+    res = {
+        "exp": overrides, "params": acc["params_total"], "batch": batch, "seq": seq,
+        # the trainer's default variant here (see the module docstring); tokens_per_s includes the optimizer
+        "fwd_bwd_s": fwd_bwd_s, "optim_s": optim_s,
+        "tokens_per_s": n_tokens / (fwd_bwd_s + (optim_s or 0.0)),
+        "default_variant": default,
+        "device": device_name, "dtype": "bf16 autocast" if cuda else "fp32", "recompute": recompute,
+        "rounds": rounds, "warmup_rounds": 1,
+        "peak_flops": peak, "peak_source": peak_source if peak else None,
+        "flops_per_token": acc["flops_per_token"], "flops_breakdown": acc["flops_breakdown"],
+        "matmul_params_per_token": acc["matmul_params_per_token"],
+        "variants": out_variants, "kernels_skipped": kernels_skipped,
+        "kernels_vs_reference_speedup": speedup, "default_vs_reference_speedup": default_speedup,
+    }
     print(json.dumps(res))
     return 0
 

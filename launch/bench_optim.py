@@ -11,11 +11,16 @@ Prints a table and one JSON line:
 - Peak tensor memory one step allocates on a 16384 x 2048 fp32 table (train/optim/memory.py, state
   included): SinkhornBalanced (its momentum + chunk workspace) against AdamW and a literal
   transcription of Algorithm 1 that materialises U.
-Each time is the median of `--repeats` runs in the same process.
+The compared steps alternate in one process (launch/bench_util.py): one warm-up round of each (state
+allocation), then `--repeats` rounds (alias `--rounds`, default 3) of ours / bf16 ours / torch.optim.Muon,
+then as many of SinkhornBalanced / AdamW, the order flipped every round. Each time is the median of its
+rounds; each ratio is the median of the per-round ratios, printed with its min-max and interquartile
+range (the JSON's `comparisons`), since one block per side let the ratio drift with the machine.
 
 Distributed Muon (`torchrun --nproc_per_node=2 launch/bench_optim.py --distributed-muon`): on every rank
 the flash_small Muon step with every rank orthogonalising every matrix (what one rank does) against the
-same step with the Newton-Schulz work split over the ranks and all-gathered (train/optim/muon.py).
+same step with the Newton-Schulz work split over the ranks and all-gathered (train/optim/muon.py),
+alternated round by round between barriers; a round's time is the slowest rank's.
 """
 
 from __future__ import annotations
@@ -23,26 +28,18 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from bench_util import alternate, format_ratio, ratio_summary, take_int  # noqa: E402
 from model import Transformer  # noqa: E402
 from train.config import compose, model_config, optim_config  # noqa: E402
 from train.optim import Muon, SinkhornBalanced, route_parameters  # noqa: E402
 from train.optim.memory import PeakTensorBytes  # noqa: E402
-
-
-def _median_time(step, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def _fresh(params: list[torch.Tensor]) -> list[torch.nn.Parameter]:
@@ -74,7 +71,7 @@ def peak_step_bytes(which: str, m: int, n: int) -> int:
     return meter.peak
 
 
-def distributed_muon(overrides: list[str], repeats: int) -> int:
+def distributed_muon(overrides: list[str], rounds: int) -> int:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -82,33 +79,32 @@ def distributed_muon(overrides: list[str], repeats: int) -> int:
     mcfg, ocfg = model_config(conf), optim_config(conf)
     torch.manual_seed(0)
     groups = [g for g in route_parameters(Transformer(mcfg), mcfg, ocfg) if g.optimizer == "muon"]
-    times = {}
-    for name, shard in (("one_rank", None), ("split", lambda p: dist.group.WORLD)):
-        opt = Muon([{"params": _fresh(g.params), **g.options} for g in groups], lr=1e-3,
-                   ns_coefficients=ocfg.muon.coefficients(), shard_group_of=shard)
-        opt.step()  # warm-up (allocations, first collective)
-        dist.barrier()
-        times[name] = _median_time(opt.step, repeats)
+    opts = {name: Muon([{"params": _fresh(g.params), **g.options} for g in groups], lr=1e-3,
+                       ns_coefficients=ocfg.muon.coefficients(), shard_group_of=shard)
+            for name, shard in (("one_rank", None), ("split", lambda p: dist.group.WORLD))}
+    # warm-up round (allocations, first collective), then alternated rounds between barriers
+    times = alternate({name: opt.step for name, opt in opts.items()}, rounds, warmup=1, sync=dist.barrier)
     t = torch.tensor([times["one_rank"], times["split"]], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round ends when the slowest rank is done
+    one, split = t[0].tolist(), t[1].tolist()
+    speedup = ratio_summary(one, split)  # per round: one-rank time / split time
     if dist.get_rank() == 0:
         world = dist.get_world_size()
-        print(f"Muon step on {world} ranks, flash_small: every rank does all NS {t[0]:.3f} s, NS split over "
-              f"{world} ranks {t[1]:.3f} s, speed-up {t[0] / t[1]:.2f}x")
-        print(json.dumps({"exp": overrides, "ranks": world, "muon_step_one_rank_s": t[0].item(),
-                          "muon_step_distributed_s": t[1].item(), "speedup": (t[0] / t[1]).item()}))
+        t_one, t_split = statistics.median(one), statistics.median(split)
+        print(f"Muon step on {world} ranks, flash_small: every rank does all NS {t_one:.3f} s, NS split over "
+              f"{world} ranks {t_split:.3f} s (medians of {rounds} alternated rounds), "
+              f"speed-up {format_ratio(speedup)}")
+        print(json.dumps({"exp": overrides, "ranks": world, "muon_step_one_rank_s": t_one,
+                          "muon_step_distributed_s": t_split, "speedup": speedup["median"],
+                          "rounds": rounds, "warmup_rounds": 1, "speedup_spread": speedup}))
     dist.destroy_process_group()
     return 0
 
 
 def main(argv: list[str]) -> int:
-    repeats = 3
-    if "--repeats" in argv:
-        i = argv.index("--repeats")
-        repeats = int(argv[i + 1])
-        argv = argv[:i] + argv[i + 2:]
+    rounds, argv = take_int(argv, ("--repeats", "--rounds"), 3)
     if "--distributed-muon" in argv:
-        return distributed_muon([a for a in argv if a != "--distributed-muon"] or ["+exp=flash_small"], repeats)
+        return distributed_muon([a for a in argv if a != "--distributed-muon"] or ["+exp=flash_small"], rounds)
     overrides = argv or ["+exp=flash_small"]
     conf = compose(overrides)
     mcfg, ocfg = model_config(conf), optim_config(conf)
@@ -125,15 +121,17 @@ def main(argv: list[str]) -> int:
     our_muon_bf16 = Muon(ours_bf16, lr=1e-3, ns_coefficients=ocfg.muon.coefficients(), ns_dtype=torch.bfloat16)
     flat = [t for g in muon_groups for p in g.params for t in (p.detach().unbind(0) if p.dim() == 3 else [p.detach()])]
     theirs = torch.optim.Muon(_fresh(flat), lr=1e-3, ns_steps=ns_steps)
-    t_ours = _median_time(our_muon.step, repeats)
-    t_ours_bf16 = _median_time(our_muon_bf16.step, repeats)
-    t_torch = _median_time(theirs.step, repeats)
+    muon_times = alternate({"ours": our_muon.step, "ours_bf16": our_muon_bf16.step, "torch": theirs.step}, rounds)
+    muon_cmp = ratio_summary(muon_times["ours"], muon_times["torch"])
+    muon_bf16_cmp = ratio_summary(muon_times["ours_bf16"], muon_times["torch"])
+    t_ours, t_ours_bf16, t_torch = (statistics.median(muon_times[k]) for k in ("ours", "ours_bf16", "torch"))
 
     sk_params, aw_params = _fresh(sink), _fresh(sink)
     sk = SinkhornBalanced(sk_params, lr=1e-3)
     aw = torch.optim.AdamW(aw_params, lr=1e-3, betas=(0.9, 0.95), eps=1e-20)
-    t_sk = _median_time(sk.step, repeats)
-    t_aw = _median_time(aw.step, repeats)
+    table_times = alternate({"sinkhorn": sk.step, "adamw": aw.step}, rounds)
+    sk_cmp = ratio_summary(table_times["sinkhorn"], table_times["adamw"])
+    t_sk, t_aw = statistics.median(table_times["sinkhorn"]), statistics.median(table_times["adamw"])
 
     def state_bytes(opt):
         return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
@@ -149,25 +147,34 @@ def main(argv: list[str]) -> int:
         "ns_steps": ns_steps,
         "muon_step_s": t_ours,
         "torch_muon_step_s": t_torch,
-        "muon_time_ratio": t_ours / t_torch,
+        "muon_time_ratio": muon_cmp["median"],
         "muon_bf16_step_s": t_ours_bf16,
-        "muon_bf16_time_ratio": t_ours_bf16 / t_torch,
+        "muon_bf16_time_ratio": muon_bf16_cmp["median"],
         "sinkhorn_params": sum(p.numel() for p in sink),
         "sinkhorn_step_s": t_sk,
         "adamw_step_s": t_aw,
-        "sinkhorn_time_ratio": t_sk / t_aw,
+        "sinkhorn_time_ratio": sk_cmp["median"],
         "sinkhorn_state_bytes": state_bytes(sk),
         "adamw_state_bytes": state_bytes(aw),
         "state_bytes_ratio": state_bytes(sk) / state_bytes(aw),
         "peak_step_tensor_bytes_16384x2048": mem,
         "sinkhorn_workspace_beyond_momentum_bytes": mem["sinkhorn"] - table_bytes,
+        # times: medians over `rounds` alternated rounds after one warm-up round; *_time_ratio: the median
+        # of the per-round ratios, with its spread here (median, min, max, q1, q3, iqr, per-round ratios)
+        "rounds": rounds,
+        "warmup_rounds": 1,
+        "comparisons": {"muon_vs_torch_muon": muon_cmp, "muon_bf16_vs_torch_muon": muon_bf16_cmp,
+                        "sinkhorn_vs_adamw": sk_cmp},
     }
-    print(f"{'measurement':<46} {'ours':>12} {'baseline':>12} {'ratio':>8}")
+    print(f"times: medians of {rounds} alternated rounds after 1 warm-up round; ratio: median of the per-round "
+          f"ratios (min, max, interquartile range)")
+    print(f"{'measurement':<46} {'ours':>12} {'baseline':>12} {'ratio':>8}  spread")
     print(f"{'Muon step (s), ' + str(ns_steps) + ' NS steps vs torch.optim.Muon':<46} {t_ours:>12.3f} {t_torch:>12.3f} "
-          f"{t_ours / t_torch:>8.2f}")
+          f"{muon_cmp['median']:>8.2f}  {_spread(muon_cmp)}")
     print(f"{'  the same with NS in bf16 (as torch.optim.Muon)':<46} {t_ours_bf16:>12.3f} {t_torch:>12.3f} "
-          f"{t_ours_bf16 / t_torch:>8.2f}")
-    print(f"{'SinkhornBalanced vs AdamW step (s)':<46} {t_sk:>12.3f} {t_aw:>12.3f} {t_sk / t_aw:>8.2f}")
+          f"{muon_bf16_cmp['median']:>8.2f}  {_spread(muon_bf16_cmp)}")
+    print(f"{'SinkhornBalanced vs AdamW step (s)':<46} {t_sk:>12.3f} {t_aw:>12.3f} {sk_cmp['median']:>8.2f}  "
+          f"{_spread(sk_cmp)}")
     print(f"{'optimizer state (MB)':<46} {state_bytes(sk) / 2**20:>12.1f} {state_bytes(aw) / 2**20:>12.1f} "
           f"{state_bytes(sk) / state_bytes(aw):>8.2f}")
     print(f"{'peak step tensor memory, 16384x2048 (MB)':<46} {mem['sinkhorn'] / 2**20:>12.1f} {mem['adamw'] / 2**20:>12.1f} "
@@ -176,6 +183,10 @@ def main(argv: list[str]) -> int:
           f"   literal Algorithm 1 (U materialised): {mem['literal'] / 2**20:.1f} MB")
     print(json.dumps(result))
     return 0
+
+
+def _spread(s: dict) -> str:
+    return f"min {s['min']:.2f}, max {s['max']:.2f}, IQR {s['q1']:.2f}-{s['q3']:.2f}"
 
 
 if __name__ == "__main__":
