@@ -4,8 +4,8 @@
 - `full`:      only the block's input carry is kept; the whole block runs again in backward
                (torch's non-reentrant activation checkpoint). Under expert parallelism that re-runs the
                dispatch all-to-alls too, in the same order on every rank of the EP group.
-- `selective`: the outputs of the large matmuls (`aten.mm` / `addmm`: every projection, gate and expert
-               matmul) and of the collectives (the expert all-to-alls) are kept; everything else -- norms,
+- `selective`: the outputs of the large matmuls (`aten.mm` / `addmm` / `_grouped_mm`: every projection,
+               gate and expert matmul) and of the collectives (the expert all-to-alls) are kept; everything else -- norms,
                the context-parallel exchanges (eager collectives, parallel/context.py: they run again),
                activations, RoPE, mHC mixes, the indexer's selection and the sparse-attention core, whose
                score blocks are batched matmuls -- is recomputed in backward. The kept collective outputs
@@ -41,8 +41,9 @@ def _saved_ops() -> frozenset:
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     ops = {aten.mm.default, aten.addmm.default, c10d.all_to_all_single.default, c10d.wait_tensor.default,
            c10d._wrap_tensor_autograd.default}
-    if hasattr(aten, "_scaled_mm"):
-        ops.add(aten._scaled_mm.default)
+    for name in ("_scaled_mm", "_grouped_mm"):  # fp8 GEMMs; the routed experts' grouped GEMM (model/moe.py)
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
     return frozenset(ops)
 
 
