@@ -178,6 +178,38 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(values[..., :k] > float("-inf"), order[..., :k], -1)
 
 
+def keep_visible_outside_pool(topk: torch.Tensor, n_vis: torch.Tensor, candidates: torch.Tensor,
+                              block: int) -> torch.Tensor:
+    """Top-k under the candidate restriction, completed as the public inference code completes it.
+
+    The public indexer masks entries outside the pool to -inf, takes `torch.topk` and then keeps every pick
+    whose index is visible, -inf or not. When the pool holds fewer visible entries than k, its picks are
+    therefore topped up with visible entries from outside the pool. Which ones is torch.topk's choice among
+    equal -inf scores, which torch leaves unspecified (CPU and CUDA differ); flashtrain breaks ties toward
+    the lower index everywhere, so here: the lowest-index visible entries outside the pool, up to
+    min(k, n_vis[t]) picks in all. (When k covers every entry, the sets are identical to the public code's.)
+
+    topk [B, S, k] with its valid picks first and -1 after them (both selection paths return it so);
+    n_vis [S]; candidates [B, S, n] pool block ids (-1 empty). Every top-up entry lies below k: among the
+    first min(k, n_vis) entries at most as many are in the pool as were picked."""
+    B, S, k = topk.shape
+    nb = -(-k // block)
+    c = candidates.long()
+    hit = torch.zeros(B, S, nb + 1, dtype=torch.bool, device=topk.device)
+    hit.scatter_(-1, torch.where((c >= 0) & (c < nb), c, nb), True)  # blocks past the first k entries: spare column
+    in_pool = hit[..., :nb].repeat_interleave(block, dim=-1)[..., :k]
+    pos = torch.arange(k, device=topk.device)
+    vis = n_vis.to(topk.device).unsqueeze(-1)
+    free = ~in_pool & (pos < vis)
+    picked = (topk >= 0).sum(-1, keepdim=True)
+    need = (torch.clamp(vis, max=k) - picked).clamp_min(0)
+    rank = free.cumsum(-1)
+    take = free & (rank <= need)
+    out = torch.cat([topk, topk.new_full((B, S, 1), -1)], dim=-1)  # column k absorbs the entries not taken
+    out.scatter_(-1, torch.where(take, picked + rank - 1, k), torch.where(take, pos, -1).to(topk.dtype))
+    return out[..., :k]
+
+
 def index_select(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, n_vis: torch.Tensor, topk: int, chunk: int,
                  candidates: torch.Tensor | None, block: int, source_blocks: int):
     """The indexer's selection, reference path, chunk by chunk: q [B, S, H, d], w [B, S, H], index keys
@@ -231,6 +263,9 @@ class Attention(nn.Module):
         self.index_topk = cfg.index_topk
         self.cand_blocks, self.cand_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
         self.chunk = cfg.attn_chunk_size
+        # a restricted pool of topk_blocks blocks holds at least (topk_blocks - 1) * block + 1 visible entries
+        # once the query sees more blocks than that; only below index_topk can it hold fewer than k
+        self.pool_may_fall_short = (cfg.candidate_topk_blocks - 1) * cfg.candidate_block_size + 1 < cfg.index_topk
         self.kl_weight = cfg.indexer_loss_weight
         self.scale = cfg.head_dim ** -0.5
         self.use_triton = cfg.use_triton
@@ -275,6 +310,8 @@ class Attention(nn.Module):
                 topk, values, cands = index_topk_triton(*args)
             else:
                 (topk, cands), values = index_select(*args), None
+            if restrict and self.pool_may_fall_short:
+                topk, values = keep_visible_outside_pool(topk, n_vis, shared.candidates, self.cand_block_size), None
         if self.role.is_candidate_source:
             shared.candidates = cands
         # grad-carrying logits of the selected entries only (for the KL loss), memory-lean; the forward

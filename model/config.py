@@ -188,6 +188,17 @@ class ModelConfig:
                 raise bad("candidate_source_layer", "must be a kv source layer (or -1 to disable)")
             if self.candidate_topk_blocks <= 0 or self.candidate_block_size <= 0:
                 raise bad("candidate_topk_blocks", "candidate_topk_blocks and candidate_block_size must be > 0")
+            later = [l for l in self.kv_source_layers if l > c]
+            if later and self.candidate_restriction:
+                # the public inference code restricts every indexer after the candidate source to its pool,
+                # Full layers included, and never clears the pool; flashtrain restricts the Reindex layers that
+                # read the candidate source's KV. The two agree only without kv sources after the source.
+                raise bad("candidate_source_layer",
+                          f"kv source layer(s) {later} come after it: the public inference code would restrict "
+                          f"their indexers (and every later one) to layer {c}'s candidate pool, which flashtrain "
+                          f"does not, so the trained model would not serve as trained. Make the candidate source "
+                          f"the last kv source (e.g. model.candidate_source_layer={self.kv_source_layers[-1]}), or "
+                          f"set model.candidate_restriction=false")
         if self.engram_layer_ids:
             if self.engram_max_ngram_size < 2:
                 raise bad("engram_max_ngram_size", "n-gram orders start at 2, so it must be >= 2")

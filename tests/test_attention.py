@@ -321,3 +321,79 @@ def test_swa_layer_equals_the_literal_per_head_computation(tiny_cfg):
         grouped = torch.cat([wo_a[g] @ o[g * heads_per_group:(g + 1) * heads_per_group].flatten()
                              for g in range(cfg.o_groups)])
         torch.testing.assert_close(out[t], wo_b @ grouped, atol=1e-5, rtol=1e-4)
+
+
+def _official_picks(scores: torch.Tensor, n_vis: torch.Tensor, k: int) -> list[set[int]]:
+    """The public indexer's last two lines, literally: topk of the (pool-masked) scores, then every pick
+    whose index is visible is kept, whatever its score."""
+    idx = scores.topk(k, dim=-1, sorted=False).indices
+    kept = torch.where(idx < n_vis.unsqueeze(-1), idx, -1)
+    return [set(row[row >= 0].tolist()) for row in kept.reshape(-1, k)]
+
+
+def test_short_pool_keeps_visible_picks_as_the_public_code_does():
+    """Divergence (a) of issue 16, hand-made: 8 entries, blocks of 2, top-k 8 = every entry (the case where
+    the public code's picks are defined without tie-breaking). Query 0 sees 8 entries, its pool is block 1
+    (entries 2, 3); query 1 sees 5 entries with pool blocks 0 and 2 (entries 0, 1, 4). The public code keeps
+    all visible entries; dropping the -inf picks (the former rule) would leave only the pool."""
+    from model.attention import keep_visible_outside_pool, top_indices
+
+    n_vis = torch.tensor([8, 5])
+    cands = torch.tensor([[[1, -1]], [[0, 2]]]).view(1, 2, 2)
+    pool = candidate_mask(cands, 8, 2)
+    torch.manual_seed(0)
+    scores = torch.rand(1, 2, 8).masked_fill(torch.arange(8) >= n_vis.unsqueeze(-1), float("-inf"))
+    masked = scores.masked_fill(~pool, float("-inf"))
+    dropped = top_indices(masked, 8)
+    assert [set(r[r >= 0].tolist()) for r in dropped[0]] == [{2, 3}, {0, 1, 4}]
+    got = keep_visible_outside_pool(dropped, n_vis, cands, 2)
+    assert [set(r[r >= 0].tolist()) for r in got[0]] == [set(range(8)), set(range(5))]
+    assert _official_picks(masked, n_vis, 8) == [set(range(8)), set(range(5))]
+    # the pool's own picks keep their slots (score order); the top-ups follow, lowest index first
+    assert got[0, 0, :2].tolist() == dropped[0, 0, :2].tolist() and got[0, 0, 2:].tolist() == [0, 1, 4, 5, 6, 7]
+
+
+def test_short_pool_tops_up_with_the_lowest_visible_entries():
+    """k < N: the public code's top-ups are torch.topk's pick among equal -inf scores (unspecified);
+    flashtrain's are the lowest-index visible entries outside the pool. 16 entries, blocks of 2, k = 4,
+    10 visible, pool = block 4 (entries 8, 9): picks 8, 9, then 0, 1. With 3 visible (pool: block 1, of
+    which entry 2 is visible) the picks are every visible entry: 2, then 0, 1."""
+    from model.attention import keep_visible_outside_pool
+
+    topk = torch.tensor([[[9, 8, -1, -1], [2, -1, -1, -1]]])
+    cands = torch.tensor([[[4], [1]]])
+    got = keep_visible_outside_pool(topk, torch.tensor([10, 3]), cands, 2)
+    assert got.tolist() == [[[9, 8, 0, 1], [2, 0, 1, -1]]]
+
+
+def test_attention_tops_up_a_short_pool_on_both_selection_paths(tiny_cfg):
+    """Through a Reindex layer whose pool (1 block of 2) is smaller than its top-k (4): every query that sees
+    at least k entries selects k of them, and the entries outside the pool are the lowest visible ones."""
+    cfg = dataclasses.replace(tiny_cfg, candidate_topk_blocks=1, candidate_block_size=2, index_topk=4,
+                              compress_ratios=[0, 0] + [2] * 18 + [2] * 20)
+    plan = layer_plan(cfg)
+    src, reidx = Attention(cfg, plan[20]), Attention(cfg, plan[24])
+    assert reidx.pool_may_fall_short and plan[24].uses_candidates
+    torch.manual_seed(0)
+    _randomize(src), _randomize(reidx)
+    S = 32
+    x = torch.randn(1, S, cfg.dim)
+    shared = SharedKV()
+    with torch.no_grad():
+        src(x, shared)
+        reidx(x, shared)
+    topk, cands = shared.topk, shared.candidates
+    n_vis = (torch.arange(S) + 1) // 2
+    valid = topk >= 0
+    torch.testing.assert_close(valid.sum(-1)[0], torch.clamp(n_vis, max=4))
+    pool = candidate_mask(cands, S // 2, 2)
+    topped_up = 0
+    for t in range(S):
+        n = int(n_vis[t])
+        picks = topk[0, t][valid[0, t]].tolist()
+        free = [p for p in range(n) if not pool[0, t, p]]
+        inside = min(4, int(pool[0, t, :n].sum()))
+        want = free[:max(0, min(4, n) - inside)]
+        assert sorted(p for p in picks if not pool[0, t, p]) == want, t
+        topped_up += len(want)
+    assert topped_up > 0

@@ -65,6 +65,20 @@ def test_validation_names_field_and_value(flash_cfg, change, field):
     assert f"model.{field}=" in str(e.value)
 
 
+def test_kv_sources_after_the_candidate_source_are_rejected(flash_cfg):
+    """Divergence (b) of issue 16. With the candidate source at layer 14 and kv source 20 after it, the public
+    code would restrict the indexers of layers 20 (Full), 24, 28, 32 and 36 to layer 14's pool (its rule:
+    every indexer after the source, never cleared), flashtrain only the Reindex layers reading layer 14's
+    KV (here: none). Such a config is refused with the fix; without restriction it is accepted."""
+    bad = dataclasses.replace(flash_cfg, candidate_source_layer=14)
+    with pytest.raises(ConfigError, match=r"model.candidate_source_layer=14: kv source layer\(s\) \[20\] come after"
+                                          r".*candidate_source_layer=20.*candidate_restriction=false"):
+        bad.validate()
+    dataclasses.replace(flash_cfg, candidate_source_layer=14, candidate_restriction=False).validate()
+    # the published layout (source = last kv source) is the case where both rules agree: layers 24..36 only
+    assert [r.id for r in layer_plan(flash_cfg) if r.uses_candidates] == [24, 28, 32, 36]
+
+
 def test_unknown_field_rejected():
     with pytest.raises(ConfigError, match="unknown field.*'dimm'"):
         ModelConfig.from_mapping({"dimm": 5})

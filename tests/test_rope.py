@@ -117,3 +117,25 @@ def test_attention_output_gets_the_inverse_rotation_at_the_query_position(tiny_c
         grouped = torch.stack([per_head[:, :, g] @ wo_a[g].T for g in range(cfg.o_groups)], dim=2)
         want = attn.wo_b(grouped.flatten(2))
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_angles_are_float32_products_as_in_the_public_code():
+    """Divergence (c) of issue 16: the public `precompute_freqs_cis` multiplies the position by the float32
+    frequency in float32 (`torch.outer(arange, freqs)`) and takes cos/sin of that float32 angle. At 1M
+    positions this differs from a float64 angle by ~1e-2, so training must use the float32 angle."""
+    import numpy as np
+
+    freqs = rope_frequencies(64, 160000.0, 65536, 16.0, 32.0, 1.0)
+    positions = torch.tensor([0, 1, 777, 65535, 65536, 1_000_003, (1 << 20) - 1])
+    cos, sin = rope_angles(freqs, positions)
+    f32 = freqs.numpy().astype(np.float32)
+    for row, p in enumerate(positions.tolist()):
+        angle = np.float32(p) * f32  # float32 x float32 -> float32, rounded once
+        assert angle.dtype == np.float32
+        want_cos = np.cos(angle.astype(np.float64))  # exact cos of the float32 angle, then compared at fp32 ulp
+        want_sin = np.sin(angle.astype(np.float64))
+        np.testing.assert_allclose(cos[row].double().numpy(), want_cos, rtol=0, atol=3e-7)
+        np.testing.assert_allclose(sin[row].double().numpy(), want_sin, rtol=0, atol=3e-7)
+    # the test can tell the two apart: float64 angles at 1M positions are far from the float32 ones
+    exact = np.cos(np.float64(1_000_003) * f32.astype(np.float64))
+    assert np.abs(exact - cos[5].double().numpy()).max() > 1e-3

@@ -153,10 +153,14 @@ def test_candidate_source_and_restriction_together():
     _check(q, w, k, visible_compressed(S, 1), 10, candidates=_pool(B, S, 8, 5, seed=7), block=block, source=3)
 
 
-def test_attention_select_kernel_path_matches_reference(tiny_cfg):
+@pytest.mark.parametrize("short_pool", [False, True])
+def test_attention_select_kernel_path_matches_reference(tiny_cfg, short_pool):
     """Attention._select with the kernel and with the reference: the candidate source (ratio 1) and a
     Reindex layer restricted to its pool publish the same top-k and candidates; the kernel's values are
-    the forward of the indexer logits."""
+    the forward of the indexer logits. `short_pool`: a pool of 2 blocks of 2 under a top-k of 8, topped up
+    with visible entries from outside it (issue 16 (a)) on both paths."""
+    if short_pool:
+        tiny_cfg = dataclasses.replace(tiny_cfg, candidate_topk_blocks=2, candidate_block_size=2)
     plan = layer_plan(tiny_cfg)
     src, reindex = tiny_cfg.candidate_source_layer, 24
     assert plan[src].is_candidate_source and plan[reindex].role is Role.REINDEX
@@ -182,4 +186,6 @@ def test_attention_select_kernel_path_matches_reference(tiny_cfg):
         (t0, l0, v0, c0), (t1, l1, v1, c1) = got[False, layer], got[True, layer]
         assert torch.equal(t0, t1) and torch.equal(v0, v1) and torch.equal(c0, c1)
         torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
-    assert (got[True, reindex][0] == -1).any()  # the pool limited some queries
+    assert (got[True, reindex][0] == -1).any()  # the pool (or, when short, visibility) limited some queries
+    if short_pool:  # later queries select k entries although their pool holds 3 or 4
+        assert ((got[True, reindex][0][0, 8:] >= 0).sum(-1) == tiny_cfg.index_topk).all()
