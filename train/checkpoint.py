@@ -19,7 +19,8 @@ Contents (DCP keys):
   row block of each row-sharded Engram table; they are written as `GlobalChunk`s
   (parallel/sharded_state.py) at their global row offset, so the checkpoint holds the global tensors
   and loads with any `ep` / dp;
-- `meta`: step, tokens seen, the resolved config, written once;
+- `meta`: step, tokens seen, the resolved config, the Engram compressed vocabulary the token map gave
+  (`engram_compressed_vocab_size`, for the export), written once;
 - `dp<r>`: data-parallel rank r's data-loader state and RNG states (the ranks of one pipeline read the
   same batches; any of them writes it), so resuming needs the same number of data-parallel readers
   (the loader's state is per reader); pp and ep may change.
@@ -232,11 +233,32 @@ class CheckpointWriter:
         _barrier()
 
 
+def weights_only(path: str | Path) -> bool:
+    """True for a checkpoint of model weights alone (no optimizer, data-loader or RNG state)."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        return False
+    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return not any(k.startswith("optim.") or re.fullmatch(r"dp\d+", k) for k in md)
+
+
+def _load_weights_only(path: Path, model: nn.Module, layout: dict) -> dict:
+    """A checkpoint of weights alone (launch/import_official.py): the model's tensors and `meta`."""
+    state = {"model": _sharded_model_state(model, layout), "meta": b""}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state, checkpoint_id=str(path))
+    model.load_state_dict({k: _unwrap(v) for k, v in state["model"].items()})
+    return _unblob(state["meta"])
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_rank: int | None = None,
                     dp: int | None = None, layout: dict | None = None) -> tuple[dict, dict]:
     """Load model and optimizer state in place (only the parameters `model` holds: a pipeline stage
     loads its own blocks, an expert / Engram shard its rows, ZeRO-1 its owned pieces of the optimizer
-    state); returns (meta, this data-parallel rank's state)."""
+    state); returns (meta, this data-parallel rank's state). A checkpoint of weights alone (an imported
+    release, launch/import_official.py: no optimizer, data-loader or RNG state) loads the model and
+    returns (meta, None)."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no .metadata); pick a step_* "
@@ -246,6 +268,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_ran
     md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     rank_key = f"dp{dp_rank}"
     saved = sorted(int(k[2:]) for k in md if re.fullmatch(r"dp\d+", k))
+    if weights_only(path):
+        return _load_weights_only(path, model, layout), None
     if rank_key not in md or (dp is not None and len(saved) != dp):
         raise ValueError(f"checkpoint {path} was written with {len(saved)} data-parallel reader(s) and this run has "
                          f"{dp if dp is not None else 'more'}: the data-loader state needs the same number of "

@@ -60,7 +60,7 @@ from parallel.context import ContextComm
 from parallel.pipeline import build_pipeline, local_stage_ranges
 from train.balancing import accumulate_loads, global_loads, update_biases
 from train.loss import tiled_lm_loss
-from train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
+from train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint, weights_only
 from train.config import data_config, model_config, optim_config, schedule, token_spec
 from train.engram_map import load_or_build_engram_map
 from train.metrics import LoggingConfig, MetricsLogger, load_statistics
@@ -323,6 +323,13 @@ class Trainer:
 
     def _resume(self) -> None:
         path = self.train_cfg.resume_from or latest_checkpoint(self.run_dir)
+        own = latest_checkpoint(self.run_dir)
+        if self.train_cfg.resume_from and own is not None and weights_only(self.train_cfg.resume_from):
+            # imported weights are where a run starts, not a resume point: a restart continues the run's own
+            if self.is_main:
+                print(f"train.resume_from={self.train_cfg.resume_from} holds weights only (an import); the run "
+                      f"directory has its own checkpoints: resuming from {own}", flush=True)
+            path = own
         if path is None:
             return
         meta, mine = load_checkpoint(path, self.model, self.optim.optimizers, self.dp_rank, self.layout.dp,
@@ -334,6 +341,11 @@ class Trainer:
             raise ValueError(f"checkpoint {path} was written for a different model config (fields {diff} differ); "
                              f"use a new run directory, or the model config it was trained with")
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
+        if mine is None:  # weights alone: fresh optimizer state, data from the start, the schedule from step 0
+            if self.is_main:
+                print(f"started from the weights in {path} ({meta.get('imported_from', 'imported')}): step 0, fresh "
+                      f"optimizer state", flush=True)
+            return
         self.loader.load_state_dict(mine["data"])
         _set_rng_state(mine["rng"])
         if self.is_main:
@@ -346,7 +358,9 @@ class Trainer:
             if fault is not None and int(fault) == self.step:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict}
+        hasher = getattr(self.model, "engram_hasher", None)
+        meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict,
+                "engram_compressed_vocab_size": None if hasher is None else hasher.compressed_vocab}
         self.checkpoints.save(self.step, self.model, self.optim.optimizers, meta,
                               {"data": self.loader.state_dict(), "rng": _rng_state()}, self.dp_rank, fault_hook=hook,
                               layout=self.dims.global_layout(self.model))

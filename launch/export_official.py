@@ -1,0 +1,55 @@
+"""Serve a flashtrain checkpoint with DeepSeek's inference code: write it in the released V4.1-Flash layout
+(train/official/convert.py, train/official/layout.py).
+
+    python launch/export_official.py CKPT OUT_DIR                 # FP8 weights, FP4 experts, FP8 Engram
+    python launch/export_official.py CKPT OUT_DIR --dtype bf16    # unquantised BF16 variant
+    python launch/export_official.py CKPT OUT_DIR --shard-gb 5
+
+CKPT is a `<run dir>/checkpoints/step_XXXXXXXX` directory (any pp / ep / dp layout). OUT_DIR receives
+`config.json` (the public ModelArgs fields), `model-0000i-of-0000N.safetensors` shards of at most
+--shard-gb each (a larger tensor gets its own) and `model.safetensors.index.json`. Names, dtypes and
+formats are the release's: FP8 E4M3 weights with one power-of-two (E8M0) scale per 32 x 32 tile, routed
+experts as one tensor per expert in FP4 E2M1 (two per byte) with an E8M0 scale per 32 inputs, Engram
+tables in FP8 with an E8M0 scale per 32 channels, the rest BF16 / FP32.
+
+Memory: one checkpoint tensor at a time (DCP reads only what is asked for; a stacked expert tensor comes
+as the pieces it was saved in) plus at most one output shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ckpt", help="a flashtrain checkpoint directory (<run dir>/checkpoints/step_XXXXXXXX)")
+    ap.add_argument("out", help="directory to write the released layout into")
+    ap.add_argument("--dtype", choices=("fp8", "bf16"), default="fp8",
+                    help="fp8: the release's quantised formats (default); bf16: unquantised")
+    ap.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB; default 5)")
+    args = ap.parse_args(argv)
+    from train.official.convert import GiB, OfficialCheckpointError, export_official
+
+    t0 = time.time()
+    try:
+        report = export_official(args.ckpt, args.out, args.dtype == "fp8", int(args.shard_gb * GiB))
+    except (OfficialCheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+    print(f"wrote {report.out}: {report.tensors} tensors, {report.bytes_written / 1e9:.3f} GB in {report.shards} "
+          f"shard(s) in {time.time() - t0:.1f} s, peak RSS {peak:.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

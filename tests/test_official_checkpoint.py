@@ -1,0 +1,270 @@
+"""Released-checkpoint import / export (issue 16; train/official/, launch/import_official.py,
+launch/export_official.py) on flash_tiny-shaped synthetic checkpoints written by the export itself.
+
+- export -> import gives back every tensor: FP32-stored ones exactly, BF16-stored ones as their BF16
+  rounding, FP8 / FP4 ones within the format's bound computed from the stored scales;
+- the stored names, dtypes and shapes are the release's, and hand-made blocks decode as the public
+  code's tables say (E2M1 nibbles, E8M0 scales);
+- a tampered checkpoint (missing tensor, wrong shape, wrong dtype, config mismatch) fails naming it;
+- a run starts from the import at step 0, and a restart resumes from its own checkpoint.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from model.quant import fp8_block_quant
+from parallel.construct import model_template
+from train.checkpoint import _blob, load_checkpoint
+from train.config import compose, model_config
+from train.official.convert import OfficialCheckpointError, dequantise, error_bound, import_official, quantise
+from train.official.layout import OfficialTensor, official_tensors
+from train.official.safetensors import SafeFile, read_index, write_file
+
+ROOT = Path(__file__).resolve().parent.parent
+# flash_tiny with Engram heads of 32 channels: the release's FP8 Engram format scales 32 channels at a time
+OVERRIDES = ["+exp=flash_tiny", "model.engram_head_dim=32"]
+
+
+def _cfg():
+    conf = compose(OVERRIDES)
+    from omegaconf import OmegaConf
+
+    return model_config(conf), OmegaConf.to_container(conf.model, resolve=True)
+
+
+def _run(script, *args):
+    out = subprocess.run([sys.executable, str(ROOT / "launch" / script), *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A flash_tiny checkpoint with weights of every magnitude, exported (FP8 and BF16) and imported back
+    through the documented commands."""
+    d = tmp_path_factory.mktemp("official")
+    cfg, model_dict = _cfg()
+    model = model_template(cfg).materialize("cpu", 0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            # the initial weights (trainable from), rows scaled over four decades so that scales and subnormal
+            # codes are exercised, and no tensor left all zero
+            t.add_(torch.randn(t.shape, generator=g) * 1e-3)
+            if t.dim():
+                t.mul_(torch.logspace(-4, 0, t.shape[0]).view(-1, *[1] * (t.dim() - 1)))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = d / "ckpt"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        dcp.save({"model": state, "meta": _blob({"step": 7, "tokens_seen": 0, "config": {"model": model_dict},
+                                                "engram_compressed_vocab_size": 401})}, checkpoint_id=str(ckpt))
+    runs = {}
+    for dtype in ("fp8", "bf16"):
+        runs[dtype] = _run("export_official.py", str(ckpt), str(d / f"off_{dtype}"), "--dtype", dtype,
+                           "--shard-gb", "0.001")
+        assert runs[dtype].returncode == 0, runs[dtype].stderr[-3000:]
+        runs[f"import_{dtype}"] = _run("import_official.py", str(d / f"off_{dtype}"), str(d / f"imp_{dtype}"),
+                                       *OVERRIDES, "--part-gb", "0.0005")
+        assert runs[f"import_{dtype}"].returncode == 0, runs[f"import_{dtype}"].stderr[-3000:]
+    return d, cfg, state, runs
+
+
+def _imported(cfg, path):
+    model = model_template(cfg).materialize("cpu", 1)
+    meta, mine = load_checkpoint(path, model, {})
+    assert mine is None and meta["step"] == 0 and meta["weights_only"]
+    return model.state_dict()
+
+
+def _stored(directory):
+    index = read_index(directory)
+    out = {}
+    for file in sorted(set(index.values())):
+        with SafeFile(Path(directory) / file) as f:
+            for name in f.keys():
+                out[name] = f.get(name)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_export_import_gives_every_tensor_back(exported, dtype):
+    d, cfg, state, _ = exported
+    got = _imported(cfg, d / f"imp_{dtype}")
+    stored = _stored(d / f"off_{dtype}")
+    assert set(got) == set(state)
+    formats = {}
+    for t in official_tensors({k: tuple(v.shape) for k, v in state.items()}, dtype == "fp8"):
+        want = state[t.source] if t.expert is None else state[t.source][t.expert]
+        back = got[t.source] if t.expert is None else got[t.source][t.expert]
+        formats[t.fmt] = formats.get(t.fmt, 0) + 1
+        if t.fmt == "fp32":
+            assert torch.equal(back, want), t.name
+        elif t.fmt == "bf16":
+            assert torch.equal(back, want.to(torch.bfloat16).float()), t.name
+        else:
+            bound = error_bound(t, want, stored[t.scale_name])
+            err = (back - want).abs()
+            assert (err <= bound).all(), (t.name, (err - bound).max().item())
+            assert err.max() > 0, t.name  # really quantised
+    if dtype == "fp8":
+        assert set(formats) == {"fp32", "bf16", "fp8", "fp4", "fp8_rows"}
+    else:
+        assert set(formats) == {"fp32", "bf16"}
+
+
+def test_release_names_dtypes_and_config(exported):
+    d, cfg, state, runs = exported
+    stored = _stored(d / "off_fp8")
+    E, inter, dim = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
+    expect = {
+        "layers.0.ffn.experts.3.w1.weight": (torch.int8, (inter, dim // 2)),
+        "layers.0.ffn.experts.3.w1.scale": (torch.float8_e8m0fnu, (inter, dim // 32)),
+        "layers.0.ffn.experts.7.w2.weight": (torch.int8, (dim, inter // 2)),
+        "layers.0.attn.wq_a.weight": (torch.float8_e4m3fn, (cfg.q_lora_rank, dim)),
+        "layers.0.attn.wq_a.scale": (torch.float8_e8m0fnu, (1, 2)),
+        "layers.0.attn.wo_a.weight": (torch.bfloat16, tuple(state["layers.0.attn.wo_a.weight"].shape)),
+        "layers.0.attn.attn_sink": (torch.float32, (cfg.n_heads,)),
+        "layers.0.ffn.gate.bias_vl": (torch.float32, (E,)),
+        "layers.1.engram.embed.weight": (torch.float8_e4m3fn, tuple(state["layers.1.engram.embed.weight"].shape)),
+        "layers.1.engram.embed.scale": (torch.float8_e8m0fnu, (state["layers.1.engram.embed.weight"].shape[0], 1)),
+        "layers.2.attn.indexer.weights_proj.weight": (torch.bfloat16, (cfg.index_n_heads, dim)),
+        "head.weight": (torch.bfloat16, (cfg.vocab_size, dim)),
+        "layers.0.hc_attn_fn": (torch.float32, (24, 4 * dim)),
+    }
+    for name, (dtype, shape) in expect.items():
+        assert stored[name].dtype == dtype and tuple(stored[name].shape) == shape, name
+    assert "layers.0.ffn.experts.w1" not in stored and f"layers.0.ffn.experts.{E}.w1.weight" not in stored
+    bf16 = _stored(d / "off_bf16")
+    assert not any(n.endswith(".scale") for n in bf16) and bf16["layers.0.ffn.experts.3.w1.weight"].dtype == torch.bfloat16
+    # shards of at most 0.001 GiB of tensor data (no tensor here is larger), named as the release names them, with an index
+    files = sorted(p.name for p in (d / "off_fp8").glob("*.safetensors"))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    limit = int(0.001 * (1 << 30))
+    for p in (d / "off_fp8").glob("*.safetensors"):
+        with SafeFile(p) as f:
+            data = sum(f.get(n).numel() * f.get(n).element_size() for n in f.keys())
+        assert 0 < data <= limit, p.name
+    config = json.loads((d / "off_fp8" / "config.json").read_text())
+    assert config["dtype"] == "fp8" and config["expert_dtype"] == "fp4" and config["dim"] == dim
+    assert config["candidate_source_layer"] == 20 and config["engram_compressed_vocab_size"] == 401
+    assert config["engram_num_embeddings"] == [state[f"layers.{i}.engram.embed.weight"].shape[0] for i in (1, 14)]
+    assert json.loads((d / "off_bf16" / "config.json").read_text())["expert_dtype"] is None
+    assert "start from it with train.resume_from=" in runs["import_fp8"].stdout
+
+
+def test_formats_decode_hand_made_blocks():
+    """The public code's tables, independently: FP4 code c has magnitude [0, .5, 1, 1.5, 2, 3, 4, 6][c & 7],
+    negative when c & 8, the even element in the low nibble; E8M0 byte b is 2^(b - 127); an FP8 weight's
+    scale covers a 32 x 32 tile."""
+    t4 = OfficialTensor("layers.0.ffn.experts.0.w1.weight", (1, 32), "fp4", "layers.0.ffn.experts.w1", 0)
+    packed = torch.tensor([[c | ((c + 1) << 4) for c in range(0, 16, 2)] * 2], dtype=torch.uint8).view(torch.int8)
+    scale = torch.tensor([[128]], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2.0
+    table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    assert dequantise(t4, packed, scale).tolist() == [[2.0 * v for v in table] * 2]
+    # and back: a block with amax 3.0 -> scale 2^ceil(log2(3 / 6)) = 0.5; 1.1 / 0.5 = 2.2 -> code 4 (2.0);
+    # -0.8 / 0.5 = -1.6 -> code 3 | 8 (-1.5); 0.3 / 0.5 = 0.6 -> code 1 (0.5); 3.0 -> 6.0 -> code 7
+    row = torch.zeros(1, 32)
+    row[0, :4] = torch.tensor([1.1, -0.8, 0.3, 3.0])
+    (_, codes), (_, s) = quantise(t4, row)
+    assert s.view(torch.uint8).tolist() == [[126]]
+    assert codes.view(torch.uint8)[0, :2].tolist() == [4 | ((3 | 8) << 4), 1 | (7 << 4)]
+    t8 = OfficialTensor("layers.0.attn.wkv.weight", (40, 70), "fp8", "layers.0.attn.wkv.weight")
+    w = torch.zeros(40, 70)
+    w[33, 65] = 100.0  # tile (1, 2): scale 2^ceil(log2(100 / 448)) = 0.25
+    w[0, 0] = 1.0  # tile (0, 0): 2^ceil(log2(1 / 448)) = 2^-8
+    (_, c8), (_, s8) = quantise(t8, w)
+    assert s8.shape == (2, 3) and s8.float()[1, 2] == 0.25 and s8.float()[0, 0] == 2.0 ** -8
+    # 100 / 0.25 = 400 lies halfway between the e4m3 values 384 and 416 (step 32 in [256, 512)): ties to the
+    # even mantissa, 384; 1 / 2^-8 = 256 exactly
+    assert c8.float()[33, 65] == 384.0 and c8.float()[0, 0] == 256.0
+    back = dequantise(t8, c8, s8)
+    assert back[33, 65] == 96.0 and back[0, 0] == 1.0
+
+
+def _copy(d, name):
+    dst = d.parent / f"tampered_{name}"
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(d, dst)
+    return dst
+
+
+def _rewrite(directory, fn):
+    """Apply fn(dict of name -> tensor) to the shard holding each tensor, in place."""
+    index = read_index(directory)
+    for file in sorted(set(index.values())):
+        with SafeFile(directory / file) as f:
+            tensors = {n: f.get(n) for n in f.keys()}
+        fn(tensors)
+        write_file(directory / file, tensors)
+
+
+@pytest.mark.parametrize("case, change, message", [
+    ("missing", lambda ts: ts.pop("layers.5.attn.wkv.scale", None), r"missing tensor\(s\) layers\.5\.attn\.wkv\.scale"),
+    ("shape", lambda ts: ts.update({"layers.3.attn.attn_sink": torch.zeros(3)})
+     if "layers.3.attn.attn_sink" in ts else None, r"layers\.3\.attn\.attn_sink .* has shape \(3,\), the model needs \(2,\)"),
+    ("dtype", lambda ts: ts.update({"layers.2.ffn.experts.1.w3.weight": ts["layers.2.ffn.experts.1.w3.weight"]
+                                    .to(torch.bfloat16)}) if "layers.2.ffn.experts.1.w3.weight" in ts else None,
+     r"layers\.2\.ffn\.experts\.1\.w3\.weight .* is torch\.bfloat16, the release format is torch\.int8"),
+])
+def test_tampered_checkpoint_names_the_tensor(exported, case, change, message):
+    d, cfg, _, _ = exported
+    bad = _copy(d / "off_fp8", case)
+    if case == "missing":  # drop it from the index too, as a checkpoint without it would
+        index = json.loads((bad / "model.safetensors.index.json").read_text())
+        del index["weight_map"]["layers.5.attn.wkv.scale"]
+        (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    _rewrite(bad, change)
+    with pytest.raises(OfficialCheckpointError, match=message):
+        import_official(bad, d / f"out_{case}", cfg, {}, log=lambda *_: None)
+    assert not (d / f"out_{case}").exists()
+
+
+def test_config_mismatch_names_every_field(exported):
+    d, cfg, _, _ = exported
+    bad = _copy(d / "off_fp8", "config")
+    config = json.loads((bad / "config.json").read_text())
+    config["index_topk"], config["window_size"] = 16, 32
+    del config["hc_eps"]
+    (bad / "config.json").write_text(json.dumps(config))
+    out = _run("import_official.py", str(bad), str(d / "out_config"), *OVERRIDES)
+    assert out.returncode == 2
+    assert "index_topk: config.json has 16, the model config 8" in out.stderr
+    assert "window_size: config.json has 32, the model config 16" in out.stderr
+    assert "hc_eps: missing from config.json" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unused_tensors_are_listed(exported):
+    d, cfg, _, _ = exported
+    extra = _copy(d / "off_fp8", "mtp")
+    write_file(extra / "mtp.safetensors", {"mtp.0.attn.wq_a.weight": torch.zeros(2, 2, dtype=torch.bfloat16)})
+    index = json.loads((extra / "model.safetensors.index.json").read_text())
+    index["weight_map"]["mtp.0.attn.wq_a.weight"] = "mtp.safetensors"
+    (extra / "model.safetensors.index.json").write_text(json.dumps(index))
+    report = import_official(extra, d / "out_mtp", cfg, {}, log=lambda *_: None)
+    assert report.unused == ["mtp.0.attn.wq_a.weight"]
+
+
+def test_a_run_starts_from_the_import_and_restarts_from_its_own_checkpoint(exported, tmp_path):
+    d, cfg, _, _ = exported
+    corpus = tmp_path / "corpus"
+    base = [sys.executable, str(ROOT / "launch" / "pretrain.py"), *OVERRIDES, f"hydra.run.dir={tmp_path / 'run'}",
+            "logging.wandb.mode=disabled", "logging.progress=false", f"data.corpus_dir={corpus}",
+            "data.corpus_text_bytes=300000", "data.corpus_mm_docs=100", "data.corpus_shards=2",
+            f"train.resume_from={d / 'imp_fp8'}"]
+    first = subprocess.run(base + ["train.max_steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "started from the weights in" in first.stdout and "step 0, fresh optimizer state" in first.stdout
+    again = subprocess.run(base + ["train.max_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "holds weights only" in again.stdout and "resumed from" in again.stdout and "step 1" in again.stdout

@@ -1,0 +1,1 @@
+"""flashtrain.train.official: readers and writers for the official (published) checkpoint formats."""

@@ -1,0 +1,319 @@
+"""Released V4.1-Flash checkpoints in and out (launch/import_official.py, launch/export_official.py).
+
+Import: `config.json` is checked against the model config (every differing field named), every tensor the
+model needs is checked for presence, dtype and shape before anything is written, then each is read,
+dequantised as the public inference code does (FP8: codes x the power-of-two scale of their 32 x 32 tile;
+FP4 experts: the E2M1 value x the scale of its 32 input channels; Engram rows: codes x the scale of their
+32 channels) and written as fp32 into a DCP checkpoint under flashtrain's names, the experts of a layer
+as rows of one stacked tensor. Tensors the model does not use (`mtp.*`, the DSpark drafter) are listed.
+
+Export: the reverse, from a flashtrain checkpoint: each tensor read on its own from DCP, quantised into the
+release's formats (layout.py) and written into size-limited safetensors shards with an index and
+`config.json`.
+
+Memory: the source is read tensor by tensor (safetensors files are memory-mapped and closed after use;
+DCP reads only the requested tensor), and the destination holds at most one part / shard of converted
+tensors before writing it (`part_bytes` / `shard_bytes`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from model.config import ModelConfig
+from model.quant import (fp4_block_dequant, fp4_block_quant, fp8_block_dequant, fp8_block_quant, fp8_weight_dequant,
+                         fp8_weight_quant)
+from parallel.construct import model_template
+from train.checkpoint import _blob, _unblob
+from train.official.dcp_parts import PartsWriter, pieces
+from train.official.layout import (BLOCK, TORCH_DTYPE, OfficialTensor, check_quantisable, config_differences,
+                                   normalise_name, official_config, official_tensors, quantised_from_config)
+from train.official.safetensors import SafeFile, ShardedWriter, read_index
+
+GiB = 1 << 30
+_ENGRAM_TABLE = re.compile(r"^layers\.(\d+)\.engram\.embed\.weight$")
+
+
+class OfficialCheckpointError(ValueError):
+    """A released checkpoint does not match the model: the message names each tensor or config field."""
+
+
+def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model's state dict (parameters and persistent buffers) and its shape, in order."""
+    return {k: tuple(v.shape) for k, v in model_template(cfg).state_dict().items()}
+
+
+def engram_rows(shapes: dict[str, tuple[int, ...]]) -> list[int]:
+    rows = sorted((int(m.group(1)), s[0]) for k, s in shapes.items() if (m := _ENGRAM_TABLE.match(k)))
+    return [r for _, r in rows]
+
+
+# -------------------------------------------------------------------------------------------- formats
+def dequantise(t: OfficialTensor, data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 value of a released tensor, as the public inference code computes with it."""
+    if t.fmt == "fp8":
+        return fp8_weight_dequant(data, scale, BLOCK)
+    if t.fmt == "fp4":
+        return fp4_block_dequant(data, scale, BLOCK)
+    if t.fmt == "fp8_rows":
+        return fp8_block_dequant(data, scale, BLOCK)
+    return data.float()
+
+
+def quantise(t: OfficialTensor, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The released tensors (data, and scale when quantised) for the fp32 `value` of `t`."""
+    value = value.float()
+    if t.fmt == "fp8":
+        codes, scale = fp8_weight_quant(value, BLOCK)
+    elif t.fmt == "fp4":
+        codes, scale = fp4_block_quant(value, BLOCK, torch.float8_e8m0fnu)
+    elif t.fmt == "fp8_rows":
+        codes, scale = fp8_block_quant(value, BLOCK)
+    else:
+        return [(t.name, value.to(torch.float32 if t.fmt == "fp32" else torch.bfloat16))]
+    return [(t.name, codes), (t.scale_name, scale)]
+
+
+# -------------------------------------------------------------------------------------------- import
+@dataclass
+class ImportReport:
+    out: Path
+    tensors: int = 0
+    bytes_read: int = 0
+    unused: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _read_config(src: Path) -> dict:
+    path = src / "config.json"
+    if not path.is_file():
+        raise OfficialCheckpointError(f"{src} has no config.json: point SRC_DIR at the released checkpoint's directory "
+                                      f"(config.json, model*.safetensors, model.safetensors.index.json)")
+    return json.loads(path.read_text())
+
+
+def _locate(src: Path, tensors: list[OfficialTensor]) -> tuple[dict[str, tuple[str, str]], list[str]]:
+    """{stored name: (file, name in the file)} for every stored tensor `tensors` need; the unused names."""
+    index = read_index(src)
+    by_name = {}
+    for original, file in index.items():
+        by_name.setdefault(normalise_name(original), (file, original))
+    need = {s.name for t in tensors for s in t.stored()}
+    missing = sorted(need - set(by_name))
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise OfficialCheckpointError(f"{src}: missing tensor(s) {shown}; the model config expects them (is it the "
+                                      f"checkpoint of this model? compare its config.json with the +exp you gave)")
+    unused = sorted(by_name[n][1] for n in set(by_name) - need)
+    return {n: by_name[n] for n in need}, unused
+
+
+def _check_stored(src: Path, tensors: list[OfficialTensor], where: dict[str, tuple[str, str]]) -> None:
+    """Dtype and shape of every stored tensor, from the headers only."""
+    problems = []
+    files = {}
+    try:
+        for t in tensors:
+            for s in t.stored():
+                file, name = where[s.name]
+                if file not in files:
+                    files[file] = SafeFile(src / file)
+                dtype, shape = files[file].info(name)
+                if dtype != TORCH_DTYPE[s.dtype] and not (s.dtype == "I8" and dtype == torch.uint8):
+                    problems.append(f"{name} ({file}) is {dtype}, the release format is {TORCH_DTYPE[s.dtype]}")
+                elif tuple(shape) != tuple(s.shape):
+                    problems.append(f"{name} ({file}) has shape {tuple(shape)}, the model needs {tuple(s.shape)}")
+    finally:
+        for f in files.values():
+            f.close()
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise OfficialCheckpointError(f"{src}: {shown}")
+
+
+def import_official(src: str | Path, out: str | Path, cfg: ModelConfig, run_config: dict,
+                    part_bytes: int = 2 * GiB, log=print) -> ImportReport:
+    """Convert the released checkpoint in `src` into a flashtrain DCP checkpoint `out` for model `cfg`
+    (`run_config`: the resolved run configuration, stored as the checkpoint's config). Fails, before
+    writing anything, on a config.json field or a tensor that does not match."""
+    src, out = Path(src), Path(out)
+    found = _read_config(src)
+    quantised = quantised_from_config(found)
+    shapes = model_shapes(cfg)
+    expected = official_config(cfg, engram_rows(shapes), quantised)
+    diff = config_differences(found, expected)
+    if diff:
+        raise OfficialCheckpointError(f"{src}/config.json does not match the model config:\n  " + "\n  ".join(diff)
+                                      + "\nimport with the +exp (and model.* overrides) of the released model")
+    report = ImportReport(out)
+    if cfg.engram_compressed_vocab_size is None and cfg.engram_layer_ids:
+        report.notes.append(f"engram_compressed_vocab_size: config.json has {found.get('engram_compressed_vocab_size')}, "
+                            f"the model config takes it from the token map; set model.engram_compressed_vocab_size="
+                            f"{found.get('engram_compressed_vocab_size')} to have it checked at start")
+    tensors = official_tensors(shapes, quantised)
+    where, report.unused = _locate(src, tensors)
+    _check_stored(src, tensors, where)
+
+    writer = PartsWriter(out)
+    pending: dict[str, object] = {}
+    expert_rows: dict[str, list] = {}
+    pending_bytes = 0
+
+    def flush():
+        nonlocal pending, expert_rows, pending_bytes
+        state = dict(pending)
+        for key, chunks in expert_rows.items():
+            state[key] = pieces(chunks, shapes[key])
+        writer.add({"model": state})
+        pending, expert_rows, pending_bytes = {}, {}, 0
+
+    by_file: dict[str, list[OfficialTensor]] = {}
+    for t in tensors:
+        by_file.setdefault(where[t.name][0], []).append(t)
+    for n, (file, group) in enumerate(sorted(by_file.items()), 1):
+        opened = {file: SafeFile(src / file)}
+        try:
+            for t in group:
+                parts = []
+                for s in t.stored():
+                    sfile, name = where[s.name]
+                    if sfile not in opened:
+                        opened[sfile] = SafeFile(src / sfile)
+                    parts.append(opened[sfile].get(name))
+                report.bytes_read += sum(p.numel() * p.element_size() for p in parts)
+                value = dequantise(t, parts[0], parts[1] if len(parts) > 1 else None)
+                if t.expert is None:
+                    pending[t.source] = value
+                else:
+                    expert_rows.setdefault(t.source, []).append((value.unsqueeze(0), (t.expert,) + (0,) * value.dim()))
+                pending_bytes += value.numel() * value.element_size()
+                report.tensors += 1
+                if pending_bytes >= part_bytes:
+                    flush()
+        finally:
+            for f in opened.values():
+                f.close()
+        log(f"[{n}/{len(by_file)}] {file}: {len(group)} tensors")
+    flush()
+    meta = {"step": 0, "tokens_seen": 0, "config": run_config, "weights_only": True, "imported_from": str(src),
+            "unused_tensors": report.unused}
+    writer.add({"meta": _blob(meta)})
+    writer.close()
+    return report
+
+
+# -------------------------------------------------------------------------------------------- export
+@dataclass
+class ExportReport:
+    out: Path
+    shards: int = 0
+    tensors: int = 0
+    bytes_written: int = 0
+
+
+def _checkpoint_meta(ckpt: Path) -> tuple[dict, dict]:
+    if not (ckpt / ".metadata").is_file():
+        raise FileNotFoundError(f"{str(ckpt)!r} is not a complete checkpoint (no .metadata); pick a step_* directory "
+                                f"under <run dir>/checkpoints")
+    md = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    state = {"meta": b""}
+    _load(state, ckpt)
+    return _unblob(state["meta"]), md
+
+
+def _load(state: dict, ckpt: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state, checkpoint_id=str(ckpt))
+
+
+def _batches(keys: list[str], md: dict, budget: int) -> list[list[str]]:
+    """Consecutive keys whose tensors together stay within `budget` bytes (a larger one alone)."""
+    out, cur, size = [], [], 0
+    for k in keys:
+        m = md[f"model.{k}"]
+        n = math.prod(m.size) * m.properties.dtype.itemsize
+        if cur and size + n > budget:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(k)
+        size += n
+    return out + ([cur] if cur else [])
+
+
+def export_official(ckpt: str | Path, out: str | Path, quantised: bool = True, shard_bytes: int = 5 * GiB,
+                    read_bytes: int = 1 * GiB, log=print) -> ExportReport:
+    """Write the flashtrain checkpoint `ckpt` in the released layout into `out` (config.json, safetensors
+    shards of at most `shard_bytes` (a larger tensor gets its own), model.safetensors.index.json),
+    reading at most `read_bytes` of checkpoint tensors at a time (a larger tensor alone)."""
+    ckpt, out = Path(ckpt), Path(out)
+    meta, md = _checkpoint_meta(ckpt)
+    cfg = ModelConfig.from_mapping(meta["config"]["model"])
+    shapes = model_shapes(cfg)
+    missing = [k for k in shapes if f"model.{k}" not in md]
+    if missing:
+        raise OfficialCheckpointError(f"{ckpt} lacks model tensor(s) {missing[:8]}: was it written by this model?")
+    vocab = meta.get("engram_compressed_vocab_size")
+    if cfg.engram_layer_ids and cfg.engram_compressed_vocab_size is None and vocab is None:
+        raise OfficialCheckpointError(
+            f"{ckpt}: model.engram_compressed_vocab_size is null and the checkpoint does not record the size the "
+            f"token map gave (written before it did); the public code derives its Engram hashes from it")
+    tensors = official_tensors(shapes, quantised)
+    if quantised:
+        check_quantisable(tensors)
+    out.mkdir(parents=True, exist_ok=True)
+    config = official_config(cfg, engram_rows(shapes), quantised, vocab)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    writer = ShardedWriter(out, shard_bytes, metadata={"format": "pt", "exported_by": "flashtrain",
+                                                       "step": str(meta.get("step", 0))})
+    report = ExportReport(out)
+    by_source: dict[str, list[OfficialTensor]] = {}
+    for t in tensors:
+        by_source.setdefault(t.source, []).append(t)
+    done = 0
+    for batch in _batches(list(by_source), md, read_bytes):
+        state = {"model": {k: torch.empty(tuple(md[f"model.{k}"].size), dtype=md[f"model.{k}"].properties.dtype)
+                           for k in batch}}
+        _load(state, ckpt)  # one DCP read for the batch: it reads only these tensors
+        for key in batch:
+            value = state["model"].pop(key)
+            for t in by_source[key]:
+                for name, tensor in quantise(t, value if t.expert is None else value[t.expert]):
+                    writer.add(name, tensor)
+                    report.bytes_written += tensor.numel() * tensor.element_size()
+                    report.tensors += 1
+            del value
+        done += len(batch)
+        log(f"[{done}/{len(by_source)}] tensors converted")
+    weight_map = writer.close()
+    report.shards = len(set(weight_map.values()))
+    return report
+
+
+def error_bound(t: OfficialTensor, value: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The largest |value - dequantise(quantise(value))| the format allows, per element: half a step of the
+    FP8 (3 mantissa bits: 2^-4 relative, 2^-10 x scale below the normal range) or E2M1 grid (at most 1.0 x
+    scale, between 4 and 6); 0 for BF16 / FP32 storage of a value that came from BF16 / FP32."""
+    if t.fmt in ("bf16", "fp32"):
+        return torch.zeros_like(value)
+    if t.fmt == "fp4":
+        s = scale.float().repeat_interleave(BLOCK, dim=-1)
+        return s * 1.0
+    s = scale.float()
+    if t.fmt == "fp8":
+        s = s.repeat_interleave(BLOCK, 0)[: value.shape[0]].repeat_interleave(BLOCK, 1)[:, : value.shape[1]]
+    else:
+        s = s.repeat_interleave(BLOCK, dim=-1)
+    return value.abs() * 2.0 ** -4 + s * 2.0 ** -10
+
+
+__all__ = ["import_official", "export_official", "OfficialCheckpointError", "dequantise", "quantise", "error_bound",
+           "model_shapes"]
