@@ -26,6 +26,10 @@ DeepSeek): per query, target = main attention probability over its selected comp
 summed over heads and renormalised; prediction = softmax of the indexer logits over the same set;
 the indexer's inputs are detached, so only indexer weights receive this gradient.
 
+Quantisation-aware training (`model.qat`, off by default): the window KV, the compressed KV and the
+indexer's q / k are fake-quantised after RoPE into the formats the public inference kernels store them
+in (model/quant.py), with straight-through gradients.
+
 The attention core (window + selected slots + sink) is model/sparse_attention.py: a reference and the
 memory-lean training path (saves q, output, log-sum-exp and indices; recomputes the rest in backward).
 """
@@ -40,9 +44,10 @@ from torch import nn
 
 from model.aux import StepStats, attach_aux_loss
 from model.chunks import query_chunks
-from model.config import ModelConfig
+from model.config import ModelConfig, QATConfig
 from model.layer_plan import LayerRole, Role
 from model.norm import RMSNorm
+from model.quant import fake_quant_fp4, fake_quant_fp8
 from model.rope import apply_rope, rope_angles, rope_frequencies
 from model.index_logits import index_logits_lean
 from model.kernels.index_topk import index_topk_triton
@@ -115,20 +120,24 @@ class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig, owns_k: bool):
         super().__init__()
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.qat = cfg.qat.indexer_fp4  # q and k after RoPE in MXFP4, as the public indexer stores them
         self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.dim, cfg.index_n_heads, bias=False)
         if owns_k:
             self.wk = nn.Linear(cfg.head_dim, cfg.index_head_dim, bias=False)
             self.k_norm = RMSNorm(cfg.index_head_dim, cfg.norm_eps)
 
+    def _quant(self, t: torch.Tensor) -> torch.Tensor:
+        return fake_quant_fp4(t, QATConfig.INDEXER_BLOCK, torch.float8_e8m0fnu) if self.qat else t
+
     def index_keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_rope(self.k_norm(self.wk(stop_gradient_connected(latent))), cos, sin)
+        return self._quant(apply_rope(self.k_norm(self.wk(stop_gradient_connected(latent))), cos, sin))
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(q [B, S, H, d] RoPE'd, w [B, S, H]) from detached inputs."""
         q = self.wq_b(qr.detach()).unflatten(-1, (self.n_heads, self.head_dim))
         w = self.weights_proj(x.detach()).float() * (self.n_heads * self.head_dim) ** -0.5
-        return apply_rope(q, cos, sin), w
+        return self._quant(apply_rope(q, cos, sin)), w
 
 
 def stop_gradient_connected(x: torch.Tensor) -> torch.Tensor:
@@ -269,6 +278,7 @@ class Attention(nn.Module):
         self.kl_weight = cfg.indexer_loss_weight
         self.scale = cfg.head_dim ** -0.5
         self.use_triton = cfg.use_triton
+        self.qat = cfg.qat
 
         self.attn_sink = nn.Parameter(torch.zeros(cfg.n_heads, dtype=torch.float32))
         self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
@@ -333,6 +343,8 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
         window_kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        if self.qat.window_kv_fp8:  # the public code keeps the window KV in FP8, the whole vector after RoPE
+            window_kv = fake_quant_fp8(window_kv, QATConfig.WINDOW_KV_BLOCK)
         pooled = self.role.role is Role.FULL and self.ratio > 1
         proj = self.compressor.project(x) if pooled else None
         halos = self._halos(split, window_kv, proj)
@@ -344,6 +356,8 @@ class Attention(nn.Module):
                 latent = self._compress(x, split, proj, halos)
                 ccos, csin = rope_angles(self.rope_freqs, torch.arange(latent.shape[1], device=x.device) * self.ratio)
                 shared.kv = apply_rope(latent, ccos, csin)
+                if self.qat.compressed_kv_fp4:  # the public code's FP4 compressed KV (report §2.4.4)
+                    shared.kv = fake_quant_fp4(shared.kv, QATConfig.COMPRESSED_KV_BLOCK, torch.float8_e4m3fn)
                 shared.index_k = self.indexer.index_keys(latent, ccos, csin)
                 shared.candidates = None
             comp_kv = shared.kv

@@ -29,6 +29,26 @@ def reject_unknown_fields(cls, values: Mapping[str, Any], where: str, defined_in
 
 
 @dataclass
+class QATConfig:
+    """Quantisation-aware training (issue 16): fake-quantise (straight-through) the tensors the public
+    inference kernels store quantised, in their formats (model/quant.py), so a model trained with it serves
+    with the official quantised kernels without skew. All off by default.
+
+    - `indexer_fp4`: the indexer's query and key after RoPE in MXFP4 (E2M1, an E8M0 scale per 32 channels);
+    - `compressed_kv_fp4`: the main compressed KV after RoPE in E2M1 with an E4M3 scale per 16 channels
+      (the V4.1 report's FP4 KV, §2.4.4);
+    - `window_kv_fp8`: the sliding-window KV after RoPE in FP8 E4M3 with an E8M0 scale per 32 channels."""
+    indexer_fp4: bool = False
+    compressed_kv_fp4: bool = False
+    window_kv_fp8: bool = False
+
+    # channel blocks of the formats (the public code's fp4_block_size, its compressed-KV groups, fp8_block_size)
+    INDEXER_BLOCK = 32
+    COMPRESSED_KV_BLOCK = 16
+    WINDOW_KV_BLOCK = 32
+
+
+@dataclass
 class ModelConfig:
     # vocabulary and width
     vocab_size: int = 129280
@@ -110,12 +130,18 @@ class ModelConfig:
     # runtime: None = the Triton kernels on CUDA, the plain-PyTorch references on CPU (model/kernels/);
     # False forces the references (debugging), True the kernels (CUDA, or CPU under TRITON_INTERPRET=1)
     use_triton: bool | None = None
+    # quantisation-aware training of the KV / indexer formats of the public inference kernels (off by default)
+    qat: QATConfig = field(default_factory=QATConfig)
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ModelConfig":
         """Build from a plain mapping (e.g. `OmegaConf.to_container(cfg.model)`), rejecting unknown keys."""
         reject_unknown_fields(cls, values, "model config", "model/config.py")
+        values = dict(values)
+        if isinstance(values.get("qat"), Mapping):
+            reject_unknown_fields(QATConfig, values["qat"], "model.qat", "model/config.py (QATConfig)")
+            values["qat"] = QATConfig(**values["qat"])
         cfg = cls(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in values.items()})
         cfg.validate()
         return cfg
@@ -199,6 +225,14 @@ class ModelConfig:
                           f"does not, so the trained model would not serve as trained. Make the candidate source "
                           f"the last kv source (e.g. model.candidate_source_layer={self.kv_source_layers[-1]}), or "
                           f"set model.candidate_restriction=false")
+        q = self.qat
+        for on, name, width, block in ((q.indexer_fp4, "indexer_fp4", "index_head_dim", q.INDEXER_BLOCK),
+                                       (q.compressed_kv_fp4, "compressed_kv_fp4", "head_dim", q.COMPRESSED_KV_BLOCK),
+                                       (q.window_kv_fp8, "window_kv_fp8", "head_dim", q.WINDOW_KV_BLOCK)):
+            if on and getattr(self, width) % block:
+                raise ConfigError(f"model.qat.{name}=true needs model.{width} (={getattr(self, width)}) to be a "
+                                  f"multiple of {block}, the format's channel block; widen it or switch "
+                                  f"model.qat.{name} off")
         if self.engram_layer_ids:
             if self.engram_max_ngram_size < 2:
                 raise bad("engram_max_ngram_size", "n-gram orders start at 2, so it must be >= 2")

@@ -72,7 +72,8 @@ from train.step_values import LOADER_COUNTERS, StepValues
 log = logging.getLogger(__name__)
 # model fields that change how the step is computed, not what: a run may resume with other values (e.g. a
 # smaller attention chunk for the 1M-token extension, whose indexer scores [chunk, heads, S / m] per chunk)
-EXECUTION_ONLY = frozenset({"attn_chunk_size", "use_triton"})
+# fields a resume may change: execution details, and QAT (switched on for the last part of a run)
+EXECUTION_ONLY = frozenset({"attn_chunk_size", "use_triton", "qat"})
 FAULT_ENV = "FLASHTRAIN_FAULT_KILL_AFTER_CHECKPOINT_WRITE"  # tests only: SIGKILL after writing step N's shards
 
 
