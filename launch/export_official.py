@@ -12,8 +12,8 @@ formats are the release's: FP8 E4M3 weights with one power-of-two (E8M0) scale p
 experts as one tensor per expert in FP4 E2M1 (two per byte) with an E8M0 scale per 32 inputs, Engram
 tables in FP8 with an E8M0 scale per 32 channels, the rest BF16 / FP32.
 
-Memory: one checkpoint tensor at a time (DCP reads only what is asked for; a stacked expert tensor comes
-as the pieces it was saved in) plus at most one output shard.
+Memory: checkpoint tensors are read --shard-gb at a time (DCP reads only what is asked for; a larger
+tensor alone, a stacked expert tensor as a whole) plus at most one output shard.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     try:
-        report = export_official(args.ckpt, args.out, args.dtype == "fp8", int(args.shard_gb * GiB))
+        report = export_official(args.ckpt, args.out, args.dtype == "fp8", int(args.shard_gb * GiB),
+                                 read_bytes=int(args.shard_gb * GiB))
     except (OfficialCheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

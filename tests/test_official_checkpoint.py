@@ -245,12 +245,16 @@ def test_config_mismatch_names_every_field(exported):
 
 
 def test_unused_tensors_are_listed(exported):
+    """The drafter (DSpark, `mtp.*`) is not trained here: its tensors are listed, its config entries ignored."""
     d, cfg, _, _ = exported
     extra = _copy(d / "off_fp8", "mtp")
     write_file(extra / "mtp.safetensors", {"mtp.0.attn.wq_a.weight": torch.zeros(2, 2, dtype=torch.bfloat16)})
     index = json.loads((extra / "model.safetensors.index.json").read_text())
     index["weight_map"]["mtp.0.attn.wq_a.weight"] = "mtp.safetensors"
     (extra / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((extra / "config.json").read_text())  # a release with a drafter layer after the backbone
+    config["n_mtp_layers"], config["compress_ratios"] = 1, config["compress_ratios"] + [0]
+    (extra / "config.json").write_text(json.dumps(config))
     report = import_official(extra, d / "out_mtp", cfg, {}, log=lambda *_: None)
     assert report.unused == ["mtp.0.attn.wq_a.weight"]
 

@@ -11,8 +11,9 @@ the rounds, O(rounds^2); `test_mhc_kernels.py` checks 20 rounds kernel by kernel
 Tolerance: each kernel equals its reference to 1e-5 (its own test). Through the model, fp32 rounding
 differences meet sums whose terms cancel -- the mHC `base` gradients sum softmax gradients, which add
 up to zero over a row -- and lose digits there in any reordering (measured: ~3e-4 of such a tensor's
-largest entry with the attention kernel alone, loss identical). So each gradient compares in norm,
-||g - g_ref|| <= 1e-3 ||g_ref||, and all gradients together to 1e-5 in norm; a wrong kernel or
+largest entry with the attention kernel alone, loss identical; 1.0e-3 in norm for the last layer's
+3-entry `hc_ffn_scale` gradient with every kernel on). So each gradient compares in norm,
+||g - g_ref|| <= 3e-3 ||g_ref||, and all gradients together to 1e-5 in norm; a wrong kernel or
 wiring moves them by order one.
 """
 
@@ -55,6 +56,6 @@ def test_flash_tiny_forward_backward_kernels_match_reference():
         torch.testing.assert_close(aux[k], ref_aux[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
     assert grads.keys() == ref_grads.keys()
     worst = max(((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30), n) for n in grads)
-    assert worst[0] < 1e-3, worst
+    assert worst[0] < 3e-3, worst
     flat, ref_flat = (torch.cat([g[n].flatten() for n in sorted(g)]) for g in (grads, ref_grads))
     assert (flat - ref_flat).norm() / ref_flat.norm() < 1e-5

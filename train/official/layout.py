@@ -154,15 +154,20 @@ def official_config(cfg: ModelConfig, engram_rows: list[int], quantised: bool = 
 def config_differences(found: dict, expected: dict) -> list[str]:
     """'field: config.json has X, the model config Y' for every field of `expected` (but the storage
     format fields) that config.json lacks or holds another value for. Numbers compare by value (JSON
-    has no int / float distinction); a null compressed vocabulary in `expected` is not compared."""
+    has no int / float distinction); a null compressed vocabulary in `expected` is not compared; the
+    drafter layers (`n_mtp_layers`, their `compress_ratios` entries after the backbone's) are not part of
+    the model trained here, and their tensors (`mtp.*`) are listed as unused on import."""
     out = []
+    n_layers = expected["n_layers"]
     for k, want in expected.items():
-        if k in FORMAT_FIELDS or (k == "engram_compressed_vocab_size" and want is None):
+        if k in FORMAT_FIELDS or k == "n_mtp_layers" or (k == "engram_compressed_vocab_size" and want is None):
             continue
         if k not in found:
             out.append(f"{k}: missing from config.json (the model config has {want!r})")
             continue
         got = found[k]
+        if k == "compress_ratios" and isinstance(got, list):
+            got = got[:n_layers]  # the release lists its drafter (MTP) layers' ratios after the backbone's
         same = (list(got) == list(want)) if isinstance(want, list) and isinstance(got, (list, tuple)) else got == want
         if not same:
             out.append(f"{k}: config.json has {got!r}, the model config {want!r}")

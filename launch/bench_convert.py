@@ -1,0 +1,94 @@
+"""Peak memory of launch/export_official.py and launch/import_official.py against the shard size: a
+measurement, not a test (README "Official checkpoints").
+
+    python launch/bench_convert.py [+exp=flash_small] [--shard-gb 0.05 0.2] [--dir /tmp/bench_convert]
+
+Writes a synthetic flashtrain checkpoint of the exp's model (its initial weights), then for each shard size
+exports it (FP8 / FP4 release formats, `--shard-gb S`) and imports the result (`--part-gb S`), each in its
+own process, and prints each process's peak RSS next to the checkpoint's size and the RSS of a process
+that only builds the model's shapes (the fixed cost). A bounded converter's peak minus that baseline
+follows the shard size, not the checkpoint size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PEAK = re.compile(r"peak RSS ([0-9.]+) GiB")
+
+
+def _baseline(overrides: list[str]) -> float:
+    """Peak RSS (GiB) of a process that imports the converter and builds the model's shapes."""
+    code = ("import resource, sys; sys.path.insert(0, %r)\n"
+            "from train.config import compose, model_config\n"
+            "from train.official.convert import model_shapes\n"
+            "model_shapes(model_config(compose(%r)))\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20))") % (str(ROOT), overrides)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _write_checkpoint(overrides: list[str], path: Path) -> int:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    from parallel.construct import model_template
+    from train.checkpoint import _blob
+    from train.config import compose, model_config
+
+    conf = compose(overrides)
+    cfg = model_config(conf)
+    model = model_template(cfg).materialize("cpu", 0)
+    state = model.state_dict()
+    meta = {"step": 0, "tokens_seen": 0, "config": {"model": OmegaConf.to_container(conf.model, resolve=True)},
+            "engram_compressed_vocab_size": cfg.engram_compressed_vocab_size or cfg.vocab_size}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        dcp.save({"model": state, "meta": _blob(meta)}, checkpoint_id=str(path))
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _run(script: str, *args: str) -> float:
+    out = subprocess.run([sys.executable, str(ROOT / "launch" / script), *args], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(out.stderr[-3000:])
+    return float(PEAK.search(out.stdout).group(1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shard-gb", type=float, nargs="+", default=[0.05, 0.2])
+    ap.add_argument("--dir", default="/tmp/bench_convert")
+    args, overrides = ap.parse_known_args(argv)
+    overrides = overrides or ["+exp=flash_small"]
+    work = Path(args.dir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    total = _write_checkpoint(overrides, work / "ckpt")
+    base = _baseline(overrides)
+    print(f"{' '.join(overrides)}: checkpoint {total / 2**30:.3f} GiB (fp32); baseline process {base:.2f} GiB")
+    print(f"{'shard GiB':>10} {'export peak':>12} {'- baseline':>11} {'import peak':>12} {'- baseline':>11} {'shards':>7}")
+    for s in args.shard_gb:
+        out, back = work / f"off_{s}", work / f"imp_{s}"
+        e = _run("export_official.py", str(work / "ckpt"), str(out), "--shard-gb", str(s))
+        i = _run("import_official.py", str(out), str(back), *overrides, "--part-gb", str(s))
+        shards = len(list(out.glob("*.safetensors")))
+        print(f"{s:>10.3f} {e:>11.2f}G {e - base:>10.2f}G {i:>11.2f}G {i - base:>10.2f}G {shards:>7}")
+    print(f"this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20):.2f} GiB (holds the "
+          f"synthetic checkpoint)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
