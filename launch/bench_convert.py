@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -29,11 +28,12 @@ PEAK = re.compile(r"peak RSS ([0-9.]+) GiB")
 
 def _baseline(overrides: list[str]) -> float:
     """Peak RSS (GiB) of a process that imports the converter and builds the model's shapes."""
-    code = ("import resource, sys; sys.path.insert(0, %r)\n"
+    code = ("import sys; sys.path.insert(0, %r)\n"
             "from train.config import compose, model_config\n"
             "from train.official.convert import model_shapes\n"
+            "from train.official.convert import peak_rss_gib\n"
             "model_shapes(model_config(compose(%r)))\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20))") % (str(ROOT), overrides)
+            "print(peak_rss_gib())") % (str(ROOT), overrides)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -85,8 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         i = _run("import_official.py", str(out), str(back), *overrides, "--part-gb", str(s))
         shards = len(list(out.glob("*.safetensors")))
         print(f"{s:>10.3f} {e:>11.2f}G {e - base:>10.2f}G {i:>11.2f}G {i - base:>10.2f}G {shards:>7}")
-    print(f"this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20):.2f} GiB (holds the "
-          f"synthetic checkpoint)")
     return 0
 
 

@@ -19,7 +19,6 @@ tensor alone, a stacked expert tensor as a whole) plus at most one output shard.
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="fp8: the release's quantised formats (default); bf16: unquantised")
     ap.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB; default 5)")
     args = ap.parse_args(argv)
-    from train.official.convert import GiB, OfficialCheckpointError, export_official
+    from train.official.convert import GiB, peak_rss_gib, OfficialCheckpointError, export_official
 
     t0 = time.time()
     try:
@@ -46,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OfficialCheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+    peak = peak_rss_gib()
     print(f"wrote {report.out}: {report.tensors} tensors, {report.bytes_written / 1e9:.3f} GB in {report.shards} "
           f"shard(s) in {time.time() - t0:.1f} s, peak RSS {peak:.2f} GiB")
     return 0

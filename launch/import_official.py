@@ -21,7 +21,6 @@ Memory: one source tensor at a time plus at most --part-gb of converted tensors 
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from model.config import ConfigError
     from train.config import compose, model_config
-    from train.official.convert import GiB, OfficialCheckpointError, import_official
+    from train.official.convert import GiB, peak_rss_gib, OfficialCheckpointError, import_official
     from train.official.safetensors import SafetensorsError
 
     t0 = time.time()
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if report.unused:
         shown = ", ".join(report.unused[:20]) + (f" ... ({len(report.unused)} in all)" if len(report.unused) > 20 else "")
         print(f"not used by the model (left out): {shown}")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+    peak = peak_rss_gib()
     print(f"wrote {report.out}: {report.tensors} tensors from {report.bytes_read / 1e9:.3f} GB in {time.time() - t0:.1f} s, "
           f"peak RSS {peak:.2f} GiB; start from it with train.resume_from={report.out}")
     return 0

@@ -42,6 +42,20 @@ GiB = 1 << 30
 _ENGRAM_TABLE = re.compile(r"^layers\.(\d+)\.engram\.embed\.weight$")
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory (GiB): VmHWM, which starts afresh at exec (ru_maxrss would carry
+    the RSS of the process that started this one)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+
+
 class OfficialCheckpointError(ValueError):
     """A released checkpoint does not match the model: the message names each tensor or config field."""
 
@@ -315,5 +329,5 @@ def error_bound(t: OfficialTensor, value: torch.Tensor, scale: torch.Tensor | No
     return value.abs() * 2.0 ** -4 + s * 2.0 ** -10
 
 
-__all__ = ["import_official", "export_official", "OfficialCheckpointError", "dequantise", "quantise", "error_bound",
+__all__ = ["import_official", "export_official", "peak_rss_gib", "OfficialCheckpointError", "dequantise", "quantise", "error_bound",
            "model_shapes"]
