@@ -502,8 +502,9 @@ MUTANTS = [
            ['tests/test_estimate.py', '-k', 'chunk']),
     # issue 16: the public code's forward, released checkpoints, QAT
     Mutant('rope angles in float64', 'model/rope.py',
-           'ang = positions.to(torch.float32).unsqueeze(-1) * freqs.to(positions.device, torch.float32)',
-           'ang = (positions.to(torch.float64).unsqueeze(-1) * freqs.to(positions.device, torch.float64)).float()',
+           'rot = torch.polar(torch.ones_like(ang), ang)',
+           'rot = torch.polar(torch.ones_like(ang).double(), positions.to(torch.float64).unsqueeze(-1) * '
+           'freqs.to(positions.device, torch.float64)).to(torch.complex64)',
            ['tests/test_rope.py']),
     Mutant('short pool not topped up', 'model/attention.py',
            'take = free & (rank <= need)',
