@@ -71,11 +71,26 @@ class DataConfig:
 
 
 def resolve_shards(patterns: list[str] | None, what: str) -> list[str]:
-    """Expand paths/globs, sorted; a pattern that matches nothing is a start-up error."""
+    """Expand paths/globs, sorted; a pattern that matches nothing is a start-up error. A webdataset URL
+    (`pipe:CMD`, `http://...`, `https://...`, other schemes webdataset opens) is not globbed nor checked on
+    disk: it is brace-expanded as webdataset does (`.../text-{00000..00015}.tar`) and passed to
+    webdataset's opener as is."""
+    from data.shards import url_scheme, url_schemes
+
     if not patterns:
         return []
     out = []
     for pat in patterns:
+        scheme = url_scheme(pat)
+        if scheme is not None:
+            if scheme != "pipe" and scheme not in url_schemes():
+                raise DataConfigError(f"data.{what}: {pat!r}: webdataset cannot open {scheme}:// URLs (it opens "
+                                      f"{', '.join(url_schemes())} and pipe:); use e.g. 'pipe:CMD' that writes the "
+                                      f"tar to stdout")
+            import braceexpand
+
+            out += list(braceexpand.braceexpand(pat))
+            continue
         hits = sorted(glob.glob(os.path.expanduser(pat)))
         if not hits:
             raise FileNotFoundError(f"data.{what}: {pat!r} matches no shard file; check the path, or run "

@@ -13,7 +13,10 @@ Per data-parallel rank and dataloader worker:
   waits long), then is filled by best fit over both buffers (the largest piece that fits the remaining
   space, until none fits; the rest is PAD).
 Bad input (unreadable sample, corrupt tar, undecodable image, empty document, image span longer than a
-row) is logged, counted and skipped.
+row) is logged, counted and skipped. Shards are read with webdataset (data/shards.py), from local paths
+or webdataset URLs. An image's span is planned from its header (size only, no pixels); its pixels are
+decoded once, when its piece is placed in a row (a piece whose image turns out undecodable is dropped
+there and counted in `skipped_bad_image`).
 
 `PackedLoader` wraps the workers in a torch DataLoader. Every batch carries its worker's state after
 producing it, so `state_dict()` is exact: restoring reproduces the following batches, re-reading only
@@ -22,6 +25,7 @@ each worker's current shard of each stream.
 
 from __future__ import annotations
 
+import io
 import logging
 import random
 from collections import deque
@@ -31,8 +35,16 @@ import numpy as np
 import torch
 
 from data.config import DataConfig, TokenSpec
-from data.images import TEXT, ImageDecodeError, image_token_types, load_image
-from data.shards import Document, ReadStats, read_shard
+from data.images import (
+    IMAGE_START,
+    TEXT,
+    ImageDecodeError,
+    ImageProcessorConfig,
+    image_token_types,
+    load_image,
+    plan_image_size,
+)
+from data.shards import Document, ReadStats, is_url, read_shard
 
 log = logging.getLogger(__name__)
 TEXT_STREAM, MM_STREAM = 0, 1
@@ -45,6 +57,7 @@ class Piece:
     types: np.ndarray  # int64 token types (TEXT -1 or an image type)
     images: list  # [(bytes, ext)] in order of appearance
     stream: int
+    pixels: list | None = field(default=None, repr=False, compare=False)  # decoded images, once placed in a row
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -83,6 +96,36 @@ def split_shards(shards: list[str], rank: int, world: int, worker: int, n_worker
     return sorted(shards)[reader_group(rank, worker, n_workers)::world * n_workers]
 
 
+def image_grid(data: bytes, cfg: ImageProcessorConfig) -> tuple[int, int]:
+    """(n_llm_h, n_llm_w) of encoded image bytes from the image header alone (PIL reads the size without
+    decoding pixels): the plan `load_image` will follow. Raises ImageDecodeError as decode_image would
+    when the header cannot be read."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            width, height = im.size
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise ImageDecodeError(f"cannot decode image ({len(data)} bytes): {e}") from e
+    n_h, n_w, _, _ = plan_image_size(width, height, cfg)
+    return n_h, n_w
+
+
+def decode_piece_images(piece: Piece, spec: TokenSpec) -> list:
+    """The processed pixels of a piece's images, checked against the spans planned from their headers;
+    raises ImageDecodeError if one cannot be decoded or does not match its span."""
+    starts = np.flatnonzero(piece.types == IMAGE_START)
+    out = []
+    for (data, _), at in zip(piece.images, starts):
+        img = load_image(data, spec.image)
+        span = img.token_types().numpy()
+        if not np.array_equal(piece.types[at:at + len(span)], span):
+            raise ImageDecodeError(f"decoded image ({img.n_llm_h} x {img.n_llm_w} tokens) does not match the span "
+                                   f"planned from its header")
+        out.append(img.pixels)
+    return out
+
+
 def document_pieces(doc: Document, spec: TokenSpec, capacity: int, stream: int, counters: Counters) -> list[Piece]:
     """`[BOS] + segments + [EOS]` split into pieces of at most `capacity` positions; [] if skipped."""
     units: list[tuple[np.ndarray, np.ndarray, tuple | None]] = []
@@ -94,12 +137,12 @@ def document_pieces(doc: Document, spec: TokenSpec, capacity: int, stream: int, 
                 units.append((np.asarray(seg[1], dtype=np.int64), np.full(len(seg[1]), TEXT), None))
         else:
             try:
-                img = load_image(seg[1], spec.image)
+                n_h, n_w = image_grid(seg[1], spec.image)  # header only; pixels are decoded once, in a row
             except ImageDecodeError as e:
                 counters.skipped_bad_image += 1
                 log.warning("skipping a document with an undecodable image: %s", e)
                 return []
-            types = image_token_types(img.n_llm_h, img.n_llm_w).numpy()
+            types = image_token_types(n_h, n_w).numpy()
             if len(types) > capacity:
                 counters.skipped_oversized_image += 1
                 log.warning("skipping a document whose image span (%d) exceeds a row (%d)", len(types), capacity)
@@ -247,6 +290,13 @@ class WorkerPipeline:
                 if s < 0:
                     break
             piece = self.buffers[s].pop(i)
+            if piece.images:
+                try:
+                    piece.pixels = decode_piece_images(piece, self.spec)
+                except ImageDecodeError as e:  # the header read, the pixels do not: drop the piece
+                    self.counters.skipped_bad_image += 1
+                    log.warning("dropping a piece with an undecodable image: %s", e)
+                    continue
             row.append(piece)
             room -= len(piece)
             self.mix_tokens[s] += len(piece)
@@ -276,7 +326,8 @@ def collate(rows: list[list[Piece]], spec: TokenSpec, seq_len: int) -> dict:
             types[b, at:at + n] = torch.from_numpy(p.types)
             pad[b, at:at + n] = False
             stream_tokens[b, p.stream] += n
-            row_images += [load_image(data, spec.image).pixels for data, _ in p.images]
+            row_images += (p.pixels if p.pixels is not None
+                           else [load_image(data, spec.image).pixels for data, _ in p.images])
             at += n
         images.append(row_images)
     labels = tokens[:, 1:].clone()
@@ -381,6 +432,9 @@ def data_sources(cfg: DataConfig, spec: TokenSpec) -> tuple[list[str], list[str]
     if not text and not mm:
         raise ValueError("data.text_shards and data.mm_shards are both empty; give shards or set both to null "
                          "for the default corpus")
+    if cfg.tokenizer is None and is_url((text or mm)[0]):
+        raise ValueError(f"data.tokenizer is not set and the shards are URLs ({(text or mm)[0]!r}); set data.tokenizer "
+                         f"to a local copy of the tokenizer.json written by launch/prepare_data.py")
     tokenizer = cfg.tokenizer or str(Path((text or mm)[0]).parent / "tokenizer.json")
     if not Path(tokenizer).is_file():
         raise FileNotFoundError(f"tokenizer {tokenizer!r} not found; set data.tokenizer to the tokenizer.json "

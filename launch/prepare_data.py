@@ -2,6 +2,7 @@
 
     python launch/prepare_data.py OUT_DIR [+exp=flash_small] [--text FILE_OR_DIR ...] [--lines]
         [--images DIR] [--interleaved FILE.jsonl] [--tokenizer tokenizer.json] [--docs-per-shard 256]
+        [--shard-size 1G]
 
 - `--text`: .txt files (one document per file, or per non-empty line with `--lines`) and .jsonl files
   (one document per line, field "text"); a directory means every .txt/.jsonl below it.
@@ -10,10 +11,13 @@
   {"segments": [{"text": "..."}, {"image": "path/relative/to/the/jsonl"}, ...]}.
 - `--tokenizer`: an existing tokenizer.json for this model; without it a byte-level BPE is trained on
   the text given (vocabulary and special ids from the model config).
-Writes OUT_DIR/{text,mm}-NNNNN.tar, tokenizer.json, engram_map.json (the Engram compressed map) and
-manifest.json (per shard: documents, text tokens, images; totals by modality, with the sequence positions
-the images will take). Point `data.text_shards` /
-`data.mm_shards` at the tar files (globs work).
+- `--docs-per-shard`, `--shard-size`: a shard is closed after that many documents or once its members
+  hold that many bytes (K/M/G suffixes; one document may take it past the size), whichever comes first.
+Writes OUT_DIR/{text,mm}-NNNNN.tar (with webdataset's ShardWriter), tokenizer.json, engram_map.json (the
+Engram compressed map) and manifest.json (per shard: documents, text tokens, images; totals by modality,
+with the sequence positions the images will take). Point `data.text_shards` / `data.mm_shards` at the tar
+files (globs work; so do webdataset URLs such as `pipe:CMD` or `https://...` once the shards are served
+from elsewhere).
 """
 
 from __future__ import annotations
@@ -34,6 +38,26 @@ from train.config import compose, model_config, token_spec  # noqa: E402
 from train.engram_map import load_or_build_engram_map  # noqa: E402
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
+
+
+def byte_size(text: str) -> int:
+    """'1G', '512M', '64K' or a plain number of bytes (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        n = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1G, 512M, 1000000)") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shard size must be positive")
+    return int(n)
+
+
+def positive_int(text: str) -> int:
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number")
+    return n
 
 
 def text_documents(paths: list[str], per_line: bool) -> list[str]:
@@ -92,7 +116,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--images")
     ap.add_argument("--interleaved")
     ap.add_argument("--tokenizer")
-    ap.add_argument("--docs-per-shard", type=int, default=256)
+    ap.add_argument("--docs-per-shard", type=positive_int, default=256, help="documents per shard at most")
+    ap.add_argument("--shard-size", type=byte_size, default=byte_size("1G"),
+                    help="bytes of members per shard at most, e.g. 1G, 256M (default 1G)")
     args, overrides = ap.parse_known_args(argv)
     spec = token_spec(model_config(compose(overrides or ["+exp=flash_small"])))
     out = Path(args.out_dir)
@@ -134,8 +160,9 @@ def main(argv: list[str]) -> int:
             continue
         mm_docs.append(doc)
     manifest = {"version": 1, "tokenizer": "tokenizer.json", "skipped_documents": bad,
-                "text": write_shards((Document([("text", ids(t))]) for t in texts), out, "text", args.docs_per_shard),
-                "mm": write_shards(iter(mm_docs), out, "mm", args.docs_per_shard)}
+                "text": write_shards((Document([("text", ids(t))]) for t in texts), out, "text", args.docs_per_shard,
+                                     args.shard_size),
+                "mm": write_shards(iter(mm_docs), out, "mm", args.docs_per_shard, args.shard_size)}
     totals = {k: {f: sum(e[f] for e in manifest[k]) for f in ("documents", "text_tokens", "images")}
               for k in ("text", "mm")}
     totals["mm"]["image_positions"] = image_positions

@@ -13,7 +13,7 @@ from PIL import Image
 
 from data.config import DataConfig, TokenSpec
 from data.images import ImageProcessorConfig
-from data.loader import PackedLoader, ShardStream, Counters, data_sources, split_shards
+from data.loader import Counters, PackedLoader, ShardStream, data_sources, split_shards
 from data.shards import Document, ReadStats, read_shard, write_shards
 from data.tokenizer import IMAGE_TOKEN, train_tokenizer
 
@@ -74,7 +74,8 @@ def test_prepare_then_load_round_trip(tmp_path):
     src = tmp_path / "src"
     (src / "imgs").mkdir(parents=True)
     (src / "a.txt").write_text("first document about parsing\nsecond line")
-    (src / "b.jsonl").write_text(json.dumps({"text": "a json document"}) + "\n" + json.dumps({"text": "another one"}) + "\n")
+    (src / "b.jsonl").write_text(json.dumps({"text": "a json document"}) + "\n"
+                                 + json.dumps({"text": "another one"}) + "\n")
     (src / "imgs" / "cat.png").write_bytes(_png())
     (src / "imgs" / "cat.txt").write_text("a green box")
     (src / "inter.jsonl").write_text(json.dumps({"segments": [{"text": "look:"}, {"image": "imgs/cat.png"},
@@ -101,7 +102,8 @@ def test_prepare_then_load_round_trip(tmp_path):
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     stats = ReadStats()
-    texts = [tok.decode(d.segments[0][1].tolist()) for p in sorted(out.glob("text-*.tar")) for d in read_shard(str(p), stats)]
+    texts = [tok.decode(d.segments[0][1].tolist())
+             for p in sorted(out.glob("text-*.tar")) for d in read_shard(str(p), stats)]
     assert texts == ["first document about parsing\nsecond line", "a json document", "another one"]
     mm_docs = [d for p in sorted(out.glob("mm-*.tar")) for d in read_shard(str(p), stats)]
     inter = mm_docs[1]
