@@ -1,6 +1,12 @@
-"""Per-step metrics: one JSON object per optimizer step in `<run dir>/metrics.jsonl`, the same values in
-wandb (offline unless configured online; a wandb failure is logged once and never stops training), an
-expert-load heatmap image every `heatmap_interval` steps, and a progress bar on rank 0.
+"""Per-step metrics: one strict-JSON object per optimizer step in `<run dir>/metrics.jsonl` (a non-finite
+value is written as null), the same values in wandb (offline unless configured online; a wandb failure
+is logged once and never stops training), an expert-load heatmap (PNG in `<run dir>/expert_load/`, and
+in wandb) at the first step of every start, every `heatmap_interval` steps and at the last step, and a
+progress bar on rank 0.
+
+One wandb run per run directory: the first start stores its wandb run id in `<run dir>/wandb_run_id`;
+every restart resumes that id (`resume="allow"`) and continues the same curves from its step. The
+config goes to wandb once, on the first start.
 """
 
 from __future__ import annotations
@@ -8,6 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import re
+import secrets
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -16,6 +26,12 @@ import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
+
+MODALITIES = ("text", "image")
+RUN_ID_FILE = "wandb_run_id"
+HEATMAP_DIR = "expert_load"
+_RUN_ID_CHARS = string.ascii_lowercase + string.digits
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 @dataclass
@@ -28,7 +44,7 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    heatmap_interval: int = 50
+    heatmap_interval: int = 50  # 0: no expert-load heatmaps at all
     progress: bool = True
 
     @classmethod
@@ -42,10 +58,10 @@ class LoggingConfig:
 
 def load_statistics(loads: dict[int, torch.Tensor]) -> dict:
     """Per layer and modality: max/mean and coefficient of variation of the expert loads
-    (NaN where the modality had no token)."""
+    (NaN where the modality had no token; metrics.jsonl writes it as null)."""
     out = {"text": {"max_over_mean": [], "cv": []}, "image": {"max_over_mean": [], "cv": []}}
     for layer in sorted(loads):
-        for m, name in enumerate(("text", "image")):
+        for m, name in enumerate(MODALITIES):
             x = loads[layer][m].double()
             mean = x.mean().item()
             ok = mean > 0
@@ -54,23 +70,92 @@ def load_statistics(loads: dict[int, torch.Tensor]) -> dict:
     return out
 
 
-def load_heatmap(loads: dict[int, torch.Tensor], scale: int = 6) -> np.ndarray:
-    """RGB image: layers x experts, text loads left, image loads right (each normalised per layer)."""
+def relative_loads(loads: dict[int, torch.Tensor]) -> tuple[list[int], np.ndarray]:
+    """(sorted layer ids, [2, layers, experts] array): each expert's load over the mean load of its layer
+    and modality, so 1.0 is a perfectly balanced expert; NaN for a layer and modality without tokens."""
     layers = sorted(loads)
-    rows = []
-    for l in layers:
-        parts = []
-        for m in range(2):
-            x = loads[l][m].double().numpy()
-            parts.append(x / x.max() if x.max() > 0 else x)
-        rows.append(np.concatenate([parts[0], [np.nan], parts[1]]))
-    a = np.array(rows)
-    img = np.zeros((*a.shape, 3), dtype=np.uint8)
-    v = np.nan_to_num(a, nan=0.0)
-    img[..., 0] = (255 * v).astype(np.uint8)
-    img[..., 2] = (255 * (1 - v)).astype(np.uint8)
-    img[np.isnan(a)] = 255
-    return img.repeat(scale, 0).repeat(scale, 1)
+    x = np.stack([loads[l].detach().cpu().double().numpy() for l in layers], axis=1)  # [2, L, E]
+    mean = x.mean(axis=2, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.where(mean > 0, x / np.where(mean > 0, mean, 1.0), np.nan)
+    return layers, rel
+
+
+def routed_counts(loads: dict[int, torch.Tensor]) -> dict[str, int]:
+    """Routed (token, expert) assignments per layer and modality (tokens x top-k; the largest layer's
+    count, as every MoE layer routes the same tokens)."""
+    return {name: max((int(loads[l][m].sum()) for l in loads), default=0) for m, name in enumerate(MODALITIES)}
+
+
+def expert_load_figure(loads: dict[int, torch.Tensor], step: int):
+    """The heatmap as a matplotlib Figure: one panel per modality (text, image), layers down, experts
+    across, coloured by `relative_loads` on one colour scale shared by both panels (white = balanced,
+    red = overloaded, blue = starved, grey = a layer without tokens of that modality), a colour bar, and
+    a title with the step and the routed assignments per modality. A modality without any token gets a
+    "no <modality> tokens in this step" note instead of a picture. Built without pyplot (no global
+    figure state, nothing to close; rendering uses the Agg canvas)."""
+    import matplotlib as mpl
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.figure import Figure
+
+    layers, rel = relative_loads(loads)
+    counts = routed_counts(loads)
+    top = float(np.nanmax(rel)) if np.isfinite(rel).any() else 2.0
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(2.0, top))  # one scale for both panels
+    cmap = mpl.colormaps["RdBu_r"].with_extremes(bad="0.85")
+
+    fig = Figure(figsize=(10, 4.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    n_layers, n_experts = rel.shape[1], rel.shape[2]
+    stride = max(1, math.ceil(n_layers / 20))
+    for m, (ax, name) in enumerate(zip(axes, MODALITIES)):
+        ax.set_title(name)
+        if counts[name] == 0:
+            ax.text(0.5, 0.5, f"no {name} tokens in this step", ha="center", va="center", fontsize=12,
+                    transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        ax.imshow(np.ma.masked_invalid(rel[m]), cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("layer")
+        ax.set_yticks(range(0, n_layers, stride), [str(layers[i]) for i in range(0, n_layers, stride)])
+        if n_experts <= 32:
+            ax.set_xticks(range(n_experts))
+        ax.tick_params(labelsize=7)
+    bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=list(axes), shrink=0.9)
+    bar.set_label("load / balanced load (1.0 = balanced)")
+    fig.suptitle(f"expert load at step {step}: text {counts['text']:,}, image {counts['image']:,} "
+                 f"routed assignments per layer")
+    return fig
+
+
+def write_expert_load_png(loads: dict[int, torch.Tensor], step: int, run_dir: str | Path) -> Path:
+    """Render `expert_load_figure` to `<run_dir>/expert_load/step_XXXXXXXX.png` (atomically); returns the path."""
+    out = Path(run_dir) / HEATMAP_DIR / f"step_{step:08d}.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    expert_load_figure(loads, step).savefig(tmp, format="png")
+    os.replace(tmp, out)
+    return out
+
+
+# --- strict JSON -----------------------------------------------------------------------------------
+def finite_or_none(value):
+    """`value` with every non-finite float (NaN, +-inf), at any depth of dicts and lists, replaced by
+    None, so that `json.dumps(..., allow_nan=False)` writes strict JSON (null)."""
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
 
 
 def _flatten(prefix: str, value, out: dict) -> None:
@@ -79,30 +164,72 @@ def _flatten(prefix: str, value, out: dict) -> None:
             _flatten(f"{prefix}/{k}" if prefix else k, v, out)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            out[f"{prefix}/layer_{i:02d}"] = v
-    else:
+            _flatten(f"{prefix}/layer_{i:02d}", v, out)
+    elif value is not None:  # null (an absent modality) is simply not logged to wandb
         out[prefix] = value
 
 
+# --- one wandb run per run directory ---------------------------------------------------------------
+def read_run_id(run_dir: str | Path) -> str | None:
+    """The wandb run id stored in `<run_dir>/wandb_run_id`, or None (no file, or not a valid id)."""
+    path = Path(run_dir) / RUN_ID_FILE
+    try:
+        run_id = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    if not _RUN_ID_RE.match(run_id):
+        log.warning("ignoring %s: %r is not a wandb run id", path, run_id[:80])
+        return None
+    return run_id
+
+
+def write_run_id(run_dir: str | Path, run_id: str) -> None:
+    """Store the run id atomically (a temporary file renamed over `<run_dir>/wandb_run_id`)."""
+    path = Path(run_dir) / RUN_ID_FILE
+    tmp = path.with_name(f".{RUN_ID_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(run_id + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def new_run_id() -> str:
+    return "".join(secrets.choice(_RUN_ID_CHARS) for _ in range(8))
+
+
+def init_wandb(run_dir: str | Path, cfg: WandbConfig, config: dict):
+    """wandb.init for this run directory: a fresh id (stored once wandb accepted it) and the config on
+    the first start; the stored id, `resume="allow"` and no config on every restart. Raises what
+    wandb raises (the caller decides)."""
+    import wandb
+
+    stored = read_run_id(run_dir)
+    run_id = stored or new_run_id()
+    run = wandb.init(mode=cfg.mode, project=cfg.project, name=cfg.name, dir=str(run_dir), id=run_id,
+                     resume="allow", config=None if stored else config,
+                     settings=wandb.Settings(silent=True, console="off"))
+    if stored is None:
+        write_run_id(run_dir, run.id)
+    return run
+
+
 class MetricsLogger:
-    """Rank 0 writes; other ranks hold a no-op logger."""
+    """Rank 0 writes; other ranks hold a no-op logger. `start_step`: the step the run (re)starts from;
+    `total_steps`: its last step."""
 
     def __init__(self, run_dir: str | Path, cfg: LoggingConfig, config: dict, enabled: bool, total_steps: int,
                  start_step: int):
         self.enabled, self.cfg = enabled, cfg
+        self.run_dir = Path(run_dir)
+        self.total_steps, self.first_step = total_steps, start_step + 1
         self._wandb = None
         self._bar = None
+        self._heatmaps = cfg.heatmap_interval > 0
         if not enabled:
             return
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = self.run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")
         if cfg.wandb.mode != "disabled":
             try:
-                import wandb
-
-                self._wandb = wandb.init(mode=cfg.wandb.mode, project=cfg.wandb.project, name=cfg.wandb.name,
-                                         dir=str(run_dir), config=config, resume="allow",
-                                         settings=wandb.Settings(silent=True, console="off"))
+                self._wandb = init_wandb(self.run_dir, cfg.wandb, config)
             except Exception as e:  # noqa: BLE001 - wandb must never stop training
                 log.warning("wandb unavailable (%s); metrics go to %s only", e, self.path)
         if cfg.progress:
@@ -110,26 +237,46 @@ class MetricsLogger:
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
+    def heatmap_due(self, step: int) -> bool:
+        """The first step of this start (step 1 of a fresh run, the first step after a resume), every
+        `heatmap_interval` steps, and the last step."""
+        if not self._heatmaps:
+            return False
+        return step == self.first_step or step == self.total_steps or step % self.cfg.heatmap_interval == 0
+
+    def _heatmap(self, step: int, loads: dict[int, torch.Tensor]) -> Path | None:
+        try:
+            return write_expert_load_png(loads, step, self.run_dir)
+        except Exception as e:  # noqa: BLE001 - a picture must never stop training
+            log.warning("expert-load heatmap failed at step %d (%s); no more heatmaps in this run", step, e)
+            self._heatmaps = False
+            return None
+
     def log(self, step: int, record: dict, loads: dict[int, torch.Tensor] | None = None) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
+        record = finite_or_none(record)
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
+        png = self._heatmap(step, loads) if loads and self.heatmap_due(step) else None
         if self._wandb is not None:
             try:
                 flat: dict = {}
                 _flatten("", {k: v for k, v in record.items() if k != "step"}, flat)
-                if loads and self.cfg.heatmap_interval > 0 and step % self.cfg.heatmap_interval == 0:
+                if png is not None:
                     import wandb
 
-                    flat["expert_load/heatmap"] = wandb.Image(load_heatmap(loads), caption="layers x experts: text | image")
+                    flat["expert_load/heatmap"] = wandb.Image(str(png), caption=f"step {step}: load / balanced "
+                                                              "load, layers x experts, text | image")
                 self._wandb.log(flat, step=step)
             except Exception as e:  # noqa: BLE001
                 log.warning("wandb.log failed (%s); disabling wandb for this run", e)
                 self._wandb = None
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            loss, tok_s = record.get("loss"), record.get("tokens_per_s")
+            self._bar.set_postfix(loss="-" if loss is None else f"{loss:.4f}",
+                                  tok_s="-" if tok_s is None else f"{tok_s:.0f}")
 
     def close(self) -> None:
         if not self.enabled:

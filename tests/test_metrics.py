@@ -1,0 +1,207 @@
+"""Metrics output: the expert-load heatmap (figure and PNG), strict-JSON metrics.jsonl, one wandb run per
+run directory across restarts (offline; the run is read back from its .wandb file, no network)."""
+
+import json
+import math
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_trainer import corpus_args, pretrain  # noqa: F401 - corpus_args is a fixture used below
+
+from train.metrics import (
+    LoggingConfig,
+    MetricsLogger,
+    WandbConfig,
+    expert_load_figure,
+    finite_or_none,
+    init_wandb,
+    read_run_id,
+    relative_loads,
+)
+
+
+@pytest.fixture(autouse=True)
+def _wandb_offline(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def _no_constant(name):
+    raise ValueError(f"non-strict JSON constant {name}")
+
+
+def strict_lines(path):
+    return [json.loads(line, parse_constant=_no_constant) for line in Path(path).read_text().splitlines()]
+
+
+def wandb_records(path):
+    """Decode a wandb transaction log (`run-<id>.wandb`: a 7-byte ':W&B' header, then LevelDB-log
+    style 32 KiB blocks of chunks [crc32 u32, length u16, type u8] + data; types full / first / middle /
+    last) into wandb_internal_pb2.Record messages."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, parts = 32768, 7, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind == 0:  # zero padding to the end of the block
+            pos += left - 7 - n
+            continue
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(parts)
+            yield record
+
+
+def wandb_history(path):
+    """(run id, config keys, [{key: json value} per history row]) of one offline run file."""
+    run_id, config, rows = None, set(), []
+    for r in wandb_records(path):
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            run_id = r.run.run_id
+            config = {u.key for u in r.run.config.update} - {"_wandb"}
+        elif kind == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item})
+    return run_id, config, rows
+
+
+# --- heatmap ---------------------------------------------------------------------------------------
+LOADS = {0: torch.tensor([[2, 2, 2, 2], [0, 0, 0, 0]]), 3: torch.tensor([[4, 0, 0, 0], [1, 3, 0, 0]])}
+
+
+def test_relative_loads_by_hand():
+    layers, rel = relative_loads(LOADS)
+    assert layers == [0, 3] and rel.shape == (2, 2, 4)
+    np.testing.assert_array_equal(rel[0], [[1, 1, 1, 1], [4, 0, 0, 0]])  # text: means 2 and 1
+    assert np.isnan(rel[1, 0]).all()  # image, layer 0: no image tokens
+    np.testing.assert_array_equal(rel[1, 1], [1, 3, 0, 0])  # image, layer 3: mean 1
+
+
+def _figure_parts(fig):
+    bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    panels = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    texts = [t.get_text() for ax in panels for t in ax.texts]
+    return bars, panels, texts
+
+
+def test_heatmap_without_image_tokens(tmp_path):
+    loads = {0: torch.tensor([[2, 2, 2, 2], [0, 0, 0, 0]]), 1: torch.tensor([[4, 0, 0, 0], [0, 0, 0, 0]])}
+    fig = expert_load_figure(loads, 7)
+    bars, panels, texts = _figure_parts(fig)
+    assert len(bars) == 1 and len(panels) == 2
+    assert texts == ["no image tokens in this step"]
+    assert len(panels[0].images) == 1 and not panels[1].images  # a note, not a solid block
+    title = fig._suptitle.get_text()
+    assert "step 7" in title and "text 8" in title and "image 0" in title  # 8 routed text assignments per layer
+    np.testing.assert_array_equal(panels[0].images[0].get_array().filled(np.nan), [[1, 1, 1, 1], [4, 0, 0, 0]])
+    fig.savefig(tmp_path / "x.png")
+    assert (tmp_path / "x.png").stat().st_size > 0
+
+
+def test_heatmap_panels_share_one_colour_scale():
+    fig = expert_load_figure(LOADS, 123)
+    bars, panels, texts = _figure_parts(fig)
+    assert len(bars) == 1 and not texts
+    (text_im,), (image_im,) = panels[0].images, panels[1].images
+    assert text_im.norm is image_im.norm and text_im.get_clim() == image_im.get_clim() == (0.0, 4.0)
+    assert text_im.norm(1.0) == pytest.approx(0.5)  # balanced sits in the middle of the colour map
+    np.testing.assert_array_equal(image_im.get_array().filled(-1), [[-1, -1, -1, -1], [1, 3, 0, 0]])
+    title = fig._suptitle.get_text()
+    assert "step 123" in title and "text 8" in title and "image 4" in title
+
+
+# --- strict JSON -----------------------------------------------------------------------------------
+def test_non_finite_values_are_written_as_null(tmp_path):
+    assert finite_or_none({"a": [1.0, math.nan, (math.inf,)], "b": {"c": -math.inf, "d": np.float32("nan")},
+                           "e": 3, "f": True, "g": "x"}) == {"a": [1.0, None, [None]], "b": {"c": None, "d": None},
+                                                              "e": 3, "f": True, "g": "x"}
+    cfg = LoggingConfig(wandb=WandbConfig(mode="disabled"), heatmap_interval=2, progress=False)
+    logger = MetricsLogger(tmp_path, cfg, {}, enabled=True, total_steps=3, start_step=0)
+    for step in (1, 2, 3):
+        record = {"step": step, "loss": 1.0, "grad_norm": math.inf if step == 2 else 0.5,
+                  "expert_load": {"text": {"cv": [0.1, 0.2]}, "image": {"cv": [math.nan, math.nan]}}}
+        logger.log(step, record, LOADS)
+    logger.close()
+    lines = strict_lines(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert lines[1]["grad_norm"] is None and lines[0]["expert_load"]["image"]["cv"] == [None, None]
+    # heatmaps without wandb: the first step, every 2 steps, the last step
+    assert sorted(p.name for p in (tmp_path / "expert_load").iterdir()) == [
+        "step_00000001.png", "step_00000002.png", "step_00000003.png"]
+
+
+def test_heatmap_steps():
+    cfg = LoggingConfig(wandb=WandbConfig(mode="disabled"), heatmap_interval=50, progress=False)
+    logger = MetricsLogger("/nonexistent", cfg, {}, enabled=False, total_steps=120, start_step=60)
+    assert [s for s in range(61, 121) if logger.heatmap_due(s)] == [61, 100, 120]
+    off = MetricsLogger("/nonexistent", LoggingConfig(heatmap_interval=0), {}, enabled=False, total_steps=9,
+                        start_step=0)
+    assert not any(off.heatmap_due(s) for s in range(1, 10))
+
+
+# --- one wandb run per run directory ---------------------------------------------------------------
+def test_run_id_is_stored_once_and_reused(tmp_path):
+    cfg = WandbConfig(mode="offline", project="flashtrain-test")
+    assert read_run_id(tmp_path) is None
+    first = init_wandb(tmp_path, cfg, {"lr": 0.1})
+    first_id = first.id
+    first.finish()
+    assert read_run_id(tmp_path) == first_id
+    time.sleep(1.1)  # offline-run-<YYYYmmdd_HHMMSS>-<id>: a restart within the same second shares the folder
+    second = init_wandb(tmp_path, cfg, {"lr": 0.2})
+    assert second.id == first_id
+    second.finish()
+    assert (tmp_path / "wandb_run_id").read_text().strip() == first_id
+    runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{first_id}/run-{first_id}.wandb"))
+    assert len(runs) == 2
+    (id1, config1, _), (id2, config2, _) = map(wandb_history, runs)
+    assert id1 == id2 == first_id
+    assert config1 == {"lr"} and config2 == set()  # the config goes to wandb on the first start only
+
+
+# --- acceptance: a run continued in its directory is one wandb run ---------------------------------
+# flash_tiny cut to its first 4 layers (the layer roles made consistent), so that 2 x 4 steps take seconds
+# rather than minutes on a CPU: the metrics path is the same for any depth
+FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
+               "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
+
+
+def test_resumed_run_is_one_wandb_run_with_heatmaps(tmp_path, corpus_args):  # noqa: F811
+    run = tmp_path / "run"
+    args = ["logging.wandb.mode=offline", "logging.heatmap_interval=50", *FOUR_LAYERS]
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    pretrain(run, corpus_args, "train.max_steps=4", *args, env=env)
+    run_id = read_run_id(run)
+    assert run_id
+    pretrain(run, corpus_args, "train.max_steps=8", *args, env=env)
+    assert read_run_id(run) == run_id
+
+    files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files)  # two starts, one run id
+    rows, heatmap_steps = [], []
+    for f in files:
+        rid, _, history = wandb_history(f)
+        assert rid == run_id
+        rows += history
+    assert [r["_step"] for r in rows] == list(range(1, 9))
+    assert all(isinstance(r["loss"], float) for r in rows)
+    heatmap_steps = [r["_step"] for r in rows if r.get("expert_load/heatmap/_type") == "image-file"]
+    # the first step of each start (1, and 5 after the resume), and the last step of each start (4, 8)
+    assert heatmap_steps == [1, 4, 5, 8]
+    assert sorted(p.name for p in (run / "expert_load").glob("*.png")) == [
+        f"step_{s:08d}.png" for s in heatmap_steps]
+
+    lines = strict_lines(run / "metrics.jsonl")
+    assert [r["step"] for r in lines] == list(range(1, 9))
