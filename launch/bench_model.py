@@ -23,35 +23,20 @@ learning rate 0 (the same work, the weights stay equal to the kernels model's); 
 (fwd_bwd_s + optim_s)` describe the variant the trainer runs by default here (kernels on CUDA,
 `default` on CPU).
 
-Model FLOPs per token (the MFU numerator; averaged over positions 0..S-1 of one sequence of S = --seq):
+Model FLOPs per token (the MFU numerator): `train/flops.py` (the trainer's `flops_per_token` / `mfu`
+metrics use the same function), averaged over positions 0..S-1 of one sequence of S = --seq:
 
     flops/token = 6 * P_mm + F_attn + F_index
 
-- P_mm, activated matmul parameters per token: every dense weight a text token multiplies with --
-  attention (wq_a, wq_b, wkv, wo_a, wo_b; wo_a is block-diagonal over o_groups but each of its weights
-  is still used once per token), the compressor's wkv / wgate (projected per token before pooling),
-  the indexer's wq_b and weights_proj, its wk divided by the compress ratio (it runs on the S / m
-  compressed entries), the mHC mixing matrices hc_{attn,ffn}_fn, the MoE gate, the shared expert,
-  `n_activated_experts` of the routed experts' w1 / w2 / w3, Engram's wkv, and the LM head. Not
-  counted: the token embedding and the Engram tables (lookups), norms, sinks and other element-wise
-  parameters, and the vision tower (it runs per image; the tokens here are text). 6 = 2 (multiply-add)
-  x 3 (forward, input gradient, weight gradient); the indexer's wq_b / weights_proj see detached inputs
-  (no input gradient: 4 would be exact), kept at 6 for simplicity.
-- F_attn, the attention core, per layer, per query t, per head: 2 * 2 * head_dim * (w_t + c_t) for
-  QK^T and PV, times 3 for forward + backward, with w_t = min(window_size, t + 1) window slots (the
-  causal prefix at short sequences) and, for layers with a compress ratio m, c_t = min(index_topk,
-  n_t, pool) selected compressed entries, n_t = (t + 1) // m visible ones (pool = candidate_topk_blocks
-  * candidate_block_size when the layer's index source scores inside the candidate pool). SWA layers
-  (ratio 0) have c_t = 0. The backward's recomputation of the logits (the lean path) is not counted.
-- F_index, per layer with its own indexer (`LayerRole.has_indexer`: FULL and REINDEX), per query:
-  2 * index_n_heads * index_head_dim * n_t for scoring every visible entry (forward only: no gradient
-  flows through the selection; the candidate restriction is ignored, the reference scores every
-  visible entry), plus 4 * index_n_heads * index_head_dim * c_t for the backward of the KL loss's logits
-  on the selected entries (dq and dk). The mHC Sinkhorn / collapse / expand, the compressor's pooling,
-  softmaxes and the other element-wise work are not counted.
+P_mm: the activated matmul parameters per text token (attention, compressor and indexer projections,
+mHC mixing matrices, MoE gate, shared expert, the `n_activated_experts` routed experts, Engram wkv, LM
+head); 6 = 2 (multiply-add) x 3 (forward, input gradient, weight gradient). F_attn: QK^T and PV over the
+window band and the selected compressed entries of every layer, x 3. F_index: the indexers' scoring of
+every visible compressed entry (forward) and the KL logits' backward on the selected ones. The exact
+rules and what is not counted are in train/flops.py's docstring.
 
 MFU = tokens/s * flops/token / peak. Peak: bf16 dense tensor-core FLOP/s of known GPUs, looked up by a
-substring of `torch.cuda.get_device_name()` (PEAK_BF16 below); on CPU a large fp32 matmul timed in this
+substring of `torch.cuda.get_device_name()` (PEAK_TFLOPS in train/flops.py); on CPU a large fp32 matmul timed in this
 process ("measured CPU matmul peak"); `--peak-tflops` overrides both. `--flops-only` prints the
 accounting (parameters, flops per token and their parts) without building real weights: it works for
 any exp (`+exp=flash_node`, `+exp=flash`), at `--seq` or else the exp's `data.seq_len`.
@@ -63,136 +48,19 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from bench_util import alternate, format_ratio, ratio_summary, take_int  # noqa: E402
+
 from model.config import ModelConfig  # noqa: E402
-from model.inspect import VISION_ROOTS, inspect_model  # noqa: E402
 from model.kernels.select import HAS_TRITON, interpreting  # noqa: E402
-from model.layer_plan import layer_plan  # noqa: E402
 from parallel.construct import model_template  # noqa: E402
 from train.config import compose, model_config, optim_config  # noqa: E402
-
-# bf16 dense (no sparsity) tensor-core peak FLOP/s; the first substring found in the device name wins,
-# so the more specific names come first ("H200" before "H20", "GB200" before "B200", "L40S" before "L4")
-PEAK_BF16: list[tuple[str, float]] = [
-    ("GH200", 989e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
-    ("H800", 989e12), ("H20", 148e12), ("A100", 312e12), ("A800", 312e12), ("GB200", 2500e12),
-    ("B200", 2250e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("RTX 4090", 165e12),
-]
-
-
-# --------------------------------------------------------------------------------------------- flops
-def matmul_params(model, cfg: ModelConfig) -> dict[str, float]:
-    """Activated matmul parameters per text token by part (see the module docstring); `model` may be on
-    the meta device. Unknown 2-D parameters are counted under `other` (and should be classified here)."""
-    k_over_e = cfg.n_activated_experts / cfg.n_routed_experts
-    parts = dict.fromkeys(("attention", "compressor", "indexer", "mhc", "gate", "shared_expert",
-                           "routed_experts", "engram", "head", "other"), 0.0)
-    for name, p in model.named_parameters():
-        root = name.split(".")[0]
-        if root in VISION_ROOTS or root == "embed":
-            continue
-        if name == "head.weight":
-            parts["head"] += p.numel()
-            continue
-        if root != "layers":
-            if p.dim() >= 2:
-                parts["other"] += p.numel()
-            continue
-        layer = int(name.split(".")[1])
-        rest = name.split(".", 2)[2]
-        if rest.startswith("engram."):
-            if rest == "engram.wkv.weight":
-                parts["engram"] += p.numel()
-            continue  # the table (a lookup), q_weight / k_weight (element-wise)
-        if p.dim() < 2:
-            continue  # norms, sinks, mHC base / scale, biases
-        if rest.startswith("ffn.experts."):
-            parts["routed_experts"] += p.numel() * k_over_e
-        elif rest == "ffn.gate.weight":
-            parts["gate"] += p.numel()
-        elif rest.startswith("ffn.shared_experts."):
-            parts["shared_expert"] += p.numel()
-        elif rest.startswith("attn.indexer.wk."):
-            parts["indexer"] += p.numel() / cfg.compress_ratios[layer]  # on the S / m compressed entries
-        elif rest.startswith("attn.indexer."):
-            parts["indexer"] += p.numel()
-        elif rest.startswith("attn.compressor."):
-            parts["compressor"] += p.numel()
-        elif rest.startswith("attn."):
-            parts["attention"] += p.numel()
-        elif rest in ("hc_attn_fn", "hc_ffn_fn"):
-            parts["mhc"] += p.numel()
-        else:
-            parts["other"] += p.numel()
-    return parts
-
-
-def attention_flops(cfg: ModelConfig, seq: int) -> dict[str, float]:
-    """Attention-core and indexer FLOPs per token (forward + backward as in the module docstring),
-    averaged over positions 0..seq-1."""
-    t = torch.arange(seq, dtype=torch.float64)
-    window = (t + 1).clamp(max=cfg.window_size)
-    plan = layer_plan(cfg)
-    pool = cfg.candidate_topk_blocks * cfg.candidate_block_size
-    core = index = 0.0
-    for role in plan:
-        per_query = 2 * 2 * cfg.head_dim * cfg.n_heads * window
-        if role.compress_ratio:
-            visible = torch.div(t + 1, role.compress_ratio, rounding_mode="floor")
-            selected = visible.clamp(max=cfg.index_topk)
-            if role.index_source is not None and plan[role.index_source].uses_candidates:
-                selected = selected.clamp(max=pool)
-            per_query = per_query + 2 * 2 * cfg.head_dim * cfg.n_heads * selected
-            if role.has_indexer:
-                hd = cfg.index_n_heads * cfg.index_head_dim
-                index += float((2 * hd * visible + 4 * hd * selected).mean())
-        core += 3 * float(per_query.mean())
-    return {"attention_core": core, "indexer_scoring": index}
-
-
-def flop_accounting(cfg: ModelConfig, seq: int) -> dict:
-    template = model_template(cfg)  # meta device: shapes only
-    parts = matmul_params(template, cfg)
-    p_mm = sum(parts.values())
-    attn = attention_flops(cfg, seq)
-    info = inspect_model(template, cfg)
-    return {
-        "seq": seq,
-        "flops_per_token": 6 * p_mm + attn["attention_core"] + attn["indexer_scoring"],
-        "flops_breakdown": {"matmul_params_x6": 6 * p_mm, **attn},
-        "matmul_params_per_token": p_mm,
-        "matmul_params_by_part": parts,
-        "params_total": info["params_total"],
-        "params_activated_per_token_inspect": info["params_activated_per_token"],  # model/inspect.py's count
-    }
-
-
-# ---------------------------------------------------------------------------------------------- peak
-def gpu_peak(name: str) -> float | None:
-    for key, peak in PEAK_BF16:
-        if key.lower() in name.lower():
-            return peak
-    return None
-
-
-def measured_cpu_peak(n: int = 2048, reps: int = 5) -> float:
-    """Best FLOP/s of an n x n x n fp32 matmul over `reps` runs (after one warm-up)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+from train.flops import flop_accounting, gpu_peak, measured_cpu_peak  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -232,7 +100,7 @@ def main(argv: list[str]) -> int:
           f"{acc['params_activated_per_token_inspect'] / 1e6:,.1f}M)")
     print(f"model flops per token at seq {seq}: {acc['flops_per_token'] / 1e9:,.3f} GFLOP = 6 x matmul params "
           f"{fb['matmul_params_x6'] / 1e9:,.3f} + attention core {fb['attention_core'] / 1e9:,.3f} + indexer "
-          f"{fb['indexer_scoring'] / 1e9:,.3f} (forward + backward; formula in the module docstring)")
+          f"{fb['indexer_scoring'] / 1e9:,.3f} (forward + backward; formula in train/flops.py)")
     if flops_only:
         print(json.dumps({"exp": overrides, **acc}))
         return 0
@@ -243,7 +111,7 @@ def main(argv: list[str]) -> int:
     if peak_tflops is not None:
         peak, peak_source = peak_tflops * 1e12, "--peak-tflops"
     elif cuda:
-        peak, peak_source = gpu_peak(device_name), "bf16 dense peak (table PEAK_BF16)"
+        peak, peak_source = gpu_peak(device_name), "bf16 dense peak (table PEAK_TFLOPS, train/flops.py)"
     else:
         peak, peak_source = measured_cpu_peak(), "measured CPU matmul peak (fp32, 2048^3, best of 5)"
     print(f"device: {device_name}; {'fp32 params under bf16 autocast (as the trainer)' if cuda else 'fp32'}; "
@@ -299,7 +167,7 @@ def main(argv: list[str]) -> int:
         ocfg = optim_config(conf)
         if not cuda and ocfg.use_triton is not False:
             ocfg = dataclasses.replace(ocfg, use_triton=False)  # never the interpreter for the optimizer
-        opt = build_optimizers(models["reference"], mcfg, ocfg)
+        opt = build_optimizers(models["reference"], mcfg, ocfg, lr=0.0)
         opt.set_lr(0.0)  # the full step's work; the weights stay as the kernels model's
         runs["optimizer"] = opt.step  # on the reference model's gradients of its last round
     print(f"{batch} x {seq} tokens, recompute={recompute}; {', '.join(runs)} alternate: 1 warm-up round, "

@@ -1,0 +1,256 @@
+"""Model FLOPs per token, device peak FLOP/s and MFU: the single source for the trainer's metrics
+(`flops_per_token`, `mfu` in every record) and `launch/bench_model.py`.
+
+Model FLOPs per token (averaged over positions 0..S-1 of one sequence of S tokens, S = `data.seq_len` in
+the trainer, `--seq` in the benchmark):
+
+    flops/token = 6 * P_mm + F_attn + F_index
+
+- P_mm, activated matmul parameters per token: every dense weight a text token multiplies with --
+  attention (wq_a, wq_b, wkv, wo_a, wo_b; wo_a is block-diagonal over o_groups but each of its weights
+  is still used once per token), the compressor's wkv / wgate (projected per token before pooling),
+  the indexer's wq_b and weights_proj, its wk divided by the compress ratio (it runs on the S / m
+  compressed entries), the mHC mixing matrices hc_{attn,ffn}_fn, the MoE gate, the shared expert,
+  `n_activated_experts` of the routed experts' w1 / w2 / w3 (only the experts a token activates), Engram's
+  wkv, and the LM head. Not counted: the token embedding and the Engram tables (lookups), norms, sinks
+  and other element-wise parameters, and the vision tower (it runs per image; the count is per text
+  token). 6 = 2 (multiply-add) x 3 (forward, input gradient, weight gradient); the indexer's wq_b /
+  weights_proj see detached inputs (no input gradient: 4 would be exact), kept at 6 for simplicity.
+- F_attn, the attention core, per layer, per query t, per head: 2 * 2 * head_dim * (w_t + c_t) for
+  QK^T and PV, times 3 for forward + backward, with w_t = min(window_size, t + 1) window slots (the
+  causal prefix at short sequences) and, for layers with a compress ratio m, c_t = min(index_topk,
+  n_t, pool) selected compressed entries, n_t = (t + 1) // m visible ones (pool = candidate_topk_blocks
+  * candidate_block_size when the layer's index source scores inside the candidate pool). SWA layers
+  (ratio 0) have c_t = 0. The backward's recomputation of the logits (the lean path) is not counted.
+- F_index, per layer with its own indexer (`LayerRole.has_indexer`: FULL and REINDEX), per query:
+  2 * index_n_heads * index_head_dim * n_t for scoring every visible entry (forward only: no gradient
+  flows through the selection; the candidate restriction is ignored, the reference scores every
+  visible entry), plus 4 * index_n_heads * index_head_dim * c_t for the backward of the KL loss's logits
+  on the selected entries (dq and dk). REUSE layers read their source's top-k and score nothing.
+- Not counted: the compressor's pooling (a softmax-weighted sum over each entry's m tokens: O(head_dim)
+  per token, element-wise), the mHC Sinkhorn / collapse / expand, softmaxes and the other element-wise
+  work, and activation recomputation (`train.recompute`): these are model FLOPs, so the MFU does not
+  rise when a run recomputes.
+
+MFU = flops_per_token * tokens_per_s / (peak_flops * world), with tokens_per_s the global batch's
+tokens (padding positions included: every position is computed) over the step's wall time, and
+peak_flops the per-device peak (`peak_flops`): every rank of the run is one device.
+
+Peak per device (`train.peak_tflops.{cuda,cpu}`; null = automatic):
+- CUDA: the bf16 dense (no sparsity) tensor-core peak of the device, looked up by a substring of
+  `torch.cuda.get_device_name()` in PEAK_TFLOPS; a GPU not in the table has no MFU (null) until
+  `train.peak_tflops.cuda` is set.
+- CPU: measured once per process, the best FLOP/s of a 2048^3 fp32 matmul at the process's torch thread
+  count (`measured_cpu_peak` with a 0.5 s budget); `train.peak_tflops.cpu` fixes it instead (e.g. for
+  MFU figures comparable between runs on a shared, noisy machine).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+import torch
+
+from model.config import ConfigError, ModelConfig, reject_unknown_fields
+from model.inspect import VISION_ROOTS, inspect_model
+from model.layer_plan import layer_plan
+
+log = logging.getLogger(__name__)
+
+# bf16 dense (no sparsity) tensor-core peak TFLOP/s; the first substring found in the device name wins,
+# so the more specific names come first ("H200" before "H20", "GB200" before "B200", "L40S" before "L4")
+PEAK_TFLOPS: list[tuple[str, float]] = [
+    ("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
+    ("H800", 989.0), ("H20", 148.0), ("A100", 312.0), ("A800", 312.0), ("GB200", 2500.0),
+    ("B200", 2250.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("RTX 4090", 165.0),
+]
+
+
+# --------------------------------------------------------------------------------------------- flops
+def matmul_params(model, cfg: ModelConfig) -> dict[str, float]:
+    """Activated matmul parameters per text token by part (see the module docstring); `model` may be on
+    the meta device. Unknown 2-D parameters are counted under `other` (and should be classified here)."""
+    k_over_e = cfg.n_activated_experts / cfg.n_routed_experts
+    parts = dict.fromkeys(("attention", "compressor", "indexer", "mhc", "gate", "shared_expert",
+                           "routed_experts", "engram", "head", "other"), 0.0)
+    for name, p in model.named_parameters():
+        root = name.split(".")[0]
+        if root in VISION_ROOTS or root == "embed":
+            continue
+        if name == "head.weight":
+            parts["head"] += p.numel()
+            continue
+        if root != "layers":
+            if p.dim() >= 2:
+                parts["other"] += p.numel()
+            continue
+        layer = int(name.split(".")[1])
+        rest = name.split(".", 2)[2]
+        if rest.startswith("engram."):
+            if rest == "engram.wkv.weight":
+                parts["engram"] += p.numel()
+            continue  # the table (a lookup), q_weight / k_weight (element-wise)
+        if p.dim() < 2:
+            continue  # norms, sinks, mHC base / scale, biases
+        if rest.startswith("ffn.experts."):
+            parts["routed_experts"] += p.numel() * k_over_e
+        elif rest == "ffn.gate.weight":
+            parts["gate"] += p.numel()
+        elif rest.startswith("ffn.shared_experts."):
+            parts["shared_expert"] += p.numel()
+        elif rest.startswith("attn.indexer.wk."):
+            parts["indexer"] += p.numel() / cfg.compress_ratios[layer]  # on the S / m compressed entries
+        elif rest.startswith("attn.indexer."):
+            parts["indexer"] += p.numel()
+        elif rest.startswith("attn.compressor."):
+            parts["compressor"] += p.numel()
+        elif rest.startswith("attn."):
+            parts["attention"] += p.numel()
+        elif rest in ("hc_attn_fn", "hc_ffn_fn"):
+            parts["mhc"] += p.numel()
+        else:
+            parts["other"] += p.numel()
+    return parts
+
+
+def attention_flops(cfg: ModelConfig, seq: int) -> dict[str, float]:
+    """Attention-core and indexer FLOPs per token (forward + backward as in the module docstring),
+    averaged over positions 0..seq-1."""
+    t = torch.arange(seq, dtype=torch.float64)
+    window = (t + 1).clamp(max=cfg.window_size)
+    plan = layer_plan(cfg)
+    pool = cfg.candidate_topk_blocks * cfg.candidate_block_size
+    core = index = 0.0
+    for role in plan:
+        per_query = 2 * 2 * cfg.head_dim * cfg.n_heads * window
+        if role.compress_ratio:
+            visible = torch.div(t + 1, role.compress_ratio, rounding_mode="floor")
+            selected = visible.clamp(max=cfg.index_topk)
+            if role.index_source is not None and plan[role.index_source].uses_candidates:
+                selected = selected.clamp(max=pool)
+            per_query = per_query + 2 * 2 * cfg.head_dim * cfg.n_heads * selected
+            if role.has_indexer:
+                hd = cfg.index_n_heads * cfg.index_head_dim
+                index += float((2 * hd * visible + 4 * hd * selected).mean())
+        core += 3 * float(per_query.mean())
+    return {"attention_core": core, "indexer_scoring": index}
+
+
+def flop_accounting(cfg: ModelConfig, seq: int, template=None) -> dict:
+    """flops per token at `seq` with its parts, and the parameter counts they come from. `template`: the
+    whole model (any device, meta is enough; not a rank's pruned model); built on the meta device if None."""
+    if template is None:
+        from parallel.construct import model_template
+
+        template = model_template(cfg)  # meta device: shapes only
+    parts = matmul_params(template, cfg)
+    p_mm = sum(parts.values())
+    attn = attention_flops(cfg, seq)
+    info = inspect_model(template, cfg)
+    return {
+        "seq": seq,
+        "flops_per_token": 6 * p_mm + attn["attention_core"] + attn["indexer_scoring"],
+        "flops_breakdown": {"matmul_params_x6": 6 * p_mm, **attn},
+        "matmul_params_per_token": p_mm,
+        "matmul_params_by_part": parts,
+        "params_total": info["params_total"],
+        "params_activated_per_token_inspect": info["params_activated_per_token"],  # model/inspect.py's count
+    }
+
+
+@functools.lru_cache(maxsize=8)
+def _flops_per_token(cfg_json: str, seq: int) -> float:
+    return flop_accounting(ModelConfig.from_mapping(json.loads(cfg_json)), seq)["flops_per_token"]
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs (forward + backward) per token at sequence length `seq_len` (the module docstring);
+    cached per (config, seq_len): the first call builds the model's meta-device template (~0.1-0.2 s)."""
+    return _flops_per_token(json.dumps(asdict(cfg), sort_keys=True), int(seq_len))
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None, world: int = 1) -> float | None:
+    """Model FLOPs utilisation: flops_per_token * tokens_per_s / (peak_flops * world); None without a peak.
+    `tokens_per_s` is the whole run's (all ranks), `peak_flops` one device's."""
+    if not peak_flops:
+        return None
+    return flops_per_token * tokens_per_s / (peak_flops * world)
+
+
+# ---------------------------------------------------------------------------------------------- peak
+def gpu_peak(name: str) -> float | None:
+    """bf16 dense peak FLOP/s of a GPU by its name (PEAK_TFLOPS), None if not in the table."""
+    for key, peak in PEAK_TFLOPS:
+        if key.lower() in name.lower():
+            return peak * 1e12
+    return None
+
+
+def measured_cpu_peak(n: int = 2048, reps: int = 5, budget_s: float | None = None) -> float:
+    """Best FLOP/s of an n x n x n fp32 matmul over `reps` runs (after one warm-up); with `budget_s`, stops
+    early once that much time has gone (warm-up included; at least one timed run)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    start = time.perf_counter()
+    a @ b
+    best = float("inf")
+    for i in range(reps):
+        if i and budget_s is not None and time.perf_counter() - start > budget_s:
+            break
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+@dataclass
+class PeakTflops:
+    """`train.peak_tflops`: per-device peak TFLOP/s for the MFU, by device type; None = automatic (the
+    module docstring)."""
+    cuda: float | None = None
+    cpu: float | None = None
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> "PeakTflops":
+        values = dict(values or {})
+        reject_unknown_fields(cls, values, "train.peak_tflops", "train/flops.py (PeakTflops)")
+        out = cls(**{k: None if v is None else float(v) for k, v in values.items()})
+        for k, v in asdict(out).items():
+            if v is not None and not v > 0:
+                raise ConfigError(f"train.peak_tflops.{k}={v}: must be a positive number of TFLOP/s, or null "
+                                  f"(automatic)")
+        return out
+
+
+CPU_PEAK_SOURCE = "measured CPU fp32 matmul peak (2048^3, best of up to 5 in 0.5 s)"
+_peaks: dict[tuple, tuple[float | None, str]] = {}
+
+
+def peak_flops(device: torch.device, configured: PeakTflops | None = None, announce: bool = True
+               ) -> tuple[float | None, str]:
+    """(peak FLOP/s of one `device`, where it comes from): `configured` for the device's type if set, else
+    the GPU table / a CPU measurement (once per process; the module docstring). Logged once (if
+    `announce`); None (with the reason) for a GPU the table does not know."""
+    override = getattr(configured or PeakTflops(), device.type, None)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    key = (device.type, name, override)
+    if key not in _peaks:
+        if override is not None:
+            peak, source = override * 1e12, f"train.peak_tflops.{device.type}"
+        elif device.type == "cuda":
+            peak = gpu_peak(name)
+            source = ("bf16 dense peak (PEAK_TFLOPS, train/flops.py)" if peak else
+                      f"'{name}' is not in PEAK_TFLOPS (train/flops.py): set train.peak_tflops.cuda for the MFU")
+        elif device.type == "cpu":
+            peak, source = measured_cpu_peak(budget_s=0.5), CPU_PEAK_SOURCE
+        else:
+            peak, source = None, f"no peak known for device type {device.type!r}"
+        _peaks[key] = (peak, source)
+        if announce:
+            (log.info if peak else log.warning)(
+                "MFU peak per device (%s): %s, %s", name, f"{peak / 1e12:.3f} TFLOP/s" if peak else "unknown", source)
+    return _peaks[key]
