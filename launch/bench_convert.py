@@ -39,7 +39,6 @@ def _baseline(overrides: list[str]) -> float:
 
 
 def _write_checkpoint(overrides: list[str], path: Path) -> int:
-    import torch
     import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
 
@@ -78,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     total = _write_checkpoint(overrides, work / "ckpt")
     base = _baseline(overrides)
     print(f"{' '.join(overrides)}: checkpoint {total / 2**30:.3f} GiB (fp32); baseline process {base:.2f} GiB")
-    print(f"{'shard GiB':>10} {'export peak':>12} {'- baseline':>11} {'import peak':>12} {'- baseline':>11} {'shards':>7}")
+    print(f"{'shard GiB':>10} {'export peak':>12} {'- baseline':>11} {'import peak':>12} {'- baseline':>11} "
+          f"{'shards':>7}")
     for s in args.shard_gb:
         out, back = work / f"off_{s}", work / f"imp_{s}"
         e = _run("export_official.py", str(work / "ckpt"), str(out), "--shard-gb", str(s))

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from bench_util import alternate, format_ratio, ratio_summary, take_int  # noqa: E402
+
 from model import Transformer  # noqa: E402
 from train.config import compose, model_config, optim_config  # noqa: E402
 from train.optim import Muon, SinkhornBalanced, route_parameters  # noqa: E402
@@ -177,8 +177,8 @@ def main(argv: list[str]) -> int:
           f"{_spread(sk_cmp)}")
     print(f"{'optimizer state (MB)':<46} {state_bytes(sk) / 2**20:>12.1f} {state_bytes(aw) / 2**20:>12.1f} "
           f"{state_bytes(sk) / state_bytes(aw):>8.2f}")
-    print(f"{'peak step tensor memory, 16384x2048 (MB)':<46} {mem['sinkhorn'] / 2**20:>12.1f} {mem['adamw'] / 2**20:>12.1f} "
-          f"{mem['sinkhorn'] / max(mem['adamw'], 1):>8.2f}")
+    print(f"{'peak step tensor memory, 16384x2048 (MB)':<46} {mem['sinkhorn'] / 2**20:>12.1f} "
+          f"{mem['adamw'] / 2**20:>12.1f} {mem['sinkhorn'] / max(mem['adamw'], 1):>8.2f}")
     print(f"{'  of which beyond the momentum buffer (MB)':<46} {(mem['sinkhorn'] - table_bytes) / 2**20:>12.1f}"
           f"   literal Algorithm 1 (U materialised): {mem['literal'] / 2**20:.1f} MB")
     print(json.dumps(result))

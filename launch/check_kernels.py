@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-
 from bench_util import alternate  # noqa: E402
+
 from model.attention import index_select  # noqa: E402
 from model.kernels.index_topk import index_topk_triton  # noqa: E402
 from model.kernels.select import interpreting  # noqa: E402
@@ -131,7 +131,8 @@ def main(argv: list[str]) -> int:
     ref_vals = index_scores(qi, wi, ki).gather(-1, idx_r.clamp_min(0))
     report["index_topk"] = ({"indices_differing": (idx_k != idx_r).float().mean().item(),
                              "candidates_differing": (cands_k != cands_r).float().mean().item(),
-                             "pick_scores": rel(vals.sort(-1).values, ref_vals.masked_fill(idx_r < 0, 0).sort(-1).values)},
+                             "pick_scores": rel(vals.sort(-1).values,
+                                                ref_vals.masked_fill(idx_r < 0, 0).sort(-1).values)},
                             {k2: statistics.median(v) for k2, v in times.items()})
 
     # mHC: one site's mixes, collapse, expand
@@ -140,8 +141,8 @@ def main(argv: list[str]) -> int:
     fn = torch.randn((2 + n) * n, n * Dm, device=dev) * 0.1 / (n * Dm) ** 0.5
     scale, base = torch.ones(3, device=dev), torch.randn((2 + n) * n, device=dev) * 0.5
     eps = (cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-    report["hc_mixes"] = compare(lambda f, h, fn, sc, b: hc_mixes(h, fn, sc, b, *eps, use_triton=f), [h, fn, scale, base],
-                                 rounds)
+    report["hc_mixes"] = compare(lambda f, h, fn, sc, b: hc_mixes(h, fn, sc, b, *eps, use_triton=f),
+                                 [h, fn, scale, base], rounds)
     pre, post = torch.rand(1, S, n, device=dev), torch.rand(1, S, n, device=dev) * 2
     comb = torch.rand(1, S, n, n, device=dev)
     report["hc_collapse"] = compare(lambda f, h, p: (hc_collapse(h, p, f),), [h, pre], rounds)

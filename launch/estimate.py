@@ -41,11 +41,12 @@ def configured_world(overrides: list[str]) -> int | None:
 
 def default_ranks(overrides: list[str], world: int) -> list[int]:
     """The first rank of every pipeline position (the mesh is pp-major: position p starts at p x world / pp)."""
+    from omegaconf import OmegaConf
+
     from model.config import ConfigError
     from parallel.config import ParallelConfig
     from parallel.mesh import mesh_shape
     from train.config import compose, model_config
-    from omegaconf import OmegaConf
 
     conf = compose(overrides)
     cfg = model_config(conf)

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="fp8: the release's quantised formats (default); bf16: unquantised")
     ap.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB; default 5)")
     args = ap.parse_args(argv)
-    from train.official.convert import GiB, peak_rss_gib, OfficialCheckpointError, export_official
+    from train.official.convert import GiB, OfficialCheckpointError, export_official, peak_rss_gib
 
     t0 = time.time()
     try:

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from model.config import ConfigError
     from train.config import compose, model_config
-    from train.official.convert import GiB, peak_rss_gib, OfficialCheckpointError, import_official
+    from train.official.convert import GiB, OfficialCheckpointError, import_official, peak_rss_gib
     from train.official.safetensors import SafetensorsError
 
     t0 = time.time()
@@ -56,11 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     for note in report.notes:
         print(f"note: {note}")
     if report.unused:
-        shown = ", ".join(report.unused[:20]) + (f" ... ({len(report.unused)} in all)" if len(report.unused) > 20 else "")
+        more = f" ... ({len(report.unused)} in all)" if len(report.unused) > 20 else ""
+        shown = ", ".join(report.unused[:20]) + more
         print(f"not used by the model (left out): {shown}")
     peak = peak_rss_gib()
-    print(f"wrote {report.out}: {report.tensors} tensors from {report.bytes_read / 1e9:.3f} GB in {time.time() - t0:.1f} s, "
-          f"peak RSS {peak:.2f} GiB; start from it with train.resume_from={report.out}")
+    print(f"wrote {report.out}: {report.tensors} tensors from {report.bytes_read / 1e9:.3f} GB "
+          f"in {time.time() - t0:.1f} s, peak RSS {peak:.2f} GiB; start from it with train.resume_from={report.out}")
     return 0
 
 

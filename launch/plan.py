@@ -9,7 +9,8 @@
                                                 # per-rank tokens, attention imbalance of the chunkings
 
 Any Hydra override works (`model.dim=1024`). Reports parameter totals (text backbone, Engram tables,
-with text and vision separately, total), activated parameters per token, parameters and tensors per optimizer (the V4.1 routing), the
+with text and vision separately, total), activated parameters per token, parameters and tensors per optimizer
+(the V4.1 routing), the
 with `parallel.pp=K` the pipeline partition (layers, the partitioner's cost-model bytes and compute per
 stage under `train.recompute`, imbalance -- a fast analytic view for choosing stage boundaries, for a CUDA
 run (bf16 autocast) unless `--device cpu`; the measurement of per-GPU memory is launch/estimate.py, which
@@ -31,10 +32,10 @@ import torch  # noqa: E402
 from model import Transformer  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 from model.inspect import inspect_model  # noqa: E402
-from train.config import compose, model_config, optim_config, schedule  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.partition import in_flight_microbatches, partition_report  # noqa: E402
 from parallel.pipeline import stage_ids  # noqa: E402
+from train.config import compose, model_config, optim_config, schedule  # noqa: E402
 from train.optim.routing import route_parameters, routing_summary  # noqa: E402
 from train.stages import plan_stages, stage_units  # noqa: E402
 
@@ -60,11 +61,11 @@ def build_report(overrides: list[str], device: str = "cuda", world: int | None =
         dp = max(1, world // (parallel.pp * parallel.cp)) if world else 1
         units = stage_units(model, cfg, ocfg, parallel, seq_len, int(conf.data.batch_size),
                             str(conf.train.recompute), device == "cuda", dp * parallel.cp, parallel.cp)
-        flight = in_flight_microbatches(parallel.pp, parallel.schedule)
+        flight = in_flight_microbatches(parallel.pp, parallel.pipeline_schedule)
         report["pipeline"] = partition_report(units, plan_stages(units, parallel), flight)
         report["pipeline"]["dp"] = dp
         report["pipeline"]["cp"] = parallel.cp
-        report["pipeline"].update(pp=parallel.pp, schedule=parallel.schedule, n_stages=parallel.n_stages,
+        report["pipeline"].update(pp=parallel.pp, schedule=parallel.pipeline_schedule, n_stages=parallel.n_stages,
                                   stages_of_rank=[stage_ids(parallel, r) for r in range(parallel.pp)])
         if parallel.stages_per_rank > 1:  # what a rank holds: the sum of its stages
             st = report["pipeline"]["stages"]
@@ -130,7 +131,8 @@ def format_report(report: dict) -> str:
            f"{report['context_parallel']['local_tokens']} tokens of each sequence per rank; attention / indexing "
            f"imbalance (max/mean per rank) contiguous "
            f"{report['context_parallel']['imbalance_attention']['contiguous']:.3f}, zigzag "
-           f"{report['context_parallel']['imbalance_attention']['zigzag']:.3f}"] if "context_parallel" in report else []),
+           f"{report['context_parallel']['imbalance_attention']['zigzag']:.3f}"]
+          if "context_parallel" in report else []),
         "",
         f"{'layer':>5} {'role':<8} {'ratio':>5} {'kv_src':>6} {'idx_src':>7} {'cand':<6} {'engram':<6}"
         f" {'params':>12} {'attn':>10} {'ffn':>10} {'engram':>10}",

@@ -4,11 +4,19 @@
     python launch/pretrain.py +exp=flash_tiny
 
 The run directory (`hydra.run.dir`, default runs/<model>) holds the resolved config, metrics.jsonl,
-checkpoints/ and the wandb run; starting again in a directory with checkpoints resumes from the newest.
+checkpoints/, the wandb run and Hydra's job log (`pretrain.log`, the trainer's log lines); starting again
+in a directory with checkpoints resumes from the newest.
+
+torchrun conventions: the run is wrapped in torch.distributed.elastic's `record`, so a rank that fails
+with an unexpected error writes its error file for the launcher; `parallel.timeout_s` is the process
+group's timeout. A configuration or input error (the project's own error types) prints one line naming
+the value and the fix and exits with status 2; `HYDRA_FULL_ERROR=1` (or `FLASHTRAIN_DEBUG=1`) shows the
+traceback instead.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -17,13 +25,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from train.trainer import Trainer  # noqa: E402
+
+EXIT_CONFIG_ERROR = 2
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The project's own error types: each message already says what was wrong and what to do."""
+    from data.config import DataConfigError
+    from model.config import ConfigError
+    from train.official.convert import OfficialCheckpointError
+    from train.optim.routing import RoutingError
+
+    return ConfigError, DataConfigError, RoutingError, OfficialCheckpointError, FileNotFoundError
+
+
+@record
+def run(cfg: DictConfig) -> None:
+    try:
+        Trainer(cfg, HydraConfig.get().runtime.output_dir).fit()
+    except user_errors() as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("FLASHTRAIN_DEBUG") == "1":
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CONFIG_ERROR) from None
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    Trainer(cfg, HydraConfig.get().runtime.output_dir).fit()
+    run(cfg)
 
 
 if __name__ == "__main__":

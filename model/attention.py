@@ -45,13 +45,13 @@ from torch import nn
 from model.aux import StepStats, attach_aux_loss
 from model.chunks import query_chunks
 from model.config import ModelConfig, QATConfig
+from model.index_logits import index_logits_lean
+from model.kernels.index_topk import index_topk_triton
+from model.kernels.select import use_triton
 from model.layer_plan import LayerRole, Role
 from model.norm import RMSNorm
 from model.quant import fake_quant_fp4, fake_quant_fp8
 from model.rope import apply_rope, rope_angles, rope_frequencies
-from model.index_logits import index_logits_lean
-from model.kernels.index_topk import index_topk_triton
-from model.kernels.select import use_triton
 from model.sequence_split import SequenceSplit
 from model.sparse_attention import sparse_attention_lean
 

@@ -200,8 +200,9 @@ class ModelConfig:
             if not srcs:
                 raise bad("kv_source_layers", f"layer {l} has compress ratio {r} but no kv source at or before it")
             if self.compress_ratios[srcs[-1]] != r:
-                raise bad("compress_ratios", f"layer {l} has ratio {r} but its kv source {srcs[-1]} has ratio "
-                                             f"{self.compress_ratios[srcs[-1]]}; a reader must share its source's ratio")
+                raise bad("compress_ratios",
+                          f"layer {l} has ratio {r} but its kv source {srcs[-1]} has ratio "
+                          f"{self.compress_ratios[srcs[-1]]}; a reader must share its source's ratio")
             isrcs = [s for s in self.index_source_layers if s <= l]
             if not isrcs:
                 raise bad("index_source_layers", f"layer {l} compresses but has no index source at or before it")

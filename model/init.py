@@ -11,7 +11,8 @@
   and scale = 1, every sublayer computes X'_j = X + F(X): an ordinary pre-norm residual block.
   comb base puts `hc_comb_init_logit` = 1 on the diagonal (B leans to the identity, 0.48 on the
   diagonal, so streams keep some of their own history once they differ; a much larger logit makes B
-  nearly decomposable and 20 Sinkhorn rounds then leave its row sums ~1e-3 off) and `fn` ~ N(0, (hc_fn_init_scale)^2 / (n D)), which gives the mix
+  nearly decomposable and 20 Sinkhorn rounds then leave its row sums ~1e-3 off) and
+  `fn` ~ N(0, (hc_fn_init_scale)^2 / (n D)), which gives the mix
   logits a spread of about hc_fn_init_scale: small enough to stay near the plain residual, non-zero so
   the streams' symmetry breaks and they can specialise.
 
@@ -66,7 +67,8 @@ def seeded_normal_(p: torch.Tensor, std: float, seed: int, name: str, row_offset
     per = min(block_rows(row_shape, stacked), total)
     for b in range(row_offset // per, (row_offset + rows - 1) // per + 1):
         start = b * per
-        block = torch.empty((min(per, total - start),) + row_shape).normal_(0.0, std, generator=_generator(seed, name, b))
+        block = torch.empty((min(per, total - start),) + row_shape).normal_(
+            0.0, std, generator=_generator(seed, name, b))
         lo, hi = max(start, row_offset), min(start + per, row_offset + rows)
         p[lo - row_offset:hi - row_offset].copy_(block[lo - start:hi - start])
 

@@ -221,7 +221,8 @@ class MoE(nn.Module):
 
         if stats is not None:
             with torch.no_grad():  # row 0 text, row 1 image; fixed shapes (no boolean indexing)
-                row = torch.zeros_like(indices) if flat_mask is None else flat_mask.long().unsqueeze(-1).expand_as(indices)
+                row = (torch.zeros_like(indices) if flat_mask is None
+                       else flat_mask.long().unsqueeze(-1).expand_as(indices))
                 load = torch.zeros(2 * self.n_experts, dtype=torch.long, device=x.device)
                 load.index_add_(0, (row * self.n_experts + indices).flatten(), torch.ones_like(indices).flatten())
                 load = load.view(2, self.n_experts)

@@ -186,7 +186,8 @@ class _LeanSparseAttention(torch.autograd.Function):
             pw = (lw - lse_c).exp()
             dsw = pw * (torch.einsum("bchd,bld->bchl", do, keys) - row)
             dq_c = torch.einsum("bchl,bld->bchd", dsw, keys)
-            dwin[:, lo:t1 + off] += torch.einsum("bchl,bchd->bld", dsw, qf) * scale + torch.einsum("bchl,bchd->bld", pw, do)
+            dwin[:, lo:t1 + off] += (torch.einsum("bchl,bchd->bld", dsw, qf) * scale
+                                     + torch.einsum("bchl,bchd->bld", pw, do))
             if gathered is not None:
                 pc = (lc - lse_c).exp()  # 0 at empty slots, so they add nothing below
                 dsc = pc * (torch.einsum("bchd,bckd->bchk", do, gathered) - row)

@@ -43,7 +43,6 @@ from model.sequence_split import SequenceSplit
 from model.vision import Aligner, ViT, aligner_rows, encode_images, merge_images
 
 
-
 @dataclass
 class ForwardContext:
     token_types: torch.Tensor | None  # [B, S] int, TEXT(-1) / START / IMAGE / NEWLINE / END

@@ -3,10 +3,13 @@
 - `world`: the number of processes the layout is for; null = any. Set (an exp for a cluster), the trainer
   refuses another world size and launch/plan.py / launch/estimate.py take it as their default --world.
 - `pp`: pipeline degree; `dp` = world size / (pp x cp) is derived, never configured.
-- `schedule`: `1f1b` | `interleaved_1f1b` | `zbv` | `dualpipev` (torch.distributed.pipelining schedules;
+- `pipeline_schedule`: `1f1b` | `interleaved_1f1b` | `zbv` | `dualpipev` (torch.distributed.pipelining schedules;
   the last three hold two stages per rank: looped for interleaved 1F1B, V-shaped for ZBV and DualPipeV).
 - `microbatches`: micro-batches per pipeline round; null = every micro-batch of the optimizer step in
   one round (the gradient-accumulation count). It must divide that count and meet the schedule's rule.
+- `schedule`: the former name of `pipeline_schedule` ("schedule" alone means the LR schedule); still read,
+  with a deprecation message, for one release.
+- `timeout_s`: the process-group timeout (collectives that wait longer fail instead of hanging).
 - `stage_layers`: layer counts per stage (pp x stages per rank entries) to pin the partition by hand.
 - `partition_memory_slack`: the cost-balanced partition first minimises the largest stage's memory M, then
   the slowest stage's compute among splits whose stages all stay within M x (1 + slack)
@@ -26,10 +29,14 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from model.config import ConfigError, reject_unknown_fields
+
+log = logging.getLogger(__name__)
 
 # schedule name -> (stages per rank, stage placement style)
 SCHEDULES: dict[str, tuple[int, str]] = {
@@ -47,7 +54,9 @@ class ParallelConfig:
     ep: int = 1
     cp: int = 1
     cp_balance: str = "zigzag"
-    schedule: str = "1f1b"
+    pipeline_schedule: str = "1f1b"
+    schedule: str | None = None  # deprecated alias of pipeline_schedule
+    timeout_s: float = 1800.0
     microbatches: int | None = None
     stage_layers: list | None = None
     partition_memory_slack: float = 0.0
@@ -60,6 +69,17 @@ class ParallelConfig:
     def from_mapping(cls, values: Mapping[str, Any]) -> "ParallelConfig":
         values = dict(values)
         reject_unknown_fields(cls, values, "parallel config", "parallel/config.py")
+        old = values.pop("schedule", None)
+        if old is not None:
+            new = values.get("pipeline_schedule", cls.pipeline_schedule)
+            if new not in (old, cls.pipeline_schedule):
+                raise ConfigError(f"parallel.schedule={old!r} and parallel.pipeline_schedule={new!r}: set only "
+                                  f"parallel.pipeline_schedule (parallel.schedule is its deprecated name)")
+            warnings.warn(f"parallel.schedule={old} is deprecated and will be removed in the next release: use "
+                          f"parallel.pipeline_schedule={old} (\"schedule\" alone is the LR schedule)",
+                          DeprecationWarning, stacklevel=2)
+            log.warning("parallel.schedule is deprecated: use parallel.pipeline_schedule=%s", old)
+            values["pipeline_schedule"] = old
         cfg = cls(**values)
         if cfg.stage_layers is not None:
             cfg.stage_layers = [int(k) for k in cfg.stage_layers]
@@ -68,17 +88,21 @@ class ParallelConfig:
 
     @property
     def stages_per_rank(self) -> int:
-        return SCHEDULES[self.schedule][0] if self.pp > 1 else 1
+        return SCHEDULES[self.pipeline_schedule][0] if self.pp > 1 else 1
 
     @property
     def n_stages(self) -> int:
         return self.pp * self.stages_per_rank
 
     def validate(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"parallel.schedule={self.schedule!r}: unknown; use one of {sorted(SCHEDULES)}")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.pipeline_schedule={self.pipeline_schedule!r}: unknown; use one of "
+                              f"{sorted(SCHEDULES)}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s={self.timeout_s}: the process-group timeout in seconds, > 0")
         if self.pp < 1 or self.ep < 1 or self.cp < 1:
-            raise ConfigError(f"parallel.pp={self.pp}, parallel.ep={self.ep}, parallel.cp={self.cp}: degrees must be >= 1")
+            raise ConfigError(f"parallel.pp={self.pp}, parallel.ep={self.ep}, parallel.cp={self.cp}: "
+                              "degrees must be >= 1")
         from model.sequence_split import BALANCE_MODES
 
         if self.cp_balance not in BALANCE_MODES:
@@ -119,14 +143,14 @@ class ParallelConfig:
         if self.pp == 1:
             return m
         n_stages = self.n_stages
-        if self.schedule in ("1f1b", "zbv", "dualpipev") and m < n_stages:
-            raise ConfigError(f"parallel.schedule={self.schedule} with {n_stages} stages needs at least {n_stages} "
-                              f"micro-batches per round, got parallel.microbatches={m}; raise "
+        if self.pipeline_schedule in ("1f1b", "zbv", "dualpipev") and m < n_stages:
+            raise ConfigError(f"parallel.pipeline_schedule={self.pipeline_schedule} with {n_stages} stages needs "
+                              f"at least {n_stages} micro-batches per round, got parallel.microbatches={m}; raise "
                               f"train.global_batch_tokens or lower data.batch_size so a step has >= {n_stages}")
-        if self.schedule == "interleaved_1f1b":
+        if self.pipeline_schedule == "interleaved_1f1b":
             rounds = max(1, m // self.pp)
             if m % rounds:
-                raise ConfigError(f"parallel.schedule=interleaved_1f1b runs {m} micro-batches per round in "
+                raise ConfigError(f"parallel.pipeline_schedule=interleaved_1f1b runs {m} micro-batches per round in "
                                   f"max(1, {m} // pp={self.pp}) = {rounds} rounds, which must divide {m}; use "
                                   f"parallel.microbatches a multiple of {self.pp}")
         return m

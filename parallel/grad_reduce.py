@@ -13,11 +13,11 @@ is no separate flat copy of all gradients. Buckets hold parameters in reverse re
 Every gradient is divided by the dp size (the loss is a mean over all dp ranks' micro-batches).
 
 Overlap: before the backward that completes a parameter's gradient (the last micro-batch of the step;
-under pipelining the stage's last backward), `mark_final(params)`; each parameter's
-post-accumulate-grad hook then counts it, and a bucket whose parameters have all arrived starts its
-all-reduce asynchronously while backward goes on -- in bucket order (a complete bucket waits for the
-ones before it), so every rank issues the same sequence of collectives whatever order its own graph
-completes them in (an image on one rank only puts the vision path in its graph). `finish()` starts the buckets still waiting
+under pipelining the stage's last backward), `mark_final(params)`; each parameter's post-accumulate-grad
+hook then counts it, and a bucket whose parameters have all arrived starts its all-reduce asynchronously
+while backward goes on -- in bucket order (a complete bucket waits for the ones before it), so every
+rank issues the same sequence of collectives whatever order its own graph completes them in (an image on
+one rank only puts the vision path in its graph). `finish()` starts the buckets still waiting
 (parameters this backward did not reach), waits for all of them and applies the zero-fill rule: a
 parameter that got a gradient on some ranks only takes part with zeros elsewhere (its bucket slot is
 zero), one that got none on any rank of its group ends without a gradient (`.grad = None`), as in a
@@ -129,7 +129,8 @@ class GradReducer:
         self.touched.add(id(p))
         b, i = self.bucket_of[id(p)]
         slot = self._view(b, i)
-        if not is_fake(slot) and p.grad.data_ptr() != slot.data_ptr():  # autograd replaced the view instead of adding into it
+        # autograd replaced the view instead of adding into it
+        if not is_fake(slot) and p.grad.data_ptr() != slot.data_ptr():
             slot.copy_(p.grad)
             p.grad = slot
         if id(p) in b.final:

@@ -84,14 +84,14 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
       indexer           6 D + 18 topk + 2 Hi dhi + 22 hd / m        (Full / Reindex layers)
       Engram            12 hc D + 4 D + (2 hd_e + 8) cols           (Engram layers)
     plus the bf16 copies of the local routed experts' weights (autocast casts each expert slice per
-    micro-batch). Measured against `train.estimate.probe_block` (tests/test_partition.py): kept within
-    a few percent from flash_tiny to exp=flash, work within about 30% (a transient peak). `selective` keeps the matmul outputs (bf16: projections, gate scores in fp32,
-    expert intermediates) and the Engram hash ids; `full` the hash ids only. Backward work: the
-    routed experts' gradients (28 k D per token, plus a dense gradient the size of one stacked local
-    expert weight per slice: 2 of them live), or the chunked sparse attention's gathered-KV gradients
-    (17 topk hd per query of a chunk), or the Engram table's dense gradient (in the activation dtype),
-    whichever is largest (they do not overlap); recomputation adds the activations it rebuilds (what
-    `none` keeps minus what the mode kept).
+    micro-batch). Measured against `train.estimate.probe_block` (tests/test_partition.py): kept within a
+    few percent from flash_tiny to exp=flash, work within about 30% (a transient peak). `selective`
+    keeps the matmul outputs (bf16: projections, gate scores in fp32, expert intermediates) and the
+    Engram hash ids; `full` the hash ids only. Backward work: the routed experts' gradients (28 k D per
+    token, plus a dense gradient the size of one stacked local expert weight per slice: 2 of them live),
+    or the chunked sparse attention's gathered-KV gradients (17 topk hd per query of a chunk), or the
+    Engram table's dense gradient (in the activation dtype), whichever is largest (they do not overlap);
+    recomputation adds the activations it rebuilds (what `none` keeps minus what the mode kept).
 
     Context parallelism: `tokens` are this rank's, `seq_tokens` the whole sequences' (default: the
     same). The compressed entries (22 hd / m per token above) exist for the whole sequence on every rank,

@@ -136,7 +136,7 @@ def boundary_specs(cfg: ModelConfig, plan: tuple[LayerRole, ...], boundary: int,
 # --- placement -----------------------------------------------------------------------------------
 def stage_ids(parallel: ParallelConfig, pp_rank: int) -> list[int]:
     """The stages rank `pp_rank` of the pipeline group holds, in increasing order."""
-    per, style = parallel.stages_per_rank, SCHEDULES[parallel.schedule][1]
+    per, style = parallel.stages_per_rank, SCHEDULES[parallel.pipeline_schedule][1]
     if per == 1:
         return [pp_rank]
     if style == "loop":
@@ -168,7 +168,7 @@ def local_stage_ranges(parallel: ParallelConfig, bounds: list[tuple[int, int]], 
     """The stages (of all `bounds`) that pipeline rank `pp_rank` holds."""
     if len(bounds) != parallel.n_stages:
         raise ConfigError(f"{len(bounds)} stage ranges for parallel.pp={parallel.pp} x "
-                          f"{parallel.stages_per_rank} stages per rank ({parallel.schedule})")
+                          f"{parallel.stages_per_rank} stages per rank ({parallel.pipeline_schedule})")
     ranges = stage_ranges(bounds)
     return [ranges[i] for i in stage_ids(parallel, pp_rank)]
 
@@ -281,8 +281,12 @@ class StageModule(nn.Module):
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B,
-                                              ScheduleZBVZeroBubble)
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleDualPipeV,
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
 
     return {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble,
             "dualpipev": ScheduleDualPipeV}[name]
@@ -357,7 +361,7 @@ def build_pipeline(model: Transformer, parallel: ParallelConfig, bounds: list[tu
         stages.append(LeanPipelineStage(module, r.index, r.n_stages, device, input_args=ex_in, output_args=ex_out,
                                         group=group, release_outputs=release))
         modules.append(module)
-    cls = _schedule_class(parallel.schedule)
+    cls = _schedule_class(parallel.pipeline_schedule)
     if parallel.stages_per_rank == 1:
         schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     else:

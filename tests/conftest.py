@@ -1,3 +1,5 @@
+import os as _os
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -82,7 +84,5 @@ def vl_sample(cfg, segments, seed=0):
 
 # Triton kernel tests run in their own pytest process with TRITON_INTERPRET=1 set before triton is
 # imported (tests/test_triton_kernels.py starts it); the main session does not collect them.
-import os as _os
-
 if _os.environ.get("TRITON_INTERPRET") != "1":
     collect_ignore = ["triton_interpret"]

@@ -63,8 +63,9 @@ MUTANTS = [
            'dsink += (p_sink',
            ['tests/test_sparse_attention.py']),
     Mutant('lean attention drops the value path of K = V', 'model/sparse_attention.py',
-           ' * scale + torch.einsum("bchl,bchd->bld", pw, do)',
-           ' * scale',
+           ' * scale\n'
+           '                                     + torch.einsum("bchl,bchd->bld", pw, do))',
+           ' * scale)',
            ['tests/test_sparse_attention.py']),
     Mutant('lean index logits: ReLU gate missing in backward', 'model/index_logits.py',
            'ds = (dl.unsqueeze(2) * wc.unsqueeze(-1)) * (s > 0)',
@@ -147,8 +148,10 @@ MUTANTS = [
            'for _ in range(iters - 2):',
            ['tests/test_mhc.py']),
     Mutant('row/col order swapped', 'model/mhc.py',
-           '        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)\n        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)',
-           '        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)\n        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)',
+           '        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)\n'
+           '        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)',
+           '        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)\n'
+           '        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)',
            ['tests/test_mhc.py']),
     Mutant('column softmax', 'model/mhc.py',
            'comb = comb.softmax(dim=-1) + eps',
@@ -156,7 +159,8 @@ MUTANTS = [
            ['tests/test_mhc.py']),
     Mutant('rms per stream', 'model/mhc.py',
            'rsqrt = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)',
-           'rsqrt = torch.rsqrt(h.float().square().mean(-1).repeat_interleave(h.shape[-1], -1).mean(-1, keepdim=True) * 1.1 + norm_eps)',
+           'rsqrt = torch.rsqrt(h.float().square().mean(-1).repeat_interleave(h.shape[-1], -1).mean(-1, keepdim=True)'
+           ' * 1.1 + norm_eps)',
            ['tests/test_mhc.py']),
     Mutant('no single-pass shift (attn uses own pre)', 'model/transformer.py',
            'x = self.attn_norm(hc_collapse(h, carry.pre_mix, self.use_triton))',
@@ -235,7 +239,8 @@ MUTANTS = [
            'act = swiglu_clamped(gate, up, self.limit).to(dtype)',
            ['tests/test_experts.py']),
     Mutant('expert sizes by bincount (a host sync on CUDA)', 'model/moe.py',
-           'return torch.zeros(n_experts, dtype=torch.int32, device=flat_indices.device).scatter_add_(0, flat_indices, ones)',
+           'return torch.zeros(n_experts, dtype=torch.int32, device=flat_indices.device).scatter_add_(0,'
+           ' flat_indices, ones)',
            'return torch.bincount(flat_indices, minlength=n_experts).int()',
            ['tests/test_experts.py']),
     Mutant('ep regrouping sizes read back to the host', 'parallel/experts.py',
@@ -276,11 +281,13 @@ MUTANTS = [
            ['tests/test_data.py']),
     Mutant("restore drops the mm buffer's newest piece", 'data/loader.py',
            'self.buffers = [[Piece.from_state(p) for p in b] for b in state.get("buffers", [[], []])]',
-           'self.buffers = [[Piece.from_state(p) for p in b][:len(b) - i] for i, b in enumerate(state.get("buffers", [[], []]))]',
+           'self.buffers = [[Piece.from_state(p) for p in b][:len(b) - i] for i, b in enumerate(state.get("buffers",'
+           ' [[], []]))]',
            ['tests/test_data.py']),
     Mutant('restore reverses buffer order', 'data/loader.py',
            'self.buffers = [[Piece.from_state(p) for p in b] for b in state.get("buffers", [[], []])]',
-           'self.buffers = [[Piece.from_state(p) for p in b][:1] + [Piece.from_state(p) for p in b][1:][::-1] for b in state.get("buffers", [[], []])]',
+           'self.buffers = [[Piece.from_state(p) for p in b][:1] + [Piece.from_state(p) for p in b][1:][::-1] for b'
+           ' in state.get("buffers", [[], []])]',
            ['tests/test_data.py']),
     Mutant('clip ignores ep group', 'parallel/dims.py',
            '        if is_expert_param(name):\n            return self.ep_group',
@@ -295,8 +302,10 @@ MUTANTS = [
            '        if is_expert_param(name):\n            return None',
            ['tests/test_trainer.py', '-k', 'four_processes']),
     Mutant('sharded engram table all-reduced again', 'parallel/dims.py',
-           '        if self.engram_shard and is_engram_table(name):\n            return None\n        return self.dp_cp_group',
-           '        if self.engram_shard and is_engram_table(name):\n            return self.dp_cp_group\n        return self.dp_cp_group',
+           '        if self.engram_shard and is_engram_table(name):\n            return None\n'
+           '        return self.dp_cp_group',
+           '        if self.engram_shard and is_engram_table(name):\n            return self.dp_cp_group\n'
+           '        return self.dp_cp_group',
            ['tests/test_trainer.py', '-k', 'resumes_across_ep']),
     Mutant('clip ignores pp group', 'parallel/dims.py',
            'clip_grad_norm_(named, max_norm, device, self.shard_group, self.pp_group)',
@@ -332,15 +341,18 @@ MUTANTS = [
            ['tests/test_clipping.py']),
     Mutant('materialise before pruning', 'parallel/construct.py',
            '    if stages is not None:\n        prune_to_stages(template, stages)\n    if ep > 1:',
-           '    template.materialize(device, seed)\n    if stages is not None:\n        prune_to_stages(template, stages)\n    if ep > 1:',
+           '    template.materialize(device, seed)\n    if stages is not None:\n'
+           '        prune_to_stages(template, stages)\n    if ep > 1:',
            ['tests/test_construction.py']),
     Mutant('expert init ignores the global offset', 'model/init.py',
            'row_offset=getattr(module, "offset", 0), stacked=True',
            'row_offset=0, stacked=True',
            ['tests/test_construction.py']),
     Mutant('init from the global RNG', 'model/init.py',
-           '        block = torch.empty((min(per, total - start),) + row_shape).normal_(0.0, std, generator=_generator(seed, name, b))',
-           '        block = torch.empty((min(per, total - start),) + row_shape).normal_(0.0, std)',
+           '        block = torch.empty((min(per, total - start),) + row_shape).normal_(\n'
+           '            0.0, std, generator=_generator(seed, name, b))',
+           '        block = torch.empty((min(per, total - start),) + row_shape).normal_(\n'
+           '            0.0, std)',
            ['tests/test_construction.py']),
     Mutant('buffers not recomputed', 'model/init.py',
            '        if module is not model and hasattr(module, "reset_buffers"):\n            module.reset_buffers()',
@@ -359,7 +371,8 @@ MUTANTS = [
            'run_ctx = ctx',
            ['tests/test_recompute.py']),
     Mutant('selective recomputes the all-to-alls', 'model/recompute.py',
-           'ops = {aten.mm.default, aten.addmm.default, c10d.all_to_all_single.default, c10d.wait_tensor.default,\n           c10d._wrap_tensor_autograd.default}',
+           'ops = {aten.mm.default, aten.addmm.default, c10d.all_to_all_single.default, c10d.wait_tensor.default,\n'
+           '           c10d._wrap_tensor_autograd.default}',
            'ops = {aten.mm.default, aten.addmm.default}',
            ['tests/test_recompute.py']),
     Mutant('selective keeps nothing', 'model/recompute.py',
@@ -472,8 +485,18 @@ MUTANTS = [
            '        pos = torch.arange(L, device=x.device)\n        cos, sin',
            ['tests/test_context.py::test_context_parallel_model_matches_the_unsplit_sequences']),
     Mutant('Engram n-grams hashed per slice', 'model/transformer.py',
-           '        engram_ids = None if self.engram_hasher is None else self.engram_hasher(tokens, image_mask)\n        split',
-           '        split = self.sequence_split(tokens.shape[1])\n        if split is not None:\n            tokens = split.local(tokens)\n            image_mask = None if image_mask is None else split.local(image_mask)\n            token_types = None if token_types is None else split.local(token_types)\n        engram_ids = None if self.engram_hasher is None else self.engram_hasher(tokens, image_mask)\n        if split is not None:\n            return ForwardContext(token_types, image_mask, engram_ids, stats or StepStats(), aux_grad_scale, split=split)\n        split',
+           '        engram_ids = None if self.engram_hasher is None else self.engram_hasher(tokens, image_mask)\n'
+           '        split',
+           '        split = self.sequence_split(tokens.shape[1])\n'
+           '        if split is not None:\n'
+           '            tokens = split.local(tokens)\n'
+           '            image_mask = None if image_mask is None else split.local(image_mask)\n'
+           '            token_types = None if token_types is None else split.local(token_types)\n'
+           '        engram_ids = None if self.engram_hasher is None else self.engram_hasher(tokens, image_mask)\n'
+           '        if split is not None:\n'
+           '            return ForwardContext(token_types, image_mask, engram_ids,'
+           ' stats or StepStats(), aux_grad_scale, split=split)\n'
+           '        split',
            ['tests/test_context.py::test_context_parallel_model_matches_the_unsplit_sequences']),
     Mutant('image rows merged in local order under cp', 'model/vision.py',
            '            row = (is_image.long().cumsum(0) - 1)[positions]',

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from model.attention import Attention, Compressor, SharedKV, candidate_mask, select_candidate_blocks
-from model.sparse_attention import sparse_attention
 from model.layer_plan import Role, layer_plan
+from model.sparse_attention import sparse_attention
 
 
 def _role(cfg, layer):
@@ -178,8 +178,9 @@ def test_causality_every_layer(tiny_cfg, tiny_model):
             logits = tiny_model(changed)
             torch.testing.assert_close(logits[0, :t + 1], base_logits[0, :t + 1], atol=1e-5, rtol=1e-5)
             for l in range(tiny_cfg.n_layers):
-                torch.testing.assert_close(outs[l][0, :t + 1], base[l][0, :t + 1], atol=1e-5, rtol=1e-5,
-                                           msg=lambda m, l=l, t=t: f"layer {l} ({tiny_model.plan[l].role.value}) t={t}: {m}")
+                torch.testing.assert_close(
+                    outs[l][0, :t + 1], base[l][0, :t + 1], atol=1e-5, rtol=1e-5,
+                    msg=lambda m, l=l, t=t: f"layer {l} ({tiny_model.plan[l].role.value}) t={t}: {m}")
             assert not torch.allclose(logits[0, t + 1:], base_logits[0, t + 1:])
 
 

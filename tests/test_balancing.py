@@ -52,7 +52,8 @@ out = global_loads(loads, n_layers=8, n_experts=2)
 assert out[2].tolist() == [[3, 0], [0, 5]], out
 assert out[7].tolist() == [[6, 6], [1, 1]], out
 # pipeline: rank 0 owns layers 0-1, rank 1 owns layer 3 (of 4); everyone gets every owned layer's sum
-staged = {0: torch.tensor([[1, 2], [0, 0]]), 1: torch.tensor([[4, 0], [1, 1]])} if r == 0 else {3: torch.tensor([[0, 9], [2, 0]])}
+staged = ({0: torch.tensor([[1, 2], [0, 0]]), 1: torch.tensor([[4, 0], [1, 1]])} if r == 0
+          else {3: torch.tensor([[0, 9], [2, 0]])})
 out = global_loads(staged, n_layers=4, n_experts=2)
 assert sorted(out) == [0, 1, 3], out
 assert out[1].tolist() == [[4, 0], [1, 1]] and out[3].tolist() == [[0, 9], [2, 0]], out

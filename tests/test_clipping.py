@@ -58,7 +58,8 @@ r = dist.get_rank()
 is_expert = lambda n: ".experts." in n
 cpu = torch.device("cpu")
 for kind, dense, want in (("pp", [3.0 + r, 4.0], 67.0), ("ep", [3.0, 4.0], 35.0)):
-    named = [("layers.0.attn.wkv.weight", torch.tensor(dense)), ("layers.0.ffn.experts.w2", torch.tensor([[2.0 * r + 1]]))]
+    named = [("layers.0.attn.wkv.weight", torch.tensor(dense)),
+             ("layers.0.ffn.experts.w2", torch.tensor([[2.0 * r + 1]]))]
     before = [g.clone() for _, g in named]
     groups = (dict(shard_group_of=lambda n: dist.group.WORLD if is_expert(n) else None) if kind == "ep"
               else dict(stage_group=dist.group.WORLD))

@@ -121,7 +121,8 @@ def test_bad_global_batch_names_the_nearest_valid_one():
     msg = str(e.value)
     assert "1535 sequences" in msg and "64 data-parallel rank(s)" in msg
     assert f"the nearest is train.global_batch_tokens={1536 * 65536} (1536 sequences)" in msg
-    with pytest.raises(ConfigError, match=f"nearest is train.global_batch_tokens={4 * 10} \\(4 sequences\\) or {8 * 10}"):
+    with pytest.raises(ConfigError,
+                       match=f"nearest is train.global_batch_tokens={4 * 10} \\(4 sequences\\) or {8 * 10}"):
         plan_layout(TrainConfig(global_batch_tokens=60), 10, 2, ParallelConfig(), 2, 40, 8)
     with pytest.raises(ConfigError, match="train.loss_tile_tokens=0: must be a positive number"):
         plan_layout(TrainConfig(global_batch_tokens=40, loss_tile_tokens=0), 10, 2, ParallelConfig(), 2, 40, 8)

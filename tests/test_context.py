@@ -5,8 +5,9 @@ halo and compressed-entry tables point at the positions they claim. Exchanges on
 against the unsplit sequence: a causal window from local rows + halo equals the whole sequence's and
 each rank's gradient equals the whole-sequence gradient at its positions (the halo's gradient reached
 its owner), both by point-to-point with the previous chunk's owner and, for a halo longer than a chunk,
-by the all-gather of every chunk's tail; the gathered compressed entries equal the whole sequence's group pooling and their
-gradients, summed over ranks, reach the owners; rows gathered by rank come back in rank order."""
+by the all-gather of every chunk's tail; the gathered compressed entries equal the whole sequence's
+group pooling and their gradients, summed over ranks, reach the owners; rows gathered by rank come back
+in rank order."""
 
 import os
 import subprocess
@@ -104,7 +105,8 @@ def main():  # in a function: its tensors (whose graphs hold the group) are gone
             assert torch.equal(h, x[:, a - h.shape[1]:a]) and h.shape[1] == min(w - 1, a)
             ys.append(window(torch.cat([h, xl[:, o:o + b - a]], 1), h.shape[1]))
             j0, j1 = a // m, b // m
-            rows = torch.cat([h[:, h.shape[1] - (a - j0 * m):], xl[:, o:o + max(0, j1 * m - a)]], 1) if j1 > j0 else xl[:, :0]
+            rows = (torch.cat([h[:, h.shape[1] - (a - j0 * m):], xl[:, o:o + max(0, j1 * m - a)]], 1) if j1 > j0
+                    else xl[:, :0])
             parts.append(pool(rows) if j1 > j0 else xl.new_zeros(B, 0, D))
         y = torch.cat(ys, 1)
         torch.testing.assert_close(y, window(x, 0)[:, mine])

@@ -5,8 +5,15 @@ import dataclasses
 import numpy as np
 import torch
 
-from model.engram import (Engram, NgramHasher, build_compressed_token_map, engram_primes, engram_table_rows,
-                          hash_multipliers, is_prime)
+from model.engram import (
+    Engram,
+    NgramHasher,
+    build_compressed_token_map,
+    engram_primes,
+    engram_table_rows,
+    hash_multipliers,
+    is_prime,
+)
 
 
 def test_is_prime_against_sieve():
@@ -95,7 +102,8 @@ def test_gate_is_zero_at_image_positions_and_update_by_hand(tiny_cfg):
     for i in range(4):
         x, k = h[0, t, i], keys[i]
         qk = eng.q_weight[i] * eng.k_weight[i]
-        dot = (x * qk * k).sum() / torch.sqrt((x * x).mean() + cfg.norm_eps) / torch.sqrt((k * k).mean() + cfg.norm_eps) / D ** 0.5
+        dot = ((x * qk * k).sum() / torch.sqrt((x * x).mean() + cfg.norm_eps)
+               / torch.sqrt((k * k).mean() + cfg.norm_eps) / D ** 0.5)
         g = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
         torch.testing.assert_close(out[0, t, i], x + g * value, atol=1e-5, rtol=1e-5)
 

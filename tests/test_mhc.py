@@ -53,7 +53,8 @@ def test_pre_post_comb_formulas_by_hand():
     base = torch.zeros(24)
     base[1] = 1.0
     pre, post, comb = hc_split_sinkhorn_reference(m, scale, base, 4, 1, 1e-6)
-    sig = lambda v: 1 / (1 + math.exp(-v))
+    def sig(v):
+        return 1 / (1 + math.exp(-v))
     assert abs(pre[0] - (sig(2.0 * 0.5) + 1e-6)) < 1e-6
     assert abs(pre[1] - (sig(1.0) + 1e-6)) < 1e-6
     assert abs(post[1] - 2 * sig(-2.0)) < 1e-6
@@ -87,7 +88,8 @@ def test_collapse_and_expand_by_hand():
 
 def literal_site(m, scale, base, iters, eps=1e-6):
     """V41_SPEC §3 for one token, in Python floats: m is the 24 mix values of the site."""
-    sig = lambda v: 1 / (1 + math.exp(-v))
+    def sig(v):
+        return 1 / (1 + math.exp(-v))
     pre = [sig(m[i] * scale[0] + base[i]) + eps for i in range(4)]
     post = [2 * sig(m[4 + i] * scale[1] + base[4 + i]) for i in range(4)]
     logits = [[m[8 + 4 * i + j] * scale[2] + base[8 + 4 * i + j] for j in range(4)] for i in range(4)]
@@ -118,9 +120,10 @@ def test_split_sinkhorn_equals_the_literal_schedule_on_random_logits():
         torch.testing.assert_close(pre[t], torch.tensor(lp), atol=1e-6, rtol=0)
         torch.testing.assert_close(post[t], torch.tensor(lq), atol=1e-6, rtol=0)
         torch.testing.assert_close(comb[t], torch.tensor(lb), atol=2e-6, rtol=0)
-    off = max(max(abs(a - b) for ra, rb in zip(literal_site(mixes[t].tolist(), scale.tolist(), base.tolist(), it)[2],
-                                                   literal_site(mixes[t].tolist(), scale.tolist(), base.tolist(), 20)[2])
-                      for a, b in zip(ra, rb)) for t in range(16) for it in (19, 21))
+    off = max(max(abs(a - b)
+                  for ra, rb in zip(literal_site(mixes[t].tolist(), scale.tolist(), base.tolist(), it)[2],
+                                    literal_site(mixes[t].tolist(), scale.tolist(), base.tolist(), 20)[2])
+                  for a, b in zip(ra, rb)) for t in range(16) for it in (19, 21))
     assert off > 20 * 2e-6  # so the comparison above can tell the iteration count
 
 
@@ -150,8 +153,8 @@ def test_block_applies_the_single_pass_shift(tiny_cfg):
     *incoming* pending pre, the FFN site with the attention site's pre, each expands with its own post
     and comb (computed from the streams it updates), and the block hands on the FFN site's pre."""
     from model.attention import SharedKV
-    from model.transformer import Block, Carry, ForwardContext
     from model.layer_plan import layer_plan
+    from model.transformer import Block, Carry, ForwardContext
 
     cfg = tiny_cfg
     D = cfg.dim

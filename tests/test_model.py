@@ -125,8 +125,8 @@ def test_two_stage_split_with_shared_kv_crossing_matches_single_pass(tiny_cfg):
     tensors (as a pipeline would), and the parameter gradients -- including the aux losses attached
     on the first stage and the second stage's gradient into layer 14's compressor through the shared
     KV -- equal those of one pass."""
-    from model.transformer import Carry
     from model.attention import SharedKV
+    from model.transformer import Carry
 
     torch.manual_seed(0)
     model = Transformer(tiny_cfg)

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from model.moe import MoE, Gate, RoutedExperts, sequence_balance_loss, swiglu_clamped
+from model.moe import Gate, MoE, RoutedExperts, sequence_balance_loss, swiglu_clamped
 
 
 def _softplus_sqrt(v: float) -> float:
@@ -43,7 +43,8 @@ def test_swiglu_clamps_by_hand():
     gate = torch.tensor([20.0, 20.0, -30.0, 1.0])
     up = torch.tensor([50.0, -50.0, 3.0, 2.0])
     out = swiglu_clamped(gate, up, 10.0)
-    silu = lambda v: v / (1 + math.exp(-v))
+    def silu(v):
+        return v / (1 + math.exp(-v))
     want = [silu(10.0) * 10.0, silu(10.0) * -10.0, silu(-30.0) * 3.0, silu(1.0) * 2.0]
     torch.testing.assert_close(out, torch.tensor(want))
 
@@ -59,7 +60,8 @@ def test_routed_experts_apply_clamps_and_weight_before_w2(tiny_cfg):
     weights = torch.tensor([[0.5], [2.0]])
     idx = torch.tensor([[0], [1]])
     out = ex(x, weights, idx)
-    silu = lambda v: v / (1 + math.exp(-v))
+    def silu(v):
+        return v / (1 + math.exp(-v))
     a0 = 0.5 * silu(10.0) * 10.0  # gate 100 -> 10, up 100 -> 10
     a1 = 2.0 * silu(1.0) * -10.0  # up -100 -> -10
     torch.testing.assert_close(out, torch.tensor([[a0 * 1.0, a0 * 2.0], [a1 * 3.0, a1 * -1.0]]))
@@ -69,7 +71,8 @@ def test_balance_loss_by_hand():
     # one sequence of T=2 tokens, E=3 experts, k=1
     scores = torch.tensor([[[1.0, 2.0, 1.0], [3.0, 1.0, 0.0]]])
     idx = torch.tensor([[[1], [0]]])
-    # f = E/(k T) * counts = 3/2 * [1, 1, 0]; P = mean over tokens of s/sum(s) = [(1/4 + 3/4)/2, (2/4 + 1/4)/2, (1/4 + 0)/2]
+    # f = E/(k T) * counts = 3/2 * [1, 1, 0];
+    # P = mean over tokens of s/sum(s) = [(1/4 + 3/4)/2, (2/4 + 1/4)/2, (1/4 + 0)/2]
     f = [1.5, 1.5, 0.0]
     P = [0.5, 0.375, 0.125]
     want = sum(a * b for a, b in zip(f, P))
@@ -128,7 +131,8 @@ def test_moe_layer_equals_the_literal_sum_of_routed_and_shared_experts(tiny_cfg)
     with torch.no_grad():
         y = moe(x, image)[0].double()
     W = moe.gate.weight.double()
-    silu = lambda v: v / (1 + torch.exp(-v))
+    def silu(v):
+        return v / (1 + torch.exp(-v))
     lim = cfg.swiglu_limit
 
     def swiglu(w1, w3, w2, v, weight=1.0):
@@ -143,7 +147,8 @@ def test_moe_layer_equals_the_literal_sum_of_routed_and_shared_experts(tiny_cfg)
         chosen = sorted(range(cfg.n_routed_experts), key=lambda e: -(s[e] + bias[e]).item())[:k]
         differs += chosen != sorted(range(cfg.n_routed_experts), key=lambda e: -s[e].item())[:k]
         w = s[chosen] / (s[chosen].sum() + 1e-20) * 1.5
-        want = sum(swiglu(ex.w1[e].double(), ex.w3[e].double(), ex.w2[e].double(), v, w[i]) for i, e in enumerate(chosen))
+        want = sum(swiglu(ex.w1[e].double(), ex.w3[e].double(), ex.w2[e].double(), v, w[i])
+                   for i, e in enumerate(chosen))
         want = want + swiglu(sh.w1.weight.double(), sh.w3.weight.double(), sh.w2.weight.double(), v)
         torch.testing.assert_close(y[t], want, atol=1e-4, rtol=1e-4)
     assert differs > 0  # the biases changed some selections, so the test sees which scores weight the experts

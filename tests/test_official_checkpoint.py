@@ -10,7 +10,6 @@ launch/export_official.py) on flash_tiny-shaped synthetic checkpoints written by
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from model.quant import fp8_block_quant
 from parallel.construct import model_template
 from train.checkpoint import _blob, load_checkpoint
 from train.config import compose, model_config
@@ -145,8 +143,10 @@ def test_release_names_dtypes_and_config(exported):
         assert stored[name].dtype == dtype and tuple(stored[name].shape) == shape, name
     assert "layers.0.ffn.experts.w1" not in stored and f"layers.0.ffn.experts.{E}.w1.weight" not in stored
     bf16 = _stored(d / "off_bf16")
-    assert not any(n.endswith(".scale") for n in bf16) and bf16["layers.0.ffn.experts.3.w1.weight"].dtype == torch.bfloat16
-    # shards of at most 0.001 GiB of tensor data (no tensor here is larger), named as the release names them, with an index
+    assert (not any(n.endswith(".scale") for n in bf16)
+            and bf16["layers.0.ffn.experts.3.w1.weight"].dtype == torch.bfloat16)
+    # shards of at most 0.001 GiB of tensor data (no tensor here is larger), named as the release names them,
+    # with an index
     files = sorted(p.name for p in (d / "off_fp8").glob("*.safetensors"))
     assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     limit = int(0.001 * (1 << 30))
@@ -211,7 +211,8 @@ def _rewrite(directory, fn):
 @pytest.mark.parametrize("case, change, message", [
     ("missing", lambda ts: ts.pop("layers.5.attn.wkv.scale", None), r"missing tensor\(s\) layers\.5\.attn\.wkv\.scale"),
     ("shape", lambda ts: ts.update({"layers.3.attn.attn_sink": torch.zeros(3)})
-     if "layers.3.attn.attn_sink" in ts else None, r"layers\.3\.attn\.attn_sink .* has shape \(3,\), the model needs \(2,\)"),
+     if "layers.3.attn.attn_sink" in ts else None,
+     r"layers\.3\.attn\.attn_sink .* has shape \(3,\), the model needs \(2,\)"),
     ("dtype", lambda ts: ts.update({"layers.2.ffn.experts.1.w3.weight": ts["layers.2.ffn.experts.1.w3.weight"]
                                     .to(torch.bfloat16)}) if "layers.2.ffn.experts.1.w3.weight" in ts else None,
      r"layers\.2\.ffn\.experts\.1\.w3\.weight .* is torch\.bfloat16, the release format is torch\.int8"),

@@ -2,15 +2,15 @@
 momentum loops; routing of every flash_tiny parameter; state_dict round trips."""
 
 import io
-import re
 import math
+import re
 
 import pytest
 import torch
 
+from train.config import model_config
 from train.optim import Muon, SinkhornBalanced, newton_schulz_reference
 from train.optim.newton_schulz import V41_NS_SCHEDULE
-from train.config import model_config
 from train.optim.sinkhorn import sinkhorn_update_reference
 
 
@@ -86,7 +86,7 @@ def test_the_optimizer_runs_the_published_newton_schulz_constants():
     assert ocfg.muon.coefficients() == PUBLISHED_NS
     with torch.device("meta"):
         model = Transformer(model_config(compose(["+exp=flash_tiny"])), init=False)
-    muon = build_optimizers(model, model_config(compose(["+exp=flash_tiny"])), ocfg).optimizers["muon"]
+    muon = build_optimizers(model, model_config(compose(["+exp=flash_tiny"])), ocfg, lr=2.6e-4).optimizers["muon"]
     assert muon.ns_coefficients == PUBLISHED_NS and muon.ns_eps == 1e-7
     for m, n in ((24, 10), (10, 24)):  # tall and wide
         svals = torch.tensor([3.0, 1.0, 0.5, 0.2, 0.05, 0.01, 1e-3, 1e-4, 3e-5, 0.3], dtype=torch.float64)
@@ -101,7 +101,8 @@ def test_the_optimizer_runs_the_published_newton_schulz_constants():
         torch.testing.assert_close(p.detach().double(), want, atol=1e-5, rtol=0)
         # the schedule matters at this precision: 7 main steps, or the two sets swapped, give other numbers
         for other in (PUBLISHED_NS[1:], PUBLISHED_NS[8:] + PUBLISHED_NS[:8]):
-            moved = 0.01 * 0.18 * math.sqrt(max(m, n)) * (U * (literal_ns_singular_value(s, other, frob=s.norm().item()) - f)) @ Vh
+            moved = (0.01 * 0.18 * math.sqrt(max(m, n))
+                     * (U * (literal_ns_singular_value(s, other, frob=s.norm().item()) - f)) @ Vh)
             assert moved.abs().max() > 10 * 1e-5
 
 
@@ -288,8 +289,9 @@ def test_routing_places_every_flash_tiny_parameter(tiny_cfg, tiny_model):
               "layers.0.ffn.experts.w2", "layers.0.ffn.shared_experts.w1.weight", "layers.0.ffn.gate.weight",
               "layers.1.engram.wkv.weight", "aligner.w1.weight", "layers.0.attn.wo_a.weight", "layers.0.hc_attn_fn"):
         assert rule[n] == "muon", n
-    for n in ("norm.weight", "layers.0.attn_norm.weight", "layers.0.attn.q_norm.weight", "layers.2.attn.indexer.k_norm.weight",
-              "layers.2.attn.compressor.norm.weight", "vision.norm.weight", "vision.blocks.0.norm1.weight"):
+    for n in ("norm.weight", "layers.0.attn_norm.weight", "layers.0.attn.q_norm.weight",
+              "layers.2.attn.indexer.k_norm.weight", "layers.2.attn.compressor.norm.weight", "vision.norm.weight",
+              "vision.blocks.0.norm1.weight"):
         assert rule[n] == "adamw_norm" and placed[n].options["weight_decay"] == 0.1, n
     for n in ("layers.0.attn.attn_sink", "layers.0.hc_ffn_base", "layers.0.hc_attn_scale", "aligner.w1.bias",
               "layers.1.engram.q_weight", "image_start"):
@@ -314,10 +316,10 @@ def test_optimizer_set_trains_flash_tiny_and_round_trips(tiny_cfg):
     from train.config import compose, optim_config
     from train.optim import build_optimizers
 
-    ocfg = optim_config(compose(["+exp=flash_tiny", "optim.lr=3e-3"]))
+    ocfg = optim_config(compose(["+exp=flash_tiny"]))
     torch.manual_seed(0)
     model = Transformer(tiny_cfg)
-    opt = build_optimizers(model, tiny_cfg, ocfg)
+    opt = build_optimizers(model, tiny_cfg, ocfg, lr=3e-3)
     assert set(opt.optimizers) == {"muon", "sinkhorn", "adamw"}
     tokens = torch.randint(3, 400, (2, 64))
 
@@ -338,7 +340,7 @@ def test_optimizer_set_trains_flash_tiny_and_round_trips(tiny_cfg):
     saved = torch.load(buf)
     twin = Transformer(tiny_cfg)
     twin.load_state_dict(saved["model"])
-    twin_opt = build_optimizers(twin, tiny_cfg, ocfg)
+    twin_opt = build_optimizers(twin, tiny_cfg, ocfg, lr=3e-3)
     twin_opt.load_state_dict(saved["optim"])
     for _ in range(2):
         assert step(model, opt) == step(twin, twin_opt)
@@ -371,7 +373,7 @@ def test_optim_config_validation_names_the_field():
 
     for override, field in (("optim.sinkhorn.num_steps=10", "optim.sinkhorn.num_steps=10"),
                             ("optim.muon.ns_dtype=float16", "optim.muon.ns_dtype='float16'"),
-                            ("optim.lr=0", "optim.lr=0")):
+                            ("+optim.lr=1e-3", "optim.lr=0.001: removed, the LR schedule is the only source")):
         with pytest.raises(ConfigError, match=re.escape(field)):
             optim_config(compose(["+exp=flash_tiny", override]))
     cfg = optim_config(compose(["+exp=flash_tiny"]))
@@ -388,8 +390,8 @@ def test_distributed_muon_and_row_sharded_sinkhorn_match_single_rank():
 
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(root / "tests" / "dist" / "optimizer_parity.py")], cwd=root, capture_output=True, text=True,
-                         timeout=300)
+                          str(root / "tests" / "dist" / "optimizer_parity.py")],
+                         cwd=root, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert run.stdout.count("distributed Muon matches single-rank Muon on 1440 matrices") == 2
     assert run.stdout.count("row-sharded Sinkhorn matches the whole table") == 2

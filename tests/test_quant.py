@@ -12,9 +12,25 @@ import struct
 import pytest
 import torch
 
-from model.quant import (E2M1_GRID, FP4_MAX, FP8_MAX, e2m1_decode, e2m1_encode, e2m1_round, fake_quant_fp4,
-                         fake_quant_fp8, fp4_block_dequant, fp4_block_quant, fp8_block_dequant, fp8_block_quant,
-                         fp8_weight_dequant, fp8_weight_quant, pack_fp4, pow2_ceil, unpack_fp4)
+from model.quant import (
+    E2M1_GRID,
+    FP4_MAX,
+    FP8_MAX,
+    e2m1_decode,
+    e2m1_encode,
+    e2m1_round,
+    fake_quant_fp4,
+    fake_quant_fp8,
+    fp4_block_dequant,
+    fp4_block_quant,
+    fp8_block_dequant,
+    fp8_block_quant,
+    fp8_weight_dequant,
+    fp8_weight_quant,
+    pack_fp4,
+    pow2_ceil,
+    unpack_fp4,
+)
 
 E8M0_BIAS = 127  # e8m0 byte = log2(scale) + 127
 E4M3_MANTISSA_BITS = 3

@@ -90,7 +90,8 @@ def test_lean_path_saves_only_q_output_lse_and_indices():
     q, kv, comp, sink, topk = _inputs(B=1, S=64, H=4, D=16, N=32, k=16)
     lean = _saved_bytes(lambda: sparse_attention_lean(q, kv, comp, topk, sink, 16, 0.25, 16))
     ref = _saved_bytes(lambda: _reference(q, kv, comp, sink, topk, 16, 0.25, 16))
-    nbytes = lambda t: t.numel() * t.element_size()
+    def nbytes(t):
+        return t.numel() * t.element_size()
     lse = q.shape[0] * q.shape[1] * q.shape[2] * 4
     assert lean == nbytes(q) * 2 + lse + nbytes(topk) + nbytes(kv) + nbytes(comp) + nbytes(sink)
     assert ref > 3 * lean, (ref, lean)
@@ -123,5 +124,6 @@ def test_lean_index_logits_equal_the_reference_and_finite_differences(chunk):
     only_empty = torch.zeros_like(out)
     only_empty[~valid] = 1.0
     assert torch.autograd.grad(index_logits_lean(q, w, keys, idx, chunk), keys, only_empty)[0].abs().sum() == 0
-    small = [t.detach().double()[:1, :6].requires_grad_() for t in (q, w)] + [keys.detach().double()[:1].requires_grad_()]
+    small = ([t.detach().double()[:1, :6].requires_grad_() for t in (q, w)]
+             + [keys.detach().double()[:1].requires_grad_()])
     assert torch.autograd.gradcheck(lambda a, b, c: index_logits_lean(a, b, c, idx[:1, :6], 4), small)

@@ -6,12 +6,18 @@ import math
 
 import pytest
 import torch
+from conftest import random_image, vl_sample
 from PIL import Image
 
-from conftest import random_image, vl_sample
-from data.images import (ImageDecodeError, ImageProcessorConfig, image_token_types, load_image, plan_image_size)
-from model.vision import (apply_rope_2d, encode_images, is_vision_body, pixel_unshuffle, set_vision_body_trainable,
-                          vision_rope_angles)
+from data.images import ImageDecodeError, ImageProcessorConfig, image_token_types, load_image, plan_image_size
+from model.vision import (
+    apply_rope_2d,
+    encode_images,
+    is_vision_body,
+    pixel_unshuffle,
+    set_vision_body_trainable,
+    vision_rope_angles,
+)
 
 FLASH = ImageProcessorConfig(patch_size=14, downsample_ratio=3, max_n_token=1024, min_pixels=544 * 544)
 
@@ -211,7 +217,8 @@ def test_aligner_is_unshuffle_linear_exact_gelu_linear_by_hand(tiny_cfg):
     feats = torch.randn(n_h * n_w, C)
     with torch.no_grad():
         out = al(feats, n_h, n_w).double()
-    gelu = lambda v: 0.5 * v * (1 + math.erf(v / math.sqrt(2)))
+    def gelu(v):
+        return 0.5 * v * (1 + math.erf(v / math.sqrt(2)))
     cells = [(ci, cj) for ci in range(2) for cj in range(2)]
     assert out.shape == (len(cells), tiny_cfg.dim)
     spread = 0.0
@@ -226,5 +233,6 @@ def test_aligner_is_unshuffle_linear_exact_gelu_linear_by_hand(tiny_cfg):
         pre = al.w1.weight.double() @ v + al.w1.bias.double()
         spread = max(spread, pre.abs().max().item())
         hidden = torch.tensor([gelu(a) for a in pre.tolist()], dtype=torch.float64)
-        torch.testing.assert_close(out[cell], al.w2.weight.double() @ hidden + al.w2.bias.double(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[cell], al.w2.weight.double() @ hidden + al.w2.bias.double(),
+                                   atol=1e-5, rtol=1e-5)
     assert spread > 1.5

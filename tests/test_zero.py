@@ -124,8 +124,8 @@ for p, q in zip(model.parameters(), twin.parameters()):
         q.grad = p.grad.clone()
 kinds, matrices = zero_inputs(route_parameters(model, mcfg, ocfg))
 plan = dims.zero_plan(model, kinds, matrices)
-zero = build_optimizers(model, mcfg, ocfg, zero_of=lambda p: plan[id(p)])
-repl = build_optimizers(twin, mcfg, ocfg)
+zero = build_optimizers(model, mcfg, ocfg, zero_of=lambda p: plan[id(p)], lr=1e-2)
+repl = build_optimizers(twin, mcfg, ocfg, lr=1e-2)
 for step in range(2):
     zero.set_lr(1e-2); repl.set_lr(1e-2)
     zero.step(); repl.step()
@@ -135,7 +135,8 @@ def state_numel(opts):
     return sum(v.numel() for o in opts.optimizers.values() for _, _, v, _ in o.owned_state() if v.dim())
 held = torch.tensor([float(state_numel(zero))])
 dist.all_reduce(held)
-assert state_numel(zero) < 0.7 * state_numel(repl) and held.item() == state_numel(repl), (state_numel(zero), state_numel(repl))
+assert (state_numel(zero) < 0.7 * state_numel(repl)
+        and held.item() == state_numel(repl)), (state_numel(zero), state_numel(repl))
 
 # ZeRO-1 state saved as global tensors loads into a replicated optimizer set
 ck = sys.argv[1]
@@ -144,7 +145,7 @@ dcp.save({"model": model.state_dict(), "optim": optimizer_state_sharded(zero.opt
 third = make()
 for p in third.parameters():
     p.grad = torch.zeros_like(p)
-fresh = build_optimizers(third, mcfg, ocfg)
+fresh = build_optimizers(third, mcfg, ocfg, lr=1e-2)
 load_checkpoint(ck, third, fresh.optimizers, r, 2)
 name_of = {id(p): n for n, p in third.named_parameters()}
 mine = {(name_of[id(p)], k): v for o in fresh.optimizers.values() for p, k, v, _ in o.owned_state()}
@@ -152,7 +153,8 @@ tname = {id(p): n for n, p in twin.named_parameters()}
 ref = {(tname[id(p)], k): v for o in repl.optimizers.values() for p, k, v, _ in o.owned_state()}
 assert mine.keys() == ref.keys(), sorted(set(mine) ^ set(ref))[:5]
 for key in ref:
-    torch.testing.assert_close(mine[key].reshape(ref[key].shape).float(), ref[key].float(), rtol=1e-5, atol=1e-6, msg=str(key))
+    torch.testing.assert_close(mine[key].reshape(ref[key].shape).float(), ref[key].float(), rtol=1e-5, atol=1e-6,
+                               msg=str(key))
 # buckets start in bucket order whatever order this rank's backward completes them in (an image on
 # one rank only changes its graph): one backward call per parameter, rank 0 completing the buckets
 # first to last, rank 1 last to first; one more parameter is reached on rank 0 only (zero-fill rule)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from model.config import ConfigError
 from parallel.sharded_state import GlobalChunk
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ def _optimizer_templates(md: dict, optimizers: dict, model: nn.Module, layout: d
         if fqn not in params:
             continue  # another pipeline stage's parameter
         if oname not in optimizers:
-            raise ValueError(f"checkpoint has optimizer state {key!r} for optimizer {oname!r}, which this run does "
+            raise ConfigError(f"checkpoint has optimizer state {key!r} for optimizer {oname!r}, which this run does "
                              f"not have (it has {sorted(optimizers)}); was it written by another optimizer config?")
         p = params[fqn]
         if len(m.size) == 0:
@@ -147,7 +148,7 @@ def _optimizer_templates(md: dict, optimizers: dict, model: nn.Module, layout: d
             continue
         shape, base = _global(fqn, p, layout)
         if m.size[0] != math.prod(shape):
-            raise ValueError(f"checkpoint state {key!r} has {m.size[0]} elements but parameter {fqn!r} has "
+            raise ConfigError(f"checkpoint state {key!r} has {m.size[0]} elements but parameter {fqn!r} has "
                              f"{math.prod(shape)} (global shape {shape}); was it written by another model config?")
         pieces = optimizers[oname].state_pieces(p)
         if pieces:
@@ -191,7 +192,8 @@ class CheckpointWriter:
             tmp.mkdir(parents=True)
         _barrier()
         layout = layout or {}
-        state = {"model": _sharded_model_state(model, layout), "optim": optimizer_state_sharded(optimizers, model, layout),
+        state = {"model": _sharded_model_state(model, layout),
+                 "optim": optimizer_state_sharded(optimizers, model, layout),
                  "meta": _blob(meta), f"dp{rank if dp_rank is None else dp_rank}": _blob(rank_state)}
         with warnings.catch_warnings():  # DCP warns when it runs without a process group (one process): expected
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -271,11 +273,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_ran
     if weights_only(path):
         return _load_weights_only(path, model, layout), None
     if rank_key not in md or (dp is not None and len(saved) != dp):
-        raise ValueError(f"checkpoint {path} was written with {len(saved)} data-parallel reader(s) and this run has "
+        raise ConfigError(f"checkpoint {path} was written with {len(saved)} data-parallel reader(s) and this run has "
                          f"{dp if dp is not None else 'more'}: the data-loader state needs the same number of "
-                         f"data-parallel ranks (world size / (parallel.pp x parallel.cp) = {len(saved)}); the model and "
-                         f"optimizer state would load into any layout, and parallel.pp / parallel.ep / parallel.cp "
-                         f"may differ")
+                         f"data-parallel ranks (world size / (parallel.pp x parallel.cp) = {len(saved)}); "
+                         f"the model and optimizer state would load into any layout, and parallel.pp / parallel.ep / "
+                         f"parallel.cp may differ")
     state = {"model": _sharded_model_state(model, layout), "optim": _optimizer_templates(md, optimizers, model, layout),
              "meta": b"", rank_key: b""}
     with warnings.catch_warnings():

@@ -12,8 +12,9 @@ its stages and expert shard, materialised), the batch is text of the configured 
 
 The measured step is a steady-state one: the optimizer state exists before it starts (created by one
 optimizer step on zero gradients, as the first real step creates it), as in every step after the first.
-It runs as many micro-batches as the peak needs (`_peak_preserving_microbatches`: 2 without a
-pipeline, pp + 1 on stage 0 and pp elsewhere with 1F1B; later micro-batches repeat the same state), not the whole accumulation.
+It runs as many micro-batches as the peak needs (`_peak_preserving_microbatches`: 2 without a pipeline,
+pp + 1 on stage 0 and pp elsewhere with 1F1B; later micro-batches repeat the same state), not the whole
+accumulation.
 
 What a simulation cannot know, it assumes: routing is balanced (each expert receives its even share
 of the (token, expert) pairs -- what the bias update steers towards); `device='cuda'` simulates bf16
@@ -115,7 +116,7 @@ class SimulatedTrainer(Trainer):
         self.full_accumulation = self.layout.accumulation
         self.rank, self.device = rank, torch.device("cpu")
         self._setup_groups(world)
-        self.layout = replace(self.layout, **_peak_preserving_microbatches(self.layout, self.parallel.schedule,
+        self.layout = replace(self.layout, **_peak_preserving_microbatches(self.layout, self.parallel.pipeline_schedule,
                                                                            self.pp_rank))
         self.mixed_precision = device_type == "cuda"
         m = self.model_cfg

@@ -18,7 +18,8 @@ from train.optim.routing import route_parameters
 
 
 def stage_units(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig, parallel: ParallelConfig,
-                seq_len: int, micro_batch: int, recompute: str, mixed_precision: bool, dp: int, cp: int = 1) -> list[dict]:
+                seq_len: int, micro_batch: int, recompute: str, mixed_precision: bool, dp: int,
+                cp: int = 1) -> list[dict]:
     """The partitioner's per-block costs for this run (`model` may live on the meta device). `dp`: the
     ranks holding the same parameters (dp x cp); under context parallelism a rank's activations are those
     of its seq_len / cp positions, plus the whole sequence's compressed entries and the indexer's scores
@@ -35,5 +36,5 @@ def plan_stages(units: list[dict], parallel: ParallelConfig) -> list[tuple[int, 
 
     budget = None if parallel.gpu_memory_gb is None else parallel.gpu_memory_gb * 1e9
     return partition(units, parallel.n_stages, parallel.stage_layers,
-                     in_flight_microbatches(parallel.pp, parallel.schedule), parallel.partition_memory_slack,
+                     in_flight_microbatches(parallel.pp, parallel.pipeline_schedule), parallel.partition_memory_slack,
                      budget, [stage_ids(parallel, r) for r in range(parallel.pp)])

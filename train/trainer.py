@@ -31,6 +31,7 @@ of gradients, clipping and optimizer-state ownership lives in `parallel.dims.Par
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import math
 import os
@@ -53,19 +54,21 @@ from model.config import ConfigError, reject_unknown_fields
 from model.recompute import validate_recompute
 from model.vision import set_vision_body_trainable
 from parallel.config import ParallelConfig
-from parallel.dims import ParallelDims
-from parallel.mesh import mesh_shape
 from parallel.construct import build_rank_model, model_template
 from parallel.context import ContextComm
+from parallel.dims import ParallelDims
+from parallel.mesh import mesh_shape
 from parallel.pipeline import build_pipeline, local_stage_ranges
 from train.balancing import accumulate_loads, global_loads, update_biases
-from train.loss import tiled_lm_loss
 from train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint, weights_only
 from train.config import data_config, model_config, optim_config, schedule, token_spec
 from train.engram_map import load_or_build_engram_map
+from train.flops import PeakTflops, flops_per_token, mfu, peak_flops
+from train.loss import tiled_lm_loss
 from train.metrics import LoggingConfig, MetricsLogger, load_statistics
 from train.optim import build_optimizers
 from train.optim.routing import route_parameters, zero_inputs
+from train.profile import ProfileConfig, StepProfiler
 from train.stages import plan_stages, stage_units
 from train.step_values import LOADER_COUNTERS, StepValues
 
@@ -95,14 +98,18 @@ class TrainConfig:
     balance_rate: float = 1e-3
     resume_from: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peak_tflops: PeakTflops = field(default_factory=PeakTflops)  # MFU peak per device type (train/flops.py)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # traces / memory snapshots (train/profile.py)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "TrainConfig":
         values = dict(values)
         ck = values.pop("checkpoint", {})
+        peak = PeakTflops.from_mapping(values.pop("peak_tflops", None))
+        profile = ProfileConfig.from_mapping(values.pop("profile", None))
         reject_unknown_fields(cls, values, "train config", "train/trainer.py")
         reject_unknown_fields(CheckpointConfig, ck, "train.checkpoint", "train/trainer.py")
-        return cls(checkpoint=CheckpointConfig(**ck), **values)
+        return cls(checkpoint=CheckpointConfig(**ck), peak_tflops=peak, profile=profile, **values)
 
 
 @dataclass
@@ -135,7 +142,7 @@ def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: Pa
                                               or min(parallel.stage_layers) < 1):
         raise ConfigError(f"parallel.stage_layers={parallel.stage_layers}: needs {parallel.n_stages} positive layer "
                           f"counts (pp={parallel.pp} x {parallel.stages_per_rank} stage(s) per rank for "
-                          f"{parallel.schedule}) summing to {n_layers}")
+                          f"{parallel.pipeline_schedule}) summing to {n_layers}")
     g = max(1, round(train.global_batch_tokens / seq_len))
     unit = dp * micro_batch
     if g % unit:
@@ -160,11 +167,11 @@ def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: Pa
                   parallel.ep, parallel.cp)
 
 
-def _init_distributed() -> tuple[int, int, torch.device]:
+def _init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -197,8 +204,11 @@ class Trainer:
         if self.train_cfg.resume_from and not Path(self.train_cfg.resume_from).is_dir():
             raise FileNotFoundError(f"train.resume_from={self.train_cfg.resume_from!r} does not exist")
 
-        self.rank, world, self.device = _init_distributed()
+        self.rank, world, self.device = _init_distributed(self.parallel.timeout_s)
         self._setup_groups(world)
+        if self.is_main:
+            log.info(f"run directory {self.run_dir}: {world} process(es) on {self.device.type}, pp={self.layout.pp} "
+                     f"dp={self.layout.dp} ep={self.layout.ep} cp={self.layout.cp}, {self.max_steps} steps")
         torch.manual_seed(self.train_cfg.seed)
         random.seed(self.train_cfg.seed)
         np.random.seed(self.train_cfg.seed)
@@ -274,7 +284,7 @@ class Trainer:
             self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg,
                                           None if self.dims.zero else self.dims.muon_split_group_of(self.model),
                                           (lambda p: self.zero_plan[id(p)]) if self.dims.zero else None,
-                                          self._sinkhorn_row_group_of())
+                                          self._sinkhorn_row_group_of(), lr=self.schedule.lr(self.step))
             self.reducer = self.dims.grad_reducer(self.model)
 
     def _partition(self) -> list[tuple[int, int]]:
@@ -296,10 +306,10 @@ class Trainer:
         pipe = build_pipeline(self.model, self.parallel, bounds, self.pp_rank, self.dims.pp_group, self.device,
                               self.data_cfg.batch_size, self.data_cfg.seq_len, self.layout.round_microbatches, loss_fn)
         if self.is_main:
-            print(f"pipeline: {self.parallel.schedule}, pp={self.layout.pp} x {self.parallel.stages_per_rank} "
-                  f"stage(s) per rank, layers per stage {[b - a for a, b in bounds]}, "
-                  f"{self.layout.round_microbatches} micro-batches per round x {self.layout.rounds} round(s)",
-                  flush=True)
+            log.info(f"pipeline: {self.parallel.pipeline_schedule}, pp={self.layout.pp} x "
+                     f"{self.parallel.stages_per_rank} stage(s) per rank, layers per stage "
+                     f"{[b - a for a, b in bounds]}, {self.layout.round_microbatches} micro-batches per round x "
+                     f"{self.layout.rounds} round(s)")
         return pipe
 
     # --- helpers -----------------------------------------------------------------------------
@@ -328,8 +338,8 @@ class Trainer:
         if self.train_cfg.resume_from and own is not None and weights_only(self.train_cfg.resume_from):
             # imported weights are where a run starts, not a resume point: a restart continues the run's own
             if self.is_main:
-                print(f"train.resume_from={self.train_cfg.resume_from} holds weights only (an import); the run "
-                      f"directory has its own checkpoints: resuming from {own}", flush=True)
+                log.info(f"train.resume_from={self.train_cfg.resume_from} holds weights only (an import); the run "
+                      f"directory has its own checkpoints: resuming from {own}")
             path = own
         if path is None:
             return
@@ -339,18 +349,18 @@ class Trainer:
         diff = sorted(k for k in set(saved_model) | set(self.cfg_dict["model"])
                       if saved_model.get(k) != self.cfg_dict["model"].get(k) and k not in EXECUTION_ONLY)
         if diff:
-            raise ValueError(f"checkpoint {path} was written for a different model config (fields {diff} differ); "
+            raise ConfigError(f"checkpoint {path} was written for a different model config (fields {diff} differ); "
                              f"use a new run directory, or the model config it was trained with")
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
         if mine is None:  # weights alone: fresh optimizer state, data from the start, the schedule from step 0
             if self.is_main:
-                print(f"started from the weights in {path} ({meta.get('imported_from', 'imported')}): step 0, fresh "
-                      f"optimizer state", flush=True)
+                log.info(f"started from the weights in {path} ({meta.get('imported_from', 'imported')}): step 0, fresh "
+                      f"optimizer state")
             return
         self.loader.load_state_dict(mine["data"])
         _set_rng_state(mine["rng"])
         if self.is_main:
-            print(f"resumed from {path} at step {self.step}", flush=True)
+            log.info(f"resumed from {path} at step {self.step}")
 
     def save(self) -> None:
         fault = os.environ.get(FAULT_ENV)
@@ -382,7 +392,8 @@ class Trainer:
             images = [[img.to(self.device) for img in row] for row in batch["images"]]
             hidden = self.model.final_hidden(self.model.run(tokens, types, images, stats, aux_grad_scale=1.0 / accum))
             loss = tiled_lm_loss(hidden, self.model.head, batch["labels"].to(self.device),
-                                 self.train_cfg.loss_tile_tokens, 1.0 / accum, self.model.sequence_split(tokens.shape[1]))
+                                 self.train_cfg.loss_tile_tokens, 1.0 / accum,
+                                 self.model.sequence_split(tokens.shape[1]))
             if i == accum - 1:
                 self.reducer.mark_final()  # the gradients complete in this backward: reduce buckets as they do
             loss.backward()
@@ -442,6 +453,11 @@ class Trainer:
             "skipped_samples": int(sum(v[k] for k in LOADER_COUNTERS)),
             "vit_trainable": bool(self.schedule.vit_trainable(self.step - 1)),
             "expert_load": load_statistics(loads),
+            # model FLOPs (forward + backward) per token at data.seq_len, and MFU = flops_per_token * tokens_per_s
+            # / (peak per device * world), null without a known peak (train/flops.py; train.peak_tflops)
+            "flops_per_token": (fpt := flops_per_token(self.model_cfg, self.data_cfg.seq_len)),
+            "mfu": mfu(fpt, self.schedule.tokens_per_step / dt,
+                       peak_flops(self.device, self.train_cfg.peak_tflops, self.is_main)[0], self.layout.world),
         }
         return record, loads
 
@@ -479,7 +495,9 @@ class Trainer:
         last_saved = self.step
         try:
             while self.step < self.max_steps:
-                record, loads = self.train_step()
+                profiler = StepProfiler.for_trainer(self)  # train.profile: traces / memory snapshots of chosen steps
+                with profiler.step(self.step + 1):
+                    record, loads = self.train_step()
                 if not math.isfinite(record["loss"]):
                     raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping (the last "
                                              f"checkpoint is intact)")
@@ -491,7 +509,8 @@ class Trainer:
                     last_saved = self.step
                 if stop.item():
                     if self.is_main:
-                        print(f"SIGTERM: saved step {self.step}, exiting", flush=True)
+                        log.info(f"SIGTERM: saved step {self.step}, exiting")
+                    profiler.close()  # a trace / memory history still open: write what it has
                     break
             if last_saved != self.step:
                 self.save()

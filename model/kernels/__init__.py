@@ -3,7 +3,7 @@ reference it is checked against:
 
 | kernel | reference |
 |---|---|
-| `sparse_attention.py`: CSA2 window band + selected compressed slots + sink, forward/backward | `model/sparse_attention.py` |
+| `sparse_attention.py`: CSA2 window band + selected compressed slots + sink, fwd/bwd | `model/sparse_attention.py` |
 | `index_topk.py`: fused indexer scoring and top-k per query block | `model/attention.py` `_select` |
 | `mhc.py`: mHC mixes (Sinkhorn in registers), collapse, expand | `model/mhc.py` |
 

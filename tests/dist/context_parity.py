@@ -20,6 +20,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 
 from conftest import random_image, vl_sample  # noqa: E402
 from parity_batch import IGNORE, tiny_cfg, tiny_model  # noqa: E402
+
 from model.aux import StepStats  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.context import ContextComm  # noqa: E402

@@ -15,13 +15,15 @@ import torch.distributed as dist
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 from parity_batch import tiny_cfg, tiny_model  # noqa: E402
+
 from train.config import compose, optim_config  # noqa: E402
 from train.optim import SinkhornBalanced, build_optimizers  # noqa: E402
 
 
 def run(shard_group_of):
     model = tiny_model()
-    opt = build_optimizers(model, tiny_cfg(), optim_config(compose(["+exp=flash_tiny"])), shard_group_of).optimizers["muon"]
+    opt = build_optimizers(model, tiny_cfg(), optim_config(compose(["+exp=flash_tiny"])), shard_group_of,
+                           lr=2.6e-4).optimizers["muon"]
     params = [p for g in opt.param_groups for p in g["params"]]
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):

@@ -6,7 +6,6 @@ tests/test_pipeline_dist.py compares them with a single-process reference that b
 usage: torchrun --nproc_per_node=2 tests/dist/pipeline_parity.py OUT SCHEDULE:COUNTS [SCHEDULE:COUNTS ...]
 (COUNTS: layer counts per stage, e.g. 1f1b:17,23)"""
 
-import os
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch.distributed as dist
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 from parity_batch import MICROBATCHES, batch, tiny_model  # noqa: E402
+
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.partition import bounds_from_counts  # noqa: E402
 from parallel.pipeline import build_pipeline  # noqa: E402
@@ -34,7 +34,7 @@ def main(out: Path, specs: list[str]) -> None:
     for spec in specs:
         name, counts = spec.split(":")
         counts = [int(c) for c in counts.split(",")]
-        parallel = ParallelConfig(pp=pp, schedule=name, stage_layers=counts)
+        parallel = ParallelConfig(pp=pp, pipeline_schedule=name, stage_layers=counts)
         bounds = bounds_from_counts(counts)
         model = tiny_model()
 
@@ -49,7 +49,8 @@ def main(out: Path, specs: list[str]) -> None:
         torch.save({"losses": [l.detach() for l in losses],
                     "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
                     "params": sorted(n for n, _ in model.named_parameters()),
-                    "loads": pipe.stats.expert_load, "balance": float(pipe.stats.balance), "indexer": float(pipe.stats.indexer)},
+                    "loads": pipe.stats.expert_load, "balance": float(pipe.stats.balance),
+                    "indexer": float(pipe.stats.indexer)},
                    out / f"{name}.rank{rank}.pt")
         dist.barrier()
     dist.destroy_process_group()

@@ -25,9 +25,10 @@ import torch.nn.functional as F
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_kernels.py"
 
+from parity_batch import IGNORE, batch, tiny_cfg  # noqa: E402
+
 from model import Transformer  # noqa: E402
 from model.aux import StepStats  # noqa: E402
-from parity_batch import IGNORE, batch, tiny_cfg  # noqa: E402
 
 SEQ = 64
 SINKHORN_ROUNDS = 4

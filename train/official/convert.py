@@ -29,13 +29,28 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from model.config import ModelConfig
-from model.quant import (fp4_block_dequant, fp4_block_quant, fp8_block_dequant, fp8_block_quant, fp8_weight_dequant,
-                         fp8_weight_quant)
+from model.quant import (
+    fp4_block_dequant,
+    fp4_block_quant,
+    fp8_block_dequant,
+    fp8_block_quant,
+    fp8_weight_dequant,
+    fp8_weight_quant,
+)
 from parallel.construct import model_template
 from train.checkpoint import _blob, _unblob
 from train.official.dcp_parts import PartsWriter, pieces
-from train.official.layout import (BLOCK, TORCH_DTYPE, OfficialTensor, check_quantisable, config_differences,
-                                   normalise_name, official_config, official_tensors, quantised_from_config)
+from train.official.layout import (
+    BLOCK,
+    TORCH_DTYPE,
+    OfficialTensor,
+    check_quantisable,
+    config_differences,
+    normalise_name,
+    official_config,
+    official_tensors,
+    quantised_from_config,
+)
 from train.official.safetensors import SafeFile, ShardedWriter, read_index
 
 GiB = 1 << 30
@@ -169,7 +184,8 @@ def import_official(src: str | Path, out: str | Path, cfg: ModelConfig, run_conf
                                       + "\nimport with the +exp (and model.* overrides) of the released model")
     report = ImportReport(out)
     if cfg.engram_compressed_vocab_size is None and cfg.engram_layer_ids:
-        report.notes.append(f"engram_compressed_vocab_size: config.json has {found.get('engram_compressed_vocab_size')}, "
+        report.notes.append("engram_compressed_vocab_size: config.json has "
+                            f"{found.get('engram_compressed_vocab_size')}, "
                             f"the model config takes it from the token map; set model.engram_compressed_vocab_size="
                             f"{found.get('engram_compressed_vocab_size')} to have it checked at start")
     tensors = official_tensors(shapes, quantised)
@@ -329,5 +345,5 @@ def error_bound(t: OfficialTensor, value: torch.Tensor, scale: torch.Tensor | No
     return value.abs() * 2.0 ** -4 + s * 2.0 ** -10
 
 
-__all__ = ["import_official", "export_official", "peak_rss_gib", "OfficialCheckpointError", "dequantise", "quantise", "error_bound",
-           "model_shapes"]
+__all__ = ["import_official", "export_official", "peak_rss_gib", "OfficialCheckpointError", "dequantise", "quantise",
+           "error_bound", "model_shapes"]

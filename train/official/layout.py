@@ -21,7 +21,7 @@ default variant loads there unchanged.
 
 `config.json` holds the public `ModelArgs` fields (the flat file `generate.py --config` reads), derived
 from `ModelConfig` by `official_config`.
-"""
+"""  # noqa: E501 - markdown table rows cannot be wrapped
 
 from __future__ import annotations
 

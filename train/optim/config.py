@@ -52,7 +52,6 @@ class AdamWConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 2.6e-4  # peak learning rate; the schedule scales every group's lr_mult by it
     vision_lr_mult: float = 0.1  # ViT body once unfrozen (the report: "a smaller learning rate")
     use_triton: bool | None = None  # None: Triton on CUDA, reference on CPU
     zero: bool = True  # ZeRO-1: optimizer state sharded over data-parallel replicas (no effect with dp = 1)
@@ -70,13 +69,14 @@ class OptimConfig:
                 kwargs[k] = build(sub, v, f"{where}.{k}") if (klass is cls and sub) else v
             return klass(**kwargs)
 
+        if "lr" in values:
+            raise ConfigError(f"optim.lr={values['lr']!r}: removed, the LR schedule is the only source of the learning "
+                              f"rate; set schedule.peak_lr (and schedule.final_lr) instead")
         cfg = build(cls, dict(values), "optim")
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr={self.lr}: must be > 0")
         if self.vision_lr_mult < 0:
             raise ConfigError(f"optim.vision_lr_mult={self.vision_lr_mult}: must be >= 0")
         if not 0 <= self.muon.momentum < 1:

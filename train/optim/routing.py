@@ -24,7 +24,7 @@ routed like all others (they receive no gradient, so no optimizer state, until u
 selection biases are buffers and belong to no optimizer. A parameter matching no rule is an error.
 
 Every group carries `lr_mult`; `group["lr"] = lr * lr_mult`, and the LR schedule keeps that relation.
-"""
+"""  # noqa: E501 - markdown table rows cannot be wrapped
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.vision import is_vision_body
-from train.optim.config import OptimConfig
 from train.optim.adamw import ShardedAdamW
+from train.optim.config import OptimConfig
 from train.optim.muon import Muon, _as_matrices
 from train.optim.sinkhorn import SinkhornBalanced
 
@@ -47,7 +47,8 @@ RULES: tuple[tuple[str, str], ...] = (
     ("adamw_norm", r"(^|\.)(\w*norm\d?)\.weight$"),
     ("muon_q_heads", r"^layers\.\d+\.attn\.wq_b\.weight$"),
     ("muon_index_heads", r"^layers\.\d+\.attn\.indexer\.wq_b\.weight$"),
-    ("adamw", r"(\.bias|(^|\.)attn_sink|\.hc_(attn|ffn)_(base|scale)|\.engram\.[qk]_weight|^image_(start|newline|end))$"),
+    ("adamw", r"(\.bias|(^|\.)attn_sink|\.hc_(attn|ffn)_(base|scale)|\.engram\.[qk]_weight"
+              r"|^image_(start|newline|end))$"),
     ("muon", r"(\.weight|\.experts\.w[123]|\.hc_(attn|ffn)_fn)$"),
 )
 OPTIMIZER_OF = {"sinkhorn": "sinkhorn", "sinkhorn_engram": "sinkhorn", "adamw_norm": "adamw", "adamw": "adamw",
@@ -65,7 +66,8 @@ def route_name(name: str, shape: torch.Size) -> str:
                 raise RoutingError(f"parameter {name!r} matches rule {rule!r} but has shape {tuple(shape)}; "
                                    f"{OPTIMIZER_OF[rule]} takes matrices")
             if OPTIMIZER_OF[rule] == "sinkhorn" and len(shape) != 2:
-                raise RoutingError(f"parameter {name!r}: the Sinkhorn update takes [rows, features], got {tuple(shape)}")
+                raise RoutingError(f"parameter {name!r}: the Sinkhorn update takes [rows, features], "
+                                   f"got {tuple(shape)}")
             return rule
     raise RoutingError(f"parameter {name!r} (shape {tuple(shape)}) matches no optimizer routing rule; add it to "
                        f"train/optim/routing.py RULES")
@@ -166,13 +168,14 @@ def zero_inputs(groups: list[RoutedGroup]) -> tuple[dict[str, str], dict[str, tu
 
 
 def build_optimizers(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig,
-                     shard_group_of=None, zero_of=None, row_group_of=None) -> OptimizerSet:
-    """shard_group_of(param) -> the process group a parameter is replicated over, for distributed Muon
+                     shard_group_of=None, zero_of=None, row_group_of=None, *, lr: float) -> OptimizerSet:
+    """`lr`: the base learning rate to start from; the LR schedule is its only source (the trainer passes
+    the schedule's value at the current step and sets it again before every step, `set_lr`).
+    shard_group_of(param) -> the process group a parameter is replicated over, for distributed Muon
     without ZeRO (None: every rank orthogonalises everything itself); zero_of(param) -> its ZeRO-1
     Ownership (None: optimizer state replicated); row_group_of(param) -> the group a row-sharded table
     is split over."""
     groups = route_parameters(model, model_cfg, optim_cfg)
-    lr = optim_cfg.lr
 
     def pg(g: RoutedGroup) -> dict:
         return {"params": g.params, "lr": lr * g.lr_mult, "lr_mult": g.lr_mult, "rule": g.rule, **g.options}
