@@ -493,9 +493,9 @@ class Trainer:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         metrics = MetricsLogger(self.run_dir, self.log_cfg, self.cfg_dict, self.is_main, self.max_steps, self.step)
         last_saved = self.step
+        profiler = StepProfiler.for_trainer(self)  # train.profile: traces / memory snapshots of chosen steps
         try:
             while self.step < self.max_steps:
-                profiler = StepProfiler.for_trainer(self)  # train.profile: traces / memory snapshots of chosen steps
                 with profiler.step(self.step + 1):
                     record, loads = self.train_step()
                 if not math.isfinite(record["loss"]):
@@ -510,12 +510,12 @@ class Trainer:
                 if stop.item():
                     if self.is_main:
                         log.info(f"SIGTERM: saved step {self.step}, exiting")
-                    profiler.close()  # a trace / memory history still open: write what it has
                     break
             if last_saved != self.step:
                 self.save()
             self.checkpoints.wait()
         finally:
+            profiler.close()  # a trace / memory history still open (SIGTERM, a stop, a short run): write what it has
             metrics.close()
             signal.signal(signal.SIGTERM, previous)
         if dist.is_initialized():
