@@ -36,10 +36,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """The project's own error types: each message already says what was wrong and what to do."""
     from data.config import DataConfigError
     from model.config import ConfigError
+    from train.checkpoint import CheckpointError
     from train.official.convert import OfficialCheckpointError
     from train.optim.routing import RoutingError
 
-    return ConfigError, DataConfigError, RoutingError, OfficialCheckpointError, FileNotFoundError
+    return ConfigError, DataConfigError, RoutingError, OfficialCheckpointError, CheckpointError, FileNotFoundError
 
 
 @record

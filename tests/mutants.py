@@ -565,6 +565,19 @@ MUTANTS = [
            'window_kv = fake_quant_fp8(window_kv, QATConfig.WINDOW_KV_BLOCK)',
            'window_kv = window_kv',
            ['tests/test_qat.py']),
+    # issue 18 items 6-7: verified checkpoints, run-directory guards
+    Mutant('checksums never compared', 'train/checkpoint.py',
+           'elif _digest(f)["sha256"] != listed[name]["sha256"]:',
+           'elif False:',
+           ['tests/test_checkpoint_verify.py']),
+    Mutant('workers outlive a killed launcher', 'train/trainer.py',
+           '        die_with_launcher()\n',
+           '',
+           ['tests/test_run_guard.py']),
+    Mutant('run directory lock not taken', 'train/run_guard.py',
+           'fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)',
+           'pass',
+           ['tests/test_run_guard.py']),
 ]
 
 

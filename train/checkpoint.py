@@ -28,7 +28,9 @@ Contents (DCP keys):
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import logging
 import math
 import os
@@ -101,6 +103,84 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     done = complete_checkpoints(run_dir)
     return done[-1] if done else None
+
+
+# ---------------------------------------------------------------------------------------- verification
+MANIFEST = "checksums.json"  # {file name: {"size": bytes, "sha256": hex}} of every other file of the checkpoint
+_HASH_BLOCK = 8 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or one to load is damaged; the message says which and what is kept."""
+
+
+def _digest(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _gather(obj) -> list:
+    if _world() == 1:
+        return [obj]
+    out = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def write_manifest(directory: Path) -> None:
+    """Collective: every rank hashes its share of the checkpoint's files, rank 0 writes the manifest."""
+    files = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    mine = {n: _digest(directory / n) for n in files[_rank()::_world()]}
+    merged = {k: v for part in _gather(mine) for k, v in part.items()}
+    if _rank() == 0:
+        tmp = directory / f".{MANIFEST}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(sorted(merged.items())), f, indent=0)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / MANIFEST)
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Collective: None when every file the manifest lists is there with its size and checksum (each rank
+    checks its share); else what is wrong. A checkpoint written before manifests existed is not checked."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        listed = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST} is unreadable ({e})"
+    problems = []
+    for name in sorted(listed)[_rank()::_world()]:
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != listed[name]["size"]:
+            problems.append(f"{name} has {f.stat().st_size} bytes, {listed[name]['size']} were written")
+        elif _digest(f)["sha256"] != listed[name]["sha256"]:
+            problems.append(f"{name} does not match its checksum")
+    found = [p for part in _gather(problems) for p in part]
+    return "; ".join(found) if found else None
+
+
+def latest_verified_checkpoint(run_dir: str | Path, report=log.warning) -> Path | None:
+    """Collective: the newest complete checkpoint whose files match their checksums; each damaged newer
+    one is reported and skipped."""
+    for path in reversed(complete_checkpoints(run_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        report(f"checkpoint {path} is damaged ({problem}); skipping it for the previous complete one")
+    return None
 
 
 def optimizer_state_sharded(optimizers: dict, model: nn.Module, layout: dict) -> dict:
@@ -189,7 +269,10 @@ class CheckpointWriter:
         rank = _rank()
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                raise self._failed(tmp, e) from e
         _barrier()
         layout = layout or {}
         state = {"model": _sharded_model_state(model, layout),
@@ -201,9 +284,22 @@ class CheckpointWriter:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
                 self.pending = (future, tmp, final, fault_hook)
                 return final
-            dcp.save(state, checkpoint_id=str(tmp))
+            try:
+                dcp.save(state, checkpoint_id=str(tmp))
+            except Exception as e:  # disk full, permissions, a rank's write: keep what was there, say so
+                raise self._failed(tmp, e) from e
         self._finalize(tmp, final, fault_hook)
         return final
+
+    def _failed(self, tmp: Path, error: BaseException) -> CheckpointError:
+        """Remove the partial write and describe the failure; the complete checkpoints are untouched."""
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        newest = latest_checkpoint(self.run_dir)
+        return CheckpointError(f"writing checkpoint {tmp.name.removeprefix('.tmp-')} into {tmp.parent} failed "
+                               f"({type(error).__name__}: {error}); the previous checkpoints are untouched (newest: "
+                               f"{newest.name if newest else 'none'}). Free space or fix the permissions, then restart "
+                               f"in the run directory to resume")
 
     def wait(self) -> None:
         """Finish a background write (rename + prune); a no-op when none is pending."""
@@ -211,10 +307,15 @@ class CheckpointWriter:
             return
         future, tmp, final, hook = self.pending
         self.pending = None
-        future.result()
+        try:
+            future.result()
+        except Exception as e:
+            raise self._failed(tmp, e) from e
         self._finalize(tmp, final, hook)
 
     def _finalize(self, tmp: Path, final: Path, fault_hook) -> None:
+        _barrier()
+        write_manifest(tmp)
         _barrier()
         if fault_hook is not None:
             fault_hook(tmp)

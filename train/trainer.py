@@ -60,7 +60,14 @@ from parallel.dims import ParallelDims
 from parallel.mesh import mesh_shape
 from parallel.pipeline import build_pipeline, local_stage_ranges
 from train.balancing import accumulate_loads, global_loads, update_biases
-from train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint, weights_only
+from train.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    checkpoint_problem,
+    latest_verified_checkpoint,
+    load_checkpoint,
+    weights_only,
+)
 from train.config import data_config, model_config, optim_config, schedule, token_spec
 from train.engram_map import load_or_build_engram_map
 from train.flops import PeakTflops, flops_per_token, mfu, peak_flops
@@ -69,6 +76,7 @@ from train.metrics import LoggingConfig, MetricsLogger, load_statistics
 from train.optim import build_optimizers
 from train.optim.routing import route_parameters, zero_inputs
 from train.profile import ProfileConfig, StepProfiler
+from train.run_guard import acquire_run_lock, die_with_launcher
 from train.stages import plan_stages, stage_units
 from train.step_values import LOADER_COUNTERS, StepValues
 
@@ -198,7 +206,10 @@ def _set_rng_state(s: dict) -> None:
 class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: str | Path):
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        die_with_launcher()
         self._configure(cfg, run_dir, world)
+        if int(os.environ.get("RANK", "0")) == 0:  # one job per run directory (held until this process ends)
+            self._run_lock = acquire_run_lock(self.run_dir)
         resolve_shards(self.data_cfg.text_shards, "text_shards")  # a bad shard path fails here, not mid-run
         resolve_shards(self.data_cfg.mm_shards, "mm_shards")
         if self.train_cfg.resume_from and not Path(self.train_cfg.resume_from).is_dir():
@@ -333,13 +344,18 @@ class Trainer:
         return lambda p: self.dims.dp_cp_group if id(p) in tables else None
 
     def _resume(self) -> None:
-        path = self.train_cfg.resume_from or latest_checkpoint(self.run_dir)
-        own = latest_checkpoint(self.run_dir)
+        own = latest_verified_checkpoint(self.run_dir, report=log.warning if self.is_main else lambda _: None)
+        path = self.train_cfg.resume_from or own
+        if self.train_cfg.resume_from:
+            problem = checkpoint_problem(self.train_cfg.resume_from)
+            if problem:
+                raise CheckpointError(f"train.resume_from={self.train_cfg.resume_from} is damaged ({problem}); "
+                                      f"pick another checkpoint")
         if self.train_cfg.resume_from and own is not None and weights_only(self.train_cfg.resume_from):
             # imported weights are where a run starts, not a resume point: a restart continues the run's own
             if self.is_main:
                 log.info(f"train.resume_from={self.train_cfg.resume_from} holds weights only (an import); the run "
-                      f"directory has its own checkpoints: resuming from {own}")
+                         f"directory has its own checkpoints: resuming from {own}")
             path = own
         if path is None:
             return

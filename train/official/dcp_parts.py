@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from parallel.sharded_state import GlobalChunk
+from train.checkpoint import write_manifest
 
 _DATA_FILE = "__0_0.distcp"  # what a single-process dcp.save writes
 
@@ -71,6 +72,7 @@ class PartsWriter:
             pickle.dump(md, f)
             f.flush()
             os.fsync(f.fileno())
+        write_manifest(self.tmp)  # checksums, verified when a run loads it (train/checkpoint.py)
         if self.out.exists():
             shutil.rmtree(self.out)
         os.replace(self.tmp, self.out)

@@ -1,0 +1,68 @@
+"""One job per run directory and workers that die with their launcher (issue 18 item 7,
+train/run_guard.py)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from train.run_guard import RunDirectoryBusy, acquire_run_lock
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["logging.wandb.mode=disabled", "logging.progress=false", "data.corpus_text_bytes=300000",
+         "data.corpus_mm_docs=100", "data.corpus_shards=2", "train.global_batch_tokens=128", "data.batch_size=1"]
+
+
+def test_a_second_job_in_the_same_run_directory_is_refused(tmp_path):
+    held = acquire_run_lock(tmp_path)
+    with pytest.raises(RunDirectoryBusy, match=rf"in use by another job \(pid {os.getpid()} on "):
+        acquire_run_lock(tmp_path)
+    out = subprocess.run([sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny",
+                          f"hydra.run.dir={tmp_path}", f"data.corpus_dir={tmp_path / 'corpus'}", *SMALL],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and f"is in use by another job (pid {os.getpid()}" in out.stderr, out.stderr[-2000:]
+    held.close()  # released: the next job may start
+    acquire_run_lock(tmp_path).close()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+
+
+def test_workers_die_with_a_killed_launcher_and_the_run_restarts(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run}",
+           f"data.corpus_dir={tmp_path / 'corpus'}", "train.max_steps=200", *SMALL,
+           "train.global_batch_tokens=256"]  # one sequence per rank
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and launcher.poll() is None and not (
+            (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):
+        time.sleep(0.5)
+    assert launcher.poll() is None, launcher.stderr.read()[-3000:]
+    workers = _children(launcher.pid)
+    assert len(workers) == 2, workers
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.2)
+    assert not any(_alive(w) for w in workers), "workers outlived their launcher"
+    again = subprocess.run([a if a != "train.max_steps=200" else "train.max_steps=1" for a in cmd], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
