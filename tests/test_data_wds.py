@@ -10,7 +10,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from test_data import _batches_equal, _png
 
 import data.loader as L
 from data.config import DataConfig, DataConfigError, TokenSpec, resolve_shards
@@ -22,18 +22,6 @@ SPEC = TokenSpec(vocab_size=512, image_token_id=496,
                  image=ImageProcessorConfig(patch_size=14, downsample_ratio=3, max_n_token=64, min_pixels=84 * 84))
 
 
-def _png(w=60, h=30, color=(10, 200, 30)):
-    buf = io.BytesIO()
-    Image.new("RGB", (w, h), color).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _batches_equal(a, b):
-    for k in ("tokens", "labels", "token_types", "positions", "stream_tokens"):
-        if not torch.equal(a[k], b[k]):
-            return False
-    return a["pad_tokens"] == b["pad_tokens"] and all(
-        len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y)) for x, y in zip(a["images"], b["images"]))
 
 
 def _pipe(paths):
