@@ -59,6 +59,7 @@ from parallel.context import ContextComm
 from parallel.dims import ParallelDims
 from parallel.mesh import mesh_shape
 from parallel.pipeline import build_pipeline, local_stage_ranges
+from train import faults
 from train.balancing import accumulate_loads, global_loads, update_biases
 from train.checkpoint import (
     CheckpointError,
@@ -86,6 +87,10 @@ log = logging.getLogger(__name__)
 # fields a resume may change: execution details, and QAT (switched on for the last part of a run)
 EXECUTION_ONLY = frozenset({"attn_chunk_size", "use_triton", "qat"})
 FAULT_ENV = "FLASHTRAIN_FAULT_KILL_AFTER_CHECKPOINT_WRITE"  # tests only: SIGKILL after writing step N's shards
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not complete within `parallel.timeout_s`; names the step and the operation."""
 
 
 @dataclass
@@ -207,6 +212,7 @@ class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: str | Path):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         die_with_launcher()
+        faults.validate_environment()
         self._configure(cfg, run_dir, world)
         if int(os.environ.get("RANK", "0")) == 0:  # one job per run directory (held until this process ends)
             self._run_lock = acquire_run_lock(self.run_dir)
@@ -255,6 +261,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self._stop = False
+        self._op = "start-up"  # the operation the step is in, named when a collective fails (issue 18 item 8)
 
     def _setup_groups(self, world: int) -> None:
         """The parallel dimensions (mesh, groups, this rank's coordinates; after the process group)."""
@@ -384,6 +391,7 @@ class Trainer:
         def hook(tmp):
             if fault is not None and int(fault) == self.step:
                 os.kill(os.getpid(), signal.SIGKILL)
+            faults.inject("checkpoint_write", self.step, self.rank)
 
         hasher = getattr(self.model, "engram_hasher", None)
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict,
@@ -391,6 +399,8 @@ class Trainer:
         self.checkpoints.save(self.step, self.model, self.optim.optimizers, meta,
                               {"data": self.loader.state_dict(), "rng": _rng_state()}, self.dp_rank, fault_hook=hook,
                               layout=self.dims.global_layout(self.model))
+        if self.checkpoints.pending is not None:
+            faults.inject("checkpoint_in_flight", self.step, self.rank)
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop = True
@@ -492,44 +502,33 @@ class Trainer:
         lr = self.schedule.lr(self.step)
         self.optim.set_lr(lr)
         self.reducer.zero_grad()
+        self._op = "the forward/backward passes (pipeline transfers, expert all-to-all, gradient buckets)"
         with self.autocast():
             sums, loads = self._pipeline_passes() if self.pipe else self._local_passes()
+        self._op = "the gradient reduction"
         self.reducer.finish()
+        self._op = "the gradient-norm all-reduce (clipping)"
         grad_norm = self.dims.clip(self.model, self.train_cfg.grad_clip, self.device)
+        self._op = "the optimizer step"
         self.optim.step()
+        self._op = "the expert-load all-reduce"
         loads = global_loads(loads, self.model_cfg.n_layers, self.model_cfg.n_routed_experts, device=self.device)
         update_biases(self.model, loads, self.train_cfg.balance_rate)
         if self.pp_rank == 0 and self.counts_data:  # the loader's counters of this step's reads, once per dp rank
             for k in LOADER_COUNTERS:
                 sums.add(k, self.loader.counters().get(k, 0))
+        self._op = "the all-reduce of the step's losses and counters"
         sums.all_reduce()
         return sums, loads, grad_norm
 
     def fit(self) -> None:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         metrics = MetricsLogger(self.run_dir, self.log_cfg, self.cfg_dict, self.is_main, self.max_steps, self.step)
-        last_saved = self.step
         profiler = StepProfiler.for_trainer(self)  # train.profile: traces / memory snapshots of chosen steps
         try:
-            while self.step < self.max_steps:
-                with profiler.step(self.step + 1):
-                    record, loads = self.train_step()
-                if not math.isfinite(record["loss"]):
-                    raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping (the last "
-                                             f"checkpoint is intact)")
-                metrics.log(self.step, record, loads)
-                stop = torch.tensor([1.0 if self._stop else 0.0])
-                self._all_reduce(stop, dist.ReduceOp.MAX if dist.is_initialized() else None)
-                if self.step % self.train_cfg.checkpoint.interval == 0 or self.step == self.max_steps or stop.item():
-                    self.save()
-                    last_saved = self.step
-                if stop.item():
-                    if self.is_main:
-                        log.info(f"SIGTERM: saved step {self.step}, exiting")
-                    break
-            if last_saved != self.step:
-                self.save()
-            self.checkpoints.wait()
+            self._loop(metrics, profiler)
+        except RuntimeError as e:
+            raise self._collective_error(e) from e
         finally:
             profiler.close()  # a trace / memory history still open (SIGTERM, a stop, a short run): write what it has
             metrics.close()
@@ -537,3 +536,45 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+    def _loop(self, metrics: MetricsLogger, profiler: StepProfiler) -> None:
+        last_saved = self.step
+        while self.step < self.max_steps:
+            faults.inject("step_start", self.step + 1, self.rank)
+            with profiler.step(self.step + 1):
+                record, loads = self.train_step()
+            if not math.isfinite(record["loss"]):
+                raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping (the last "
+                                         f"checkpoint is intact)")
+            metrics.log(self.step, record, loads)
+            faults.inject("after_step", self.step, self.rank)
+            self._op = "the stop-flag all-reduce"
+            stop = torch.tensor([1.0 if self._stop else 0.0])
+            self._all_reduce(stop, dist.ReduceOp.MAX if dist.is_initialized() else None)
+            if self.step % self.train_cfg.checkpoint.interval == 0 or self.step == self.max_steps or stop.item():
+                self._op = f"saving checkpoint step_{self.step:08d}"
+                self.save()
+                last_saved = self.step
+            if stop.item():
+                if self.is_main:
+                    log.info(f"SIGTERM: saved step {self.step}, exiting")
+                return
+        if last_saved != self.step:
+            self._op = f"saving checkpoint step_{self.step:08d}"
+            self.save()
+        self._op = "finishing the last checkpoint write"
+        self.checkpoints.wait()
+
+    def _collective_error(self, e: RuntimeError) -> RuntimeError:
+        """A failed or timed-out collective, named by step and operation (parallel.timeout_s bounds the wait)."""
+        if not dist.is_initialized() or isinstance(e, (CollectiveError, FloatingPointError, CheckpointError)):
+            return e
+        text = str(e)
+        timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+        if not (timed_out or isinstance(e, dist.DistError) or "connection" in text.lower()):
+            return e
+        why = (f"did not complete within parallel.timeout_s={self.parallel.timeout_s:g} s (a rank stalled or "
+               f"is stuck)" if timed_out else f"failed ({type(e).__name__}: {text.splitlines()[0][:200]})")
+        return CollectiveError(f"rank {self.rank}: step {self.step + 1}, {self._op}: a collective {why}; the last "
+                               f"checkpoint is intact -- restart in the run directory to resume (raise "
+                               f"parallel.timeout_s if the step legitimately takes longer)")
