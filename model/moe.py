@@ -92,12 +92,18 @@ class Gate(nn.Module):
         self.bias.zero_()
         self.bias_vl.zero_()
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None):
-        """x [N, D], image_mask [N] bool -> (scores [N, E] fp32, weights [N, k] fp32, indices [N, k])."""
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None, indices: torch.Tensor | None = None):
+        """x [N, D], image_mask [N] bool -> (scores [N, E] fp32, weights [N, k] fp32, indices [N, k]).
+        `indices` given (Anticipatory Routing, V41_SPEC §9): the experts are those, not the top-k of
+        s + b; the weights are still the current gate's s of those experts."""
         scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
-        bias = self.bias if image_mask is None else torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
-        with torch.no_grad():
-            indices = (scores + bias).topk(self.topk, dim=-1).indices
+        if indices is None:
+            bias = self.bias if image_mask is None else torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
+            with torch.no_grad():
+                indices = (scores + bias).topk(self.topk, dim=-1).indices
+        elif indices.shape != (x.shape[0], self.topk):
+            raise ValueError(f"cached routing indices have shape {tuple(indices.shape)}; this layer routes "
+                             f"{x.shape[0]} tokens to {self.topk} experts each (was the cache made for another batch?)")
         weights = scores.gather(1, indices)
         if self.topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -209,11 +215,17 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None, stats: StepStats | None = None,
-                aux_grad_scale: float = 1.0, split: SequenceSplit | None = None) -> torch.Tensor:
+                aux_grad_scale: float = 1.0, split: SequenceSplit | None = None,
+                routes: dict[int, torch.Tensor] | None = None,
+                recorded: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """routes: cached routing indices by layer id, used instead of this layer's top-k; recorded: a
+        dict this layer's indices [B x S, k] are written into (both Anticipatory Routing, train/anticipatory.py)."""
         B, S, D = x.shape
         flat = x.reshape(-1, D)
         flat_mask = None if image_mask is None else image_mask.reshape(-1)
-        scores, weights, indices = self.gate(flat, flat_mask)
+        scores, weights, indices = self.gate(flat, flat_mask, None if routes is None else routes[self.layer_id])
+        if recorded is not None:
+            recorded[self.layer_id] = indices.detach()
         y = self.experts(flat, weights, indices)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat).float()

@@ -52,6 +52,9 @@ class ForwardContext:
     aux_grad_scale: float = 1.0
     engram_requests: dict = field(default_factory=dict)  # layer id -> a row-sharded table's lookup in flight
     split: SequenceSplit | None = None  # context parallelism: this rank's positions (model/sequence_split.py)
+    # Anticipatory Routing (train/anticipatory.py): routing indices to use, by layer id; a dict to record into
+    routes: dict[int, torch.Tensor] | None = None
+    recorded: dict[int, torch.Tensor] | None = None
 
 
 @dataclass
@@ -103,7 +106,7 @@ class Block(nn.Module):
 
         ffn_pre, ffn_post, ffn_comb = self._mixes(h, "ffn")
         x = self.ffn_norm(hc_collapse(h, attn_pre, self.use_triton))
-        x = self.ffn(x, ctx.image_mask, ctx.stats, ctx.aux_grad_scale, ctx.split)
+        x = self.ffn(x, ctx.image_mask, ctx.stats, ctx.aux_grad_scale, ctx.split, ctx.routes, ctx.recorded)
         h = hc_expand(x, h, ffn_post, ffn_comb, self.use_triton)
         return Carry(h, ffn_pre, carry.shared)
 
@@ -272,7 +275,10 @@ class Transformer(nn.Module):
 
     def run(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,
             images: list[list[torch.Tensor]] | None = None, stats: StepStats | None = None,
-            aux_grad_scale: float = 1.0) -> Carry:
-        """Embedding and every block: the carry the head reads (`final_hidden`, `logits`)."""
+            aux_grad_scale: float = 1.0, routes: dict[int, torch.Tensor] | None = None,
+            recorded: dict[int, torch.Tensor] | None = None) -> Carry:
+        """Embedding and every block: the carry the head reads (`final_hidden`, `logits`). `routes` /
+        `recorded`: cached MoE routing indices to follow / a dict to record them in, by layer id."""
         ctx = self.context(tokens, token_types, stats, aux_grad_scale)
+        ctx.routes, ctx.recorded = routes, recorded
         return self.run_blocks(self.embed_inputs(tokens, token_types, images), ctx)

@@ -240,6 +240,10 @@ class StageModule(nn.Module):
         self.engram_requests: list[dict] = []
         self.microbatch = 0  # the micro-batch being run (set by LeanPipelineStage)
         self.aux_grad_scale = 1.0
+        # Anticipatory Routing (train/anticipatory.py), per micro-batch of the round: cached routing indices
+        # of this stage's MoE layers to follow, or dicts the forward records them into
+        self.routes: list[dict] | None = None
+        self.recorded: list[dict] | None = None
 
     def forward(self, *tensors: torch.Tensor):
         model = self._model[0]
@@ -251,6 +255,10 @@ class StageModule(nn.Module):
         else:
             carry = Carry(f["h"], f["pre_mix"], SharedKV(**{k: f.get(k) for k in SHARED_FIELDS}))
         ctx = model.context(tokens, types, StepStats(), self.aux_grad_scale)
+        if self.routes is not None:
+            ctx.routes = self.routes[self.microbatch]
+        if self.recorded is not None:
+            ctx.recorded = self.recorded[self.microbatch]
         if self.engram_requests:
             k = self.microbatch
             ctx.engram_requests = dict(self.engram_requests[k])
@@ -314,9 +322,35 @@ class Pipeline:
         for m in self.modules:
             m.aux_grad_scale = scale
 
-    def run_round(self, tokens, token_types, labels, images) -> list[torch.Tensor]:
+    def run_round(self, tokens, token_types, labels, images, routes: list[dict] | None = None) -> list[torch.Tensor]:
         """One schedule step over a round's [M x b, S] batch; returns the last stage's per-micro-batch
-        losses (empty elsewhere)."""
+        losses (empty elsewhere). `routes`: per micro-batch, cached routing indices of this rank's MoE
+        layers to follow (Anticipatory Routing; None: each layer's own top-k)."""
+        for m in self.modules:
+            m.routes = routes
+        try:
+            return self._round(self.schedule.step, tokens, token_types, labels, images)
+        finally:
+            for m in self.modules:
+                m.routes = None
+
+    def record_round(self, tokens, token_types, labels, images) -> list[dict]:
+        """A forward-only pass of the round (no gradients, no statistics kept) that records the routing
+        indices every local MoE layer picks: per micro-batch, {layer id: indices [b x S_local, k]}."""
+        recorded: list[dict] = [{} for _ in range(self.n_microbatches)]
+        stats = (dict(self.stats.expert_load), self.stats.balance, self.stats.indexer)  # the step's own
+        for m in self.modules:
+            m.recorded = recorded
+        try:
+            with torch.no_grad():
+                self._round(self.schedule.eval, tokens, token_types, labels, images)
+        finally:
+            for m in self.modules:
+                m.recorded = None
+            self.stats.expert_load, self.stats.balance, self.stats.indexer = stats
+        return recorded
+
+    def _round(self, run, tokens, token_types, labels, images) -> list[torch.Tensor]:
         for m in self.modules:
             if m.range.is_first:
                 m.images = images
@@ -325,9 +359,14 @@ class Pipeline:
         args = (tokens, token_types, torch.arange(tokens.shape[0], device=tokens.device)) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, return_outputs=False, **kwargs)
-        for m in self.modules:
-            m.images, m.engram_requests = [], []
+        try:
+            if run == self.schedule.step:
+                run(*args, return_outputs=False, **kwargs)
+            else:
+                run(*args, **kwargs)
+        finally:
+            for m in self.modules:
+                m.images, m.engram_requests = [], []
         return losses
 
 

@@ -1,8 +1,12 @@
 """Verified checkpoints (issue 18 item 6): every checkpoint records the size and SHA-256 of its files
 (`checksums.json`); loading verifies them, a damaged or partial newest checkpoint is reported and skipped
-for the previous complete one; a failed save leaves the previous checkpoints untouched and says so."""
+for the previous complete one; a failed save leaves the previous checkpoints untouched and says so.
+Issue 18 item 7, under two gloo processes: rank 0 alone picks the checkpoint to resume from, and a
+checkpoint is renamed complete only once every rank's files are confirmed in rank 0's view."""
 
+import datetime
 import errno
+import hashlib
 import json
 import os
 import subprocess
@@ -11,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from train import checkpoint as ck
@@ -38,8 +44,6 @@ def test_manifest_lists_every_file_with_size_and_checksum(tmp_path):
     listed = json.loads((path / ck.MANIFEST).read_text())
     files = sorted(p.name for p in path.iterdir() if p.name != ck.MANIFEST)
     assert sorted(listed) == files and ".metadata" in listed
-    import hashlib
-
     for name in files:  # independent of the module's hashing: one read of the whole file
         data = (path / name).read_bytes()
         assert listed[name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -98,3 +102,113 @@ def test_a_run_resumes_from_the_previous_checkpoint_when_the_newest_is_damaged(t
     assert again.returncode == 0, again.stderr[-3000:]
     out = again.stdout + again.stderr
     assert "step_00000002 is damaged" in out and f"resumed from {run}/checkpoints/step_00000001 at step 1" in out
+
+
+# ------------------------------------------------------------------------------------ two processes
+DAMAGES = [("after_report", "vanish"), ("after_report", "truncate"), ("before_report", "vanish"),
+           ("before_report", "truncate"), ("async", "truncate")]
+
+
+def _damage(how, directory, record):
+    """Rank 1: remove or halve the data file it wrote into `directory`; its name goes to `record`."""
+    f = sorted(Path(directory).glob("__1_*.distcp"))[0]
+    record.append(f.name)
+    if how == "vanish":
+        f.unlink()
+    else:
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2])
+
+
+def _two_rank_worker(rank, store, root):
+    """Every two-process scenario in one process group (one start-up for all): results to rank<r>.json,
+    the checkpoints stay on disk for the tests to inspect."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    root, out = Path(root), {}
+    torch.manual_seed(0)
+    real_listing = ck.complete_checkpoints
+    # rank 1 lists the checkpoints differently from rank 0: the newest of rank 0's listing is damaged
+    run = root / "listing"
+    _save(run, [1, 2, 3])
+    if rank == 0:
+        f = _data_file(ck.step_dir(run, 3))
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    dist.barrier()
+    for case, seen in {"hidden": lambda d: real_listing(d)[:1],
+                       "extra": lambda d: real_listing(d) + [ck.step_dir(run, 9)]}.items():
+        if rank == 1:
+            ck.complete_checkpoints = seen
+        reports = []
+        got = ck.latest_verified_checkpoint(run, report=reports.append)
+        ck.complete_checkpoints = real_listing
+        out[f"listing_{case}"] = {"got": str(got), "reports": reports}
+    # a rank-1 file that is gone or shorter when rank 0 confirms: the save fails, nothing is renamed
+    for where, how in DAMAGES:
+        run = root / f"{where}_{how}"
+        writer = ck.CheckpointWriter(run, keep=5, async_save=where == "async")
+        model = nn.Linear(8, 4)
+        writer.save(1, model, {}, {"step": 1}, {"data": 1})
+        writer.wait()
+        damaged, real_report, real_seam = [], ck._written_files, ck._before_confirm
+        if rank == 1 and where == "before_report":  # before rank 1 records what it wrote
+            ck._written_files = lambda d, r: (_damage(how, d, damaged), real_report(d, r))[1]
+        elif rank == 1:  # after it recorded its files, before rank 0 confirms them
+            ck._before_confirm = lambda d: _damage(how, d, damaged)
+        try:
+            writer.save(2, model, {}, {"step": 2}, {"data": 2})
+            writer.wait()
+            error = None
+        except ck.CheckpointError as e:
+            error = str(e)
+        ck._written_files, ck._before_confirm = real_report, real_seam
+        out[f"{where}_{how}"] = {"error": error, "damaged": damaged}
+        dist.barrier()
+    (root / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_ranks")
+    mp.spawn(_two_rank_worker, args=(str(root / "store"), str(root)), nprocs=2)
+    return root, [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _intact(path):
+    """Every file of `path` but the manifest is listed in it with its size and SHA-256 (read here)."""
+    listed = json.loads((path / ck.MANIFEST).read_text())
+    names = sorted(p.name for p in path.iterdir() if p.name != ck.MANIFEST)
+    return sorted(listed) == names and all(
+        listed[n] == {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()}
+        for n in names for b in [(path / n).read_bytes()])
+
+
+@pytest.mark.parametrize("case", ["hidden", "extra"])
+def test_every_rank_resumes_from_the_checkpoint_rank_0_lists(two_ranks, case):
+    root, results = two_ranks
+    run = root / "listing"
+    step2, step3 = ck.step_dir(run, 2), ck.step_dir(run, 3)
+    assert _intact(step2) and not _intact(step3)  # the newest is damaged on disk, the one before is not
+    # rank 1 saw only step 1 ("hidden") or a step 9 that is not there ("extra"); both take rank 0's listing
+    assert [r[f"listing_{case}"]["got"] for r in results] == [str(step2), str(step2)]
+    for r in results:
+        assert len(r[f"listing_{case}"]["reports"]) == 1 and "step_00000003 is damaged" in \
+            r[f"listing_{case}"]["reports"][0]
+
+
+@pytest.mark.parametrize("where,how", DAMAGES)
+def test_a_checkpoint_is_renamed_only_once_every_ranks_files_are_confirmed(two_ranks, where, how):
+    root, results = two_ranks
+    run = root / f"{where}_{how}"
+    [name] = results[1][f"{where}_{how}"]["damaged"]
+    errors = [r[f"{where}_{how}"]["error"] for r in results]
+    assert errors[0] is not None and errors[0] == errors[1]  # both ranks raised, with the same message
+    assert "writing checkpoint step_00000002" in errors[0] and "rank 1" in errors[0] and name in errors[0]
+    assert "the previous checkpoints are untouched (newest: step_00000001)" in errors[0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001"]  # no step_2, no .tmp-*
+    first = ck.step_dir(run, 1)
+    assert _intact(first)  # both ranks' files, listed from their reports
+    assert {p.name for p in first.iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp", ck.MANIFEST}

@@ -1,6 +1,7 @@
 """One job per run directory and workers that die with their launcher (issue 18 item 7,
 train/run_guard.py)."""
 
+import getpass
 import os
 import signal
 import subprocess
@@ -19,12 +20,13 @@ SMALL = ["logging.wandb.mode=disabled", "logging.progress=false", "data.corpus_t
 
 def test_a_second_job_in_the_same_run_directory_is_refused(tmp_path):
     held = acquire_run_lock(tmp_path)
-    with pytest.raises(RunDirectoryBusy, match=rf"in use by another job \(pid {os.getpid()} on "):
+    with pytest.raises(RunDirectoryBusy, match=rf"in use by another job \({getpass.getuser()}, pid {os.getpid()} on "):
         acquire_run_lock(tmp_path)
     out = subprocess.run([sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny",
                           f"hydra.run.dir={tmp_path}", f"data.corpus_dir={tmp_path / 'corpus'}", *SMALL],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and f"is in use by another job (pid {os.getpid()}" in out.stderr, out.stderr[-2000:]
+    holder = f"is in use by another job ({getpass.getuser()}, pid {os.getpid()}"
+    assert out.returncode == 2 and holder in out.stderr, out.stderr[-2000:]
     held.close()  # released: the next job may start
     acquire_run_lock(tmp_path).close()
 

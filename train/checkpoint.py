@@ -1,10 +1,20 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DESIGN.md "Training").
 
 Layout: `<run dir>/checkpoints/step_<8-digit step>/`, one directory per step, written to
-`.tmp-step_<step>` (synchronously or in the background) and renamed by rank 0 once every rank's shards
-are written, so a directory that
-exists is complete and a crash mid-write leaves only a `.tmp-*` that the next save removes. The last
-`keep` checkpoints are kept.
+`.tmp-step_<step>` (synchronously or in the background) and renamed by rank 0 once every rank's files
+are confirmed written (below), so a directory that exists is complete and a crash mid-write leaves only
+a `.tmp-*` that the next save removes. Each holds DCP's `.metadata` (rank 0), one data file
+`__<rank>_<n>.distcp` per rank (empty for a rank with nothing to write) and `checksums.json`, the size
+and SHA-256 of every other file. The last `keep` checkpoints are kept.
+
+Who decides: rank 0. Listing a directory on a shared filesystem can give different ranks different
+answers, so the checkpoint to resume from is the one rank 0 lists (`latest_verified_checkpoint`
+broadcasts rank 0's candidates and the manifests rank 0 read; every rank hashes its share of the files,
+the problems are gathered), and every rank returns the same. After a write each rank hashes the files it
+wrote, in its own view; rank 0 gathers these, checks that every rank reported its files and that each is
+there in rank 0's view with the reported size, writes `checksums.json` from the reports and only then
+renames; otherwise (a rank's file missing or of another size) every rank raises the same
+`CheckpointError`, the `.tmp-*` is removed and the previous checkpoints are untouched.
 
 Contents (DCP keys):
 - `model.*`: every tensor of `model.state_dict()` (MoE selection biases included), resharded by DCP;
@@ -23,7 +33,10 @@ Contents (DCP keys):
   (`engram_compressed_vocab_size`, for the export), written once;
 - `dp<r>`: data-parallel rank r's data-loader state and RNG states (the ranks of one pipeline read the
   same batches; any of them writes it), so resuming needs the same number of data-parallel readers
-  (the loader's state is per reader); pp and ep may change.
+  (the loader's state is per reader); pp and ep may change; the rank state also holds the spike
+  detector's history and Anticipatory Routing's look-ahead batches (train/spike.py, train/anticipatory.py);
+- `rank<r>`: what only global rank r holds -- while Anticipatory Routing is active, the routing indices
+  cached for its stage's MoE layers; written only then, and read back only by the same rank.
 """
 
 from __future__ import annotations
@@ -66,6 +79,7 @@ def _unwrap(t):
 
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+OWN_PREFIX = "rank"  # `rank<r>`: state only global rank r has (a resume with the same layout reads it back)
 
 
 def _blob(obj) -> bytes:
@@ -134,53 +148,165 @@ def _gather(obj) -> list:
     return out
 
 
-def write_manifest(directory: Path) -> None:
-    """Collective: every rank hashes its share of the checkpoint's files, rank 0 writes the manifest."""
-    files = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
-    mine = {n: _digest(directory / n) for n in files[_rank()::_world()]}
-    merged = {k: v for part in _gather(mine) for k, v in part.items()}
+def _from_rank0(read):
+    """Collective: `read()` on rank 0 alone; its result (or the exception it raised) on every rank."""
+    if _world() == 1:
+        return read()
+    box = [None]
     if _rank() == 0:
-        tmp = directory / f".{MANIFEST}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(dict(sorted(merged.items())), f, indent=0)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / MANIFEST)
+        try:
+            box[0] = (True, read())
+        except Exception as e:  # raised on every rank below, so that none waits for the others
+            box[0] = (False, e)
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
-def checkpoint_problem(path: str | Path) -> str | None:
-    """Collective: None when every file the manifest lists is there with its size and checksum (each rank
-    checks its share); else what is wrong. A checkpoint written before manifests existed is not checked."""
-    path = Path(path)
+def _write_manifest_file(directory: Path, entries: dict) -> None:
+    tmp = directory / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(sorted(entries.items())), f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST)
+
+
+def write_manifest(directory: Path) -> None:
+    """Collective: rank 0 lists the directory's files (and broadcasts the list), every rank hashes its
+    share of them, rank 0 writes the manifest. For a directory written otherwise (launch/import_official.py's
+    PartsWriter); `CheckpointWriter` builds its manifest from what each rank confirms it wrote."""
+    directory = Path(directory)
+    files = _from_rank0(lambda: sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST))
+    mine, errors = {}, []
+    for name in files[_rank()::_world()]:
+        try:
+            mine[name] = _digest(directory / name)
+        except OSError as e:
+            errors.append(f"rank {_rank()} could not read {name} ({e})")
+    parts = _gather((mine, errors))
+    errors = [e for _, errs in parts for e in errs]
+    if errors:
+        raise CheckpointError(f"cannot write the {MANIFEST} of {directory}: {'; '.join(errors)}")
+    if _rank() == 0:
+        _write_manifest_file(directory, {k: v for part, _ in parts for k, v in part.items()})
+
+
+def _read_manifest(path: Path) -> tuple[dict | None, str | None]:
+    """(the files a checkpoint's manifest lists, or None; what is wrong with the manifest, or None)."""
     manifest = path / MANIFEST
     if not manifest.is_file():
-        return None
+        return None, None
     try:
         listed = json.loads(manifest.read_text())
     except (OSError, ValueError) as e:
-        return f"its {MANIFEST} is unreadable ({e})"
+        return None, f"its {MANIFEST} is unreadable ({e})"
+    if not isinstance(listed, dict) or not all(isinstance(v, dict) and {"size", "sha256"} <= v.keys()
+                                               for v in listed.values()):
+        return None, f"its {MANIFEST} is unreadable (not a map of file name to size and sha256)"
+    return listed, None
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Collective: None when every file the manifest lists is there with its size and checksum; else what
+    is wrong. Rank 0 reads the manifest and broadcasts it, each rank checks its share of the files, the
+    problems are gathered: the answer is the same on every rank. A checkpoint written before manifests
+    existed is not checked."""
+    path = Path(path)
+    listed, problem = _from_rank0(lambda: _read_manifest(path))
+    if listed is None:
+        return problem
     problems = []
     for name in sorted(listed)[_rank()::_world()]:
         f = path / name
-        if not f.is_file():
-            problems.append(f"{name} is missing")
-        elif f.stat().st_size != listed[name]["size"]:
-            problems.append(f"{name} has {f.stat().st_size} bytes, {listed[name]['size']} were written")
-        elif _digest(f)["sha256"] != listed[name]["sha256"]:
-            problems.append(f"{name} does not match its checksum")
+        try:
+            if not f.is_file():
+                problems.append(f"{name} is missing")
+            elif f.stat().st_size != listed[name]["size"]:
+                problems.append(f"{name} has {f.stat().st_size} bytes, {listed[name]['size']} were written")
+            elif _digest(f)["sha256"] != listed[name]["sha256"]:
+                problems.append(f"{name} does not match its checksum")
+        except OSError as e:
+            problems.append(f"{name} is unreadable ({e})")
     found = [p for part in _gather(problems) for p in part]
     return "; ".join(found) if found else None
 
 
 def latest_verified_checkpoint(run_dir: str | Path, report=log.warning) -> Path | None:
     """Collective: the newest complete checkpoint whose files match their checksums; each damaged newer
-    one is reported and skipped."""
-    for path in reversed(complete_checkpoints(run_dir)):
+    one is reported and skipped. The candidates are rank 0's listing, broadcast, so every rank walks the
+    same ones and returns the same path."""
+    for path in reversed(_from_rank0(lambda: complete_checkpoints(run_dir))):
         problem = checkpoint_problem(path)
         if problem is None:
             return path
         report(f"checkpoint {path} is damaged ({problem}); skipping it for the previous complete one")
     return None
+
+
+# ------------------------------------------------------------------------------- confirmed writes
+_DCP_METADATA = ".metadata"
+
+
+def _data_file_rank(name: str) -> int | None:
+    m = re.fullmatch(r"__(\d+)_\d+\.distcp", name)
+    return int(m.group(1)) if m else None
+
+
+def _written_files(directory: Path, rank: int) -> dict:
+    """What this rank wrote into `directory`, in its own view: {"files": {name: {"size", "sha256"}},
+    "problems": [...]}. DCP's FileSystemWriter writes `__<rank>_<n>.distcp` (one per writer thread, empty
+    when the rank has nothing to write) on every rank and `.metadata` on the coordinator, rank 0 (the
+    background write's group holds every rank in order, so its ranks are the global ones)."""
+    files, problems = {}, []
+    try:
+        names = sorted(p.name for p in directory.iterdir()
+                       if _data_file_rank(p.name) == rank or (rank == 0 and p.name == _DCP_METADATA))
+    except OSError as e:
+        return {"files": files, "problems": [f"cannot list {directory} ({e})"]}
+    for name in names:
+        try:
+            files[name] = _digest(directory / name)
+        except OSError as e:
+            problems.append(f"cannot read {name} it wrote ({e})")
+    return {"files": files, "problems": problems}
+
+
+def _before_confirm(tmp: Path) -> None:
+    """Every rank, once it has recorded the files it wrote and before rank 0 confirms them. A seam for the
+    tests: a file that vanishes or changes here is what a lost write or a lagging shared filesystem looks
+    like to rank 0."""
+
+
+def _confirm_written(tmp: Path, reports: list[dict]) -> list[str]:
+    """Rank 0: what is wrong with the ranks' reports, checked against the checkpoint's `.metadata` (which
+    data file holds bytes up to where) and against rank 0's own view of each reported file."""
+    problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep["problems"]]
+    extent: dict[str, int] = {}
+    for info in dcp.FileSystemReader(str(tmp)).read_metadata().storage_data.values():
+        extent[info.relative_path] = max(extent.get(info.relative_path, 0), info.offset + info.length)
+    for r, rep in enumerate(reports):
+        unconfirmed = sorted(n for n in extent if _data_file_rank(n) == r and n not in rep["files"])
+        if unconfirmed:
+            problems.append(f"rank {r} did not confirm writing {', '.join(unconfirmed)}, which the checkpoint's "
+                            f"{_DCP_METADATA} lists")
+        elif not any(_data_file_rank(n) == r for n in rep["files"]):
+            problems.append(f"rank {r} confirmed no data file (__{r}_<n>.distcp)")
+        if r == 0 and _DCP_METADATA not in rep["files"]:
+            problems.append(f"rank 0 did not confirm writing {_DCP_METADATA}")
+        for name, d in sorted(rep["files"].items()):
+            f = tmp / name
+            if d["size"] < extent.get(name, 0):
+                problems.append(f"rank {r}'s {name} has {d['size']} bytes and the checkpoint's {_DCP_METADATA} "
+                                f"places data up to byte {extent[name]}")
+            elif not f.is_file():
+                problems.append(f"rank {r}'s {name} ({d['size']} bytes written) is missing in rank 0's view")
+            elif f.stat().st_size != d["size"]:
+                problems.append(f"rank {r}'s {name} has {d['size']} bytes in rank {r}'s view and "
+                                f"{f.stat().st_size} in rank 0's")
+    return problems
 
 
 def optimizer_state_sharded(optimizers: dict, model: nn.Module, layout: dict) -> dict:
@@ -261,7 +387,8 @@ class CheckpointWriter:
         self.pending = None
 
     def save(self, step: int, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], meta: dict,
-             rank_state: dict, dp_rank: int | None = None, fault_hook=None, layout: dict | None = None) -> Path:
+             rank_state: dict, dp_rank: int | None = None, fault_hook=None, layout: dict | None = None,
+             own_state: dict | None = None) -> Path:
         """Collective: every rank calls it."""
         self.wait()
         final = step_dir(self.run_dir, step)
@@ -278,6 +405,8 @@ class CheckpointWriter:
         state = {"model": _sharded_model_state(model, layout),
                  "optim": optimizer_state_sharded(optimizers, model, layout),
                  "meta": _blob(meta), f"dp{rank if dp_rank is None else dp_rank}": _blob(rank_state)}
+        if own_state is not None:  # this rank's own (e.g. the routing indices cached for its pipeline stage)
+            state[f"{OWN_PREFIX}{rank}"] = _blob(own_state)
         with warnings.catch_warnings():  # DCP warns when it runs without a process group (one process): expected
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             if self.async_save:
@@ -291,10 +420,13 @@ class CheckpointWriter:
         self._finalize(tmp, final, fault_hook)
         return final
 
-    def _failed(self, tmp: Path, error: BaseException) -> CheckpointError:
-        """Remove the partial write and describe the failure; the complete checkpoints are untouched."""
+    def _failed(self, tmp: Path, error: BaseException, collective: bool = False) -> CheckpointError:
+        """Remove the partial write and describe the failure; the complete checkpoints are untouched.
+        `collective`: every rank is here (an agreed verdict), so each returns once the removal is done."""
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if collective:
+            _barrier()
         newest = latest_checkpoint(self.run_dir)
         return CheckpointError(f"writing checkpoint {tmp.name.removeprefix('.tmp-')} into {tmp.parent} failed "
                                f"({type(error).__name__}: {error}); the previous checkpoints are untouched (newest: "
@@ -314,9 +446,26 @@ class CheckpointWriter:
         self._finalize(tmp, final, hook)
 
     def _finalize(self, tmp: Path, final: Path, fault_hook) -> None:
-        _barrier()
-        write_manifest(tmp)
-        _barrier()
+        """Collective (default group): confirm every rank's files (module docstring), write the manifest
+        from the ranks' reports, rename, prune. Every rank gets rank 0's verdict, so a failure raises the
+        same `CheckpointError` everywhere and nothing is renamed."""
+        report = _written_files(tmp, _rank())
+        _before_confirm(tmp)
+        reports = _gather(report)
+
+        def confirm() -> str | None:
+            try:
+                problems = _confirm_written(tmp, reports)
+                if not problems:
+                    _write_manifest_file(tmp, {k: v for rep in reports for k, v in rep["files"].items()})
+                return "; ".join(problems) or None
+            except Exception as e:  # an unreadable .metadata, a failed manifest write: a verdict, not a hang
+                return f"confirming the written files failed ({type(e).__name__}: {e})"
+
+        verdict = _from_rank0(confirm)
+        if verdict is not None:
+            raise self._failed(tmp, CheckpointError(f"not every rank's files are confirmed: {verdict}"),
+                               collective=True)
         if fault_hook is not None:
             fault_hook(tmp)
         if _rank() == 0:
@@ -381,9 +530,14 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_ran
                          f"parallel.cp may differ")
     state = {"model": _sharded_model_state(model, layout), "optim": _optimizer_templates(md, optimizers, model, layout),
              "meta": b"", rank_key: b""}
+    own_key = f"{OWN_PREFIX}{_rank()}"
+    if own_key in md:
+        state[own_key] = b""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(state, checkpoint_id=str(path))
     model.load_state_dict({k: _unwrap(v) for k, v in state["model"].items()})
     _install_optimizer_state(optimizers, model, state["optim"])
-    return _unblob(state["meta"]), _unblob(state[rank_key])
+    mine = _unblob(state[rank_key])
+    mine["own"] = _unblob(state[own_key]) if own_key in state else None
+    return _unblob(state["meta"]), mine

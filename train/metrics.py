@@ -252,7 +252,10 @@ class MetricsLogger:
             self._heatmaps = False
             return None
 
-    def log(self, step: int, record: dict, loads: dict[int, torch.Tensor] | None = None) -> None:
+    def log(self, step: int, record: dict, loads: dict[int, torch.Tensor] | None = None,
+            wandb_step: int | None = None) -> None:
+        """`wandb_step`: the x of this record in wandb (default `step`); after a spike rollback the trainer
+        passes step + the steps rolled back so far, since wandb's steps must only increase."""
         if not self.enabled:
             return
         record = finite_or_none(record)
@@ -262,13 +265,13 @@ class MetricsLogger:
         if self._wandb is not None:
             try:
                 flat: dict = {}
-                _flatten("", {k: v for k, v in record.items() if k != "step"}, flat)
+                _flatten("", {k: v for k, v in record.items() if k != "step" and not isinstance(v, str)}, flat)
                 if png is not None:
                     import wandb
 
                     flat["expert_load/heatmap"] = wandb.Image(str(png), caption=f"step {step}: load / balanced "
                                                               "load, layers x experts, text | image")
-                self._wandb.log(flat, step=step)
+                self._wandb.log(flat, step=step if wandb_step is None else wandb_step)
             except Exception as e:  # noqa: BLE001
                 log.warning("wandb.log failed (%s); disabling wandb for this run", e)
                 self._wandb = None
@@ -277,6 +280,26 @@ class MetricsLogger:
             loss, tok_s = record.get("loss"), record.get("tokens_per_s")
             self._bar.set_postfix(loss="-" if loss is None else f"{loss:.4f}",
                                   tok_s="-" if tok_s is None else f"{tok_s:.0f}")
+
+    def event(self, event: dict, wandb_step: int) -> None:
+        """A run event (a spike rollback): one line in metrics.jsonl with an "event" field (step records have
+        none), and in wandb an alert (online runs) plus its numbers under `events/` at `wandb_step`."""
+        if not self.enabled:
+            return
+        event = finite_or_none(event)
+        self._file.write(json.dumps(event, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            text = ", ".join(f"{k}={v}" for k, v in event.items() if k != "event")
+            try:
+                self._wandb.log({f"events/{k}": v for k, v in event.items() if isinstance(v, (int, float))},
+                                step=wandb_step)
+                if self.cfg.wandb.mode == "online":
+                    import wandb
+
+                    self._wandb.alert(title=f"flashtrain: {event['event']}", text=text, level=wandb.AlertLevel.WARN)
+            except Exception as e:  # noqa: BLE001 - wandb must never stop training
+                log.warning("wandb event failed (%s): %s", e, text)
 
     def close(self) -> None:
         if not self.enabled:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import getpass
 import logging
 import os
 import signal
@@ -48,7 +49,11 @@ def acquire_run_lock(run_dir: str | Path):
                                f"(and its workers) first, or use another hydra.run.dir") from None
     f.seek(0)
     f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    try:
+        owner = getpass.getuser()
+    except (KeyError, OSError):
+        owner = f"uid {os.getuid()}"
+    f.write(f"{owner}, pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     f.flush()
     return f
 

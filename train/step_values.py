@@ -36,6 +36,14 @@ class StepValues:
             dist.all_reduce(self.values, group=group)
         return self
 
+    def global_value(self, name: str) -> float:
+        """One field summed over every rank, on the host, leaving the step's own sums as they are (the
+        spike check needs the global loss before the optimizer step: one scalar all-reduce + host read)."""
+        v = self.values[_INDEX[name]].clone().reshape(1)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(v)
+        return v.item()
+
     def read(self) -> dict[str, float]:
         """The values on the host: the one device-to-host copy of the step's values."""
         return dict(zip(FIELDS, self.values.tolist()))

@@ -60,6 +60,7 @@ from parallel.dims import ParallelDims
 from parallel.mesh import mesh_shape
 from parallel.pipeline import build_pipeline, local_stage_ranges
 from train import faults
+from train.anticipatory import AnticipatoryRouting, AnticipatoryRoutingConfig
 from train.balancing import accumulate_loads, global_loads, update_biases
 from train.checkpoint import (
     CheckpointError,
@@ -78,6 +79,7 @@ from train.optim import build_optimizers
 from train.optim.routing import route_parameters, zero_inputs
 from train.profile import ProfileConfig, StepProfiler
 from train.run_guard import acquire_run_lock, die_with_launcher
+from train.spike import Snapshots, SpikeConfig, SpikeDetector
 from train.stages import plan_stages, stage_units
 from train.step_values import LOADER_COUNTERS, StepValues
 
@@ -113,6 +115,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peak_tflops: PeakTflops = field(default_factory=PeakTflops)  # MFU peak per device type (train/flops.py)
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # traces / memory snapshots (train/profile.py)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike detection and rollback (train/spike.py)
+    anticipatory_routing: AnticipatoryRoutingConfig = field(default_factory=AnticipatoryRoutingConfig)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "TrainConfig":
@@ -120,9 +124,12 @@ class TrainConfig:
         ck = values.pop("checkpoint", {})
         peak = PeakTflops.from_mapping(values.pop("peak_tflops", None))
         profile = ProfileConfig.from_mapping(values.pop("profile", None))
+        spike = SpikeConfig.from_mapping(values.pop("spike", None))
+        ar = AnticipatoryRoutingConfig.from_mapping(values.pop("anticipatory_routing", None))
         reject_unknown_fields(cls, values, "train config", "train/trainer.py")
         reject_unknown_fields(CheckpointConfig, ck, "train.checkpoint", "train/trainer.py")
-        return cls(checkpoint=CheckpointConfig(**ck), peak_tflops=peak, profile=profile, **values)
+        return cls(checkpoint=CheckpointConfig(**ck), peak_tflops=peak, profile=profile, spike=spike,
+                   anticipatory_routing=ar, **values)
 
 
 @dataclass
@@ -262,6 +269,13 @@ class Trainer:
         self.tokens_seen = 0
         self._stop = False
         self._op = "start-up"  # the operation the step is in, named when a collective fails (issue 18 item 8)
+        self.detector = SpikeDetector(self.train_cfg.spike)
+        self.snapshots = Snapshots(self.train_cfg.spike)
+        self.ar = AnticipatoryRouting(self.train_cfg.anticipatory_routing)
+        self._spike: str | None = None  # the current step's spike verdict (compute_step)
+        self.spikes = {"skipped": 0, "rolled_back": 0}
+        self.rolled_back_steps = 0  # steps undone by rollbacks: the wandb step axis stays increasing
+        self._rollbacks_in_a_row, self._last_spike_step = 0, 0
 
     def _setup_groups(self, world: int) -> None:
         """The parallel dimensions (mesh, groups, this rank's coordinates; after the process group)."""
@@ -382,6 +396,14 @@ class Trainer:
             return
         self.loader.load_state_dict(mine["data"])
         _set_rng_state(mine["rng"])
+        if "spike" in mine:
+            self.detector.load_state_dict(mine["spike"]["detector"])
+            self.spikes = dict(mine["spike"]["counts"])
+            self.rolled_back_steps = mine["spike"]["rolled_back_steps"]
+            if not self.ar.load_state_dict(mine["anticipatory_routing"], (mine.get("own") or {}).get("routes")):
+                if self.is_main:
+                    log.warning("the checkpoint's cached routing indices are for another layout: recomputing them "
+                                "with the resumed parameters")
         if self.is_main:
             log.info(f"resumed from {path} at step {self.step}")
 
@@ -396,27 +418,63 @@ class Trainer:
         hasher = getattr(self.model, "engram_hasher", None)
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict,
                 "engram_compressed_vocab_size": None if hasher is None else hasher.compressed_vocab}
-        self.checkpoints.save(self.step, self.model, self.optim.optimizers, meta,
-                              {"data": self.loader.state_dict(), "rng": _rng_state()}, self.dp_rank, fault_hook=hook,
-                              layout=self.dims.global_layout(self.model))
+        rank_state = {"data": self.loader.state_dict(), "rng": _rng_state(),
+                      "spike": {"detector": self.detector.state_dict(), "counts": dict(self.spikes),
+                                "rolled_back_steps": self.rolled_back_steps},
+                      "anticipatory_routing": self.ar.state_dict()}
+        routes = self.ar.routes_state()
+        self.checkpoints.save(self.step, self.model, self.optim.optimizers, meta, rank_state, self.dp_rank,
+                              fault_hook=hook, layout=self.dims.global_layout(self.model),
+                              own_state=None if routes is None else {"routes": routes})
         if self.checkpoints.pending is not None:
             faults.inject("checkpoint_in_flight", self.step, self.rank)
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop = True
 
-    def _local_passes(self) -> tuple[torch.Tensor, dict]:
+    def _step_batches(self) -> list[dict]:
+        """The step's micro-batches from the loader (every rank of a pipeline reads the same ones)."""
+        return [next(self.loader) for _ in range(self.layout.accumulation)]
+
+    def _record_routes(self, batches: list[dict]) -> list[dict]:
+        """Anticipatory Routing's extra forward (no gradients) over a step's micro-batches with the current
+        parameters: per micro-batch, {MoE layer id: routing indices} of this rank's layers."""
+        self._op = "the anticipatory-routing forward (pipeline transfers, expert all-to-all)"
+        out: list[dict] = []
+        with torch.no_grad(), self.autocast():
+            if self.pipe:
+                m = self.layout.round_microbatches
+                for r in range(self.layout.rounds):
+                    tokens, types, labels, images = self._round_inputs(batches[r * m:(r + 1) * m])
+                    out += self.pipe.record_round(tokens, types, labels, images)
+            else:
+                for batch in batches:
+                    recorded: dict = {}
+                    self.model.run(batch["tokens"].to(self.device), batch["token_types"].to(self.device),
+                                   [[img.to(self.device) for img in row] for row in batch["images"]], StepStats(),
+                                   recorded=recorded)
+                    out.append(recorded)
+        return out
+
+    def _round_inputs(self, batches: list[dict]):
+        tokens = torch.cat([b["tokens"] for b in batches]).to(self.device)
+        types = torch.cat([b["token_types"] for b in batches]).to(self.device)
+        labels = torch.cat([b["labels"] for b in batches]).to(self.device)
+        images = [[img.to(self.device) for img in row] for b in batches for row in b["images"]]
+        return tokens, types, labels, images
+
+    def _local_passes(self, batches: list[dict], routes: list[dict] | None) -> tuple[torch.Tensor, dict]:
         """Forward/backward of every micro-batch of the step, one after another (no pipeline)."""
         accum = self.layout.accumulation
         loads: dict[int, torch.Tensor] = {}
         sums = StepValues(self.device)
-        for i in range(accum):
-            batch = next(self.loader)
+        for i, batch in enumerate(batches):
             stats = StepStats()
             tokens = batch["tokens"].to(self.device)
             types = batch["token_types"].to(self.device)
             images = [[img.to(self.device) for img in row] for row in batch["images"]]
-            hidden = self.model.final_hidden(self.model.run(tokens, types, images, stats, aux_grad_scale=1.0 / accum))
+            hidden = self.model.final_hidden(self.model.run(tokens, types, images, stats, aux_grad_scale=1.0 / accum,
+                                                            routes=None if routes is None else routes[i]))
             loss = tiled_lm_loss(hidden, self.model.head, batch["labels"].to(self.device),
                                  self.train_cfg.loss_tile_tokens, 1.0 / accum,
                                  self.model.sequence_split(tokens.shape[1]))
@@ -432,7 +490,7 @@ class Trainer:
                 sums.add("positions", batch["tokens"].numel() + batch["tokens"].shape[0])
         return sums, loads
 
-    def _pipeline_passes(self) -> tuple[torch.Tensor, dict]:
+    def _pipeline_passes(self, batches: list[dict], routes: list[dict] | None) -> tuple[torch.Tensor, dict]:
         """The step's micro-batches through the schedule, `round_microbatches` per round. Every rank of
         the pipeline reads the same batches; the last stage's losses give the CE, each stage reports
         the aux values and loads of its own layers, and the data counters are taken on pp rank 0 only,
@@ -443,17 +501,15 @@ class Trainer:
         sums = StepValues(self.device)
         for r in range(self.layout.rounds):
             self.pipe.set_before_last_backward(self._mark_final if r == self.layout.rounds - 1 else None)
-            batches = [next(self.loader) for _ in range(m)]
-            tokens = torch.cat([b["tokens"] for b in batches]).to(self.device)
-            types = torch.cat([b["token_types"] for b in batches]).to(self.device)
-            labels = torch.cat([b["labels"] for b in batches]).to(self.device)
-            images = [[img.to(self.device) for img in row] for b in batches for row in b["images"]]
-            losses = self.pipe.run_round(tokens, types, labels, images)
+            mine = batches[r * m:(r + 1) * m]
+            tokens, types, labels, images = self._round_inputs(mine)
+            losses = self.pipe.run_round(tokens, types, labels, images,
+                                         None if routes is None else routes[r * m:(r + 1) * m])
             if losses:  # the schedule's losses are CE / accum
                 sums.add("ce", torch.stack(losses) * accum)
             if self.pp_rank == 0 and self.counts_data:
-                sums.add("pad_tokens", sum(b["pad_tokens"] for b in batches))
-                sums.add("positions", sum(b["tokens"].numel() + b["tokens"].shape[0] for b in batches))
+                sums.add("pad_tokens", sum(b["pad_tokens"] for b in mine))
+                sums.add("positions", sum(b["tokens"].numel() + b["tokens"].shape[0] for b in mine))
         sums.add("balance_loss", self.pipe.stats.balance)
         sums.add("indexer_loss", self.pipe.stats.indexer)
         return sums, dict(self.pipe.stats.expert_load)
@@ -478,6 +534,10 @@ class Trainer:
             "padding_fraction": v["pad_tokens"] / max(v["positions"], 1.0),
             "skipped_samples": int(sum(v[k] for k in LOADER_COUNTERS)),
             "vit_trainable": bool(self.schedule.vit_trainable(self.step - 1)),
+            # train.spike / train.anticipatory_routing: this step's verdict (null: normal), whether its MoE
+            # layers routed by anticipated indices, and the run's totals
+            "spike": self._spike, "anticipatory_routing": self.ar.last_routes is not None,
+            "spikes_skipped": self.spikes["skipped"], "rollbacks": self.spikes["rolled_back"],
             "expert_load": load_statistics(loads),
             # model FLOPs (forward + backward) per token at data.seq_len, and MFU = flops_per_token * tokens_per_s
             # / (peak per device * world), null without a known peak (train/flops.py; train.peak_tflops)
@@ -501,25 +561,44 @@ class Trainer:
             set_vision_body_trainable(self.model, self.schedule.vit_trainable(self.step))
         lr = self.schedule.lr(self.step)
         self.optim.set_lr(lr)
+        batches, routes = self.ar.next_step(self.step + 1, self._step_batches, self._record_routes)
         self.reducer.zero_grad()
         self._op = "the forward/backward passes (pipeline transfers, expert all-to-all, gradient buckets)"
         with self.autocast():
-            sums, loads = self._pipeline_passes() if self.pipe else self._local_passes()
+            sums, loads = self._pipeline_passes(batches, routes) if self.pipe else self._local_passes(batches, routes)
         self._op = "the gradient reduction"
         self.reducer.finish()
         self._op = "the gradient-norm all-reduce (clipping)"
         grad_norm = self.dims.clip(self.model, self.train_cfg.grad_clip, self.device)
-        self._op = "the optimizer step"
-        self.optim.step()
+        self._spike = None
+        if self.detector.enabled and self.tensor_mode is None:  # train.spike: judged before anything is updated
+            self._op = "the spike check's loss all-reduce"
+            self._spike = self._spike_verdict(sums, grad_norm)
+        if self._spike is None:
+            self._op = "the optimizer step"
+            self.optim.step()
         self._op = "the expert-load all-reduce"
         loads = global_loads(loads, self.model_cfg.n_layers, self.model_cfg.n_routed_experts, device=self.device)
-        update_biases(self.model, loads, self.train_cfg.balance_rate)
+        if self._spike is None:
+            update_biases(self.model, loads, self.train_cfg.balance_rate)
         if self.pp_rank == 0 and self.counts_data:  # the loader's counters of this step's reads, once per dp rank
             for k in LOADER_COUNTERS:
                 sums.add(k, self.loader.counters().get(k, 0))
         self._op = "the all-reduce of the step's losses and counters"
         sums.all_reduce()
         return sums, loads, grad_norm
+
+    def _spike_verdict(self, sums: StepValues, grad_norm: torch.Tensor) -> str | None:
+        """The spike rule on the step's global loss and grad norm (train/spike.py); every rank judges the
+        same values and the verdict is max-reduced, so all ranks act alike."""
+        loss, norm = sums.global_value("ce") / (self.layout.accumulation * self.layout.dp), float(grad_norm.item())
+        reason = self.detector.reason(loss, norm)
+        flag = torch.tensor([0.0 if reason is None else 1.0])
+        self._all_reduce(flag, dist.ReduceOp.MAX if dist.is_initialized() else None)
+        if not flag.item():
+            self.detector.accept(loss, norm)
+            return None
+        return reason or "another rank judged this step a spike"
 
     def fit(self) -> None:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -537,16 +616,57 @@ class Trainer:
             dist.barrier()
             dist.destroy_process_group()
 
+    def _rollback(self, record: dict, metrics: MetricsLogger) -> None:
+        """train.spike.action=rollback: back to the newest snapshot at least rollback_steps before the spike;
+        the data stream continues after the spike's batches; Anticipatory Routing switches on."""
+        spike_step = self.step
+        self._rollbacks_in_a_row += 1
+        self._last_spike_step = max(self._last_spike_step, spike_step)
+        if self._rollbacks_in_a_row > self.train_cfg.spike.max_rollbacks:
+            limit = self.train_cfg.spike.max_rollbacks
+            raise FloatingPointError(f"step {spike_step}: spike ({self._spike}) after {limit} rollbacks in a row "
+                                     f"(train.spike.max_rollbacks={limit}); stopping (the last checkpoint is intact)")
+        snap = self.snapshots.target(spike_step)
+        self.snapshots.restore(snap, self.model, self.optim.optimizers)
+        wandb_step = spike_step + self.rolled_back_steps  # the spike's own (unlogged) step on the wandb axis
+        self.rolled_back_steps += spike_step - snap.step
+        self.step, self.tokens_seen = snap.step, snap.tokens_seen
+        self.spikes["rolled_back"] += 1
+        self.ar.activate(self.step)
+        event = {"event": "rollback", "spike_step": spike_step, "reason": self._spike, "loss": record["loss"],
+                 "grad_norm": record["grad_norm"], "to_step": snap.step,
+                 "anticipatory_routing_until": self.ar.active_until, "rollbacks": self.spikes["rolled_back"]}
+        if self.is_main:
+            log.warning(f"step {spike_step}: spike ({self._spike}); rolled back to step {snap.step}, the data "
+                        f"continues after the spike's batches, anticipatory routing (delta_steps="
+                        f"{self.train_cfg.anticipatory_routing.delta_steps}) through step {self.ar.active_until}")
+        metrics.event(event, wandb_step=wandb_step)
+
     def _loop(self, metrics: MetricsLogger, profiler: StepProfiler) -> None:
         last_saved = self.step
+        if self.train_cfg.spike.action == "rollback":  # a rollback point from the start
+            self.snapshots.take(self.step, self.tokens_seen, self.model, self.optim.optimizers)
         while self.step < self.max_steps:
             faults.inject("step_start", self.step + 1, self.rank)
             with profiler.step(self.step + 1):
                 record, loads = self.train_step()
-            if not math.isfinite(record["loss"]):
+            if self._spike is not None and self.train_cfg.spike.action == "rollback":
+                self._rollback(record, metrics)
+                continue
+            if self._spike is not None:
+                self.spikes["skipped"] += 1
+                record["spikes_skipped"] = self.spikes["skipped"]
+                if self.is_main:
+                    log.warning(f"step {self.step}: spike ({self._spike}); update skipped "
+                                f"({self.spikes['skipped']} so far)")
+            elif not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping (the last "
-                                         f"checkpoint is intact)")
-            metrics.log(self.step, record, loads)
+                                         f"checkpoint is intact; train.spike.action=skip or rollback survives this)")
+            elif self.step > self._last_spike_step:  # past the spike that caused the last rollbacks
+                self._rollbacks_in_a_row = 0
+            metrics.log(self.step, record, loads, wandb_step=self.step + self.rolled_back_steps)
+            if self.train_cfg.spike.action == "rollback" and self.snapshots.due(self.step):
+                self.snapshots.take(self.step, self.tokens_seen, self.model, self.optim.optimizers)
             faults.inject("after_step", self.step, self.rank)
             self._op = "the stop-flag all-reduce"
             stop = torch.tensor([1.0 if self._stop else 0.0])

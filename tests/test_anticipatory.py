@@ -1,0 +1,150 @@
+"""Anticipatory Routing (train/anticipatory.py, V41_SPEC §9): with delta_steps=0 training is unchanged;
+with delta_steps > 0 the indices every MoE gate uses at step t are those the parameters of step t - Δt
+pick for step t's batch (recomputed here from parameters copied at that step), on 1 process and on pp=2
+and ep=2; the look-ahead buffer and the cached indices survive a checkpoint exactly."""
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.moe import Gate
+from train.config import compose
+from train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
+               "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return tmp_path_factory.mktemp("ar_corpus")
+
+
+def trainer(run_dir, corpus, *extra, steps=4):
+    cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, f"data.corpus_dir={corpus}", "data.corpus_text_bytes=300000",
+                   "data.corpus_mm_docs=100", "data.corpus_shards=2", "train.global_batch_tokens=512",
+                   "data.batch_size=1", "logging.wandb.mode=disabled", "logging.progress=false", "run_name=ar",
+                   f"train.max_steps={steps}", *extra])
+    return Trainer(cfg, run_dir)
+
+
+def losses(run_dir):
+    return [r["loss"] for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())]
+
+
+def finish(t):
+    t.fit()
+    t._run_lock.close()  # the next trainer in this process may take the run directory
+
+
+class Spy:
+    """Per step: the parameters at its start, its micro-batches, and the indices each gate used in the
+    training forward (not the anticipatory no-grad one)."""
+
+    def __init__(self, t, monkeypatch):
+        self.params, self.batches, self.used = [], [], []
+        original_gate, original_step, original_next = Gate.forward, t.train_step, t.ar.next_step
+
+        def gate(module, x, image_mask, indices=None):
+            out = original_gate(module, x, image_mask, indices)
+            if torch.is_grad_enabled():
+                self.used[-1].append(out[2].clone())
+            return out
+
+        def train_step():
+            self.params.append(copy.deepcopy(t.model.state_dict()))
+            self.used.append([])
+            return original_step()
+
+        def next_step(step, fetch, record):
+            batches, routes = original_next(step, fetch, record)
+            self.batches.append(batches)
+            return batches, routes
+
+        monkeypatch.setattr(Gate, "forward", gate)
+        monkeypatch.setattr(t, "train_step", train_step)
+        monkeypatch.setattr(t.ar, "next_step", next_step)
+
+    def recomputed(self, model, step, params_step):
+        """The indices the parameters at the start of `params_step` pick for `step`'s micro-batches."""
+        model.load_state_dict(self.params[params_step - 1])
+        out = []
+        with torch.no_grad():
+            for b in self.batches[step - 1]:
+                rec = {}
+                model.run(b["tokens"], b["token_types"], b["images"], recorded=rec)
+                out += [rec[k] for k in sorted(rec)]
+        return out
+
+
+def same(a, b):
+    return len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_delta_zero_is_normal_training(tmp_path, corpus):
+    finish(trainer(tmp_path / "normal", corpus))
+    t = trainer(tmp_path / "ar0", corpus, "train.anticipatory_routing.delta_steps=0")
+    t.ar.activate(0)
+    finish(t)
+    records = [json.loads(line) for line in (tmp_path / "ar0" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["anticipatory_routing"] for r in records)
+    assert losses(tmp_path / "ar0") == losses(tmp_path / "normal")
+
+
+def test_indices_come_from_the_parameters_delta_steps_earlier(tmp_path, corpus, monkeypatch):
+    t = trainer(tmp_path / "ar2", corpus, "train.anticipatory_routing.delta_steps=2",
+                "train.anticipatory_routing.active_steps=4", steps=5)
+    t.ar.activate(0)
+    spy = Spy(t, monkeypatch)
+    model = t.model
+    t.fit()
+    assert [len(b) for b in spy.batches] == [4] * 5
+    for step in (1, 2, 3, 4):  # steps 1, 2: the parameters at activation (step 1); then step t - 2
+        src = max(step - 2, 1)
+        assert same(spy.recomputed(model, step, src), spy.used[step - 1]), step
+        if src != step:  # and the parameters of the step itself would have routed differently
+            assert not same(spy.recomputed(model, step, step), spy.used[step - 1]), step
+    assert same(spy.recomputed(model, 5, 5), spy.used[4])  # active_steps over: normal routing again
+    records = [json.loads(line) for line in (tmp_path / "ar2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["anticipatory_routing"] for r in records] == [True] * 4 + [False]
+
+
+def test_pipeline_and_expert_parallel_route_by_the_earlier_parameters(tmp_path, corpus):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist" / "anticipatory_routing.py"), str(tmp_path), str(corpus), "pp", "ep"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    for layout in ("pp", "ep"):
+        ranks = [torch.load(tmp_path / f"{layout}.rank{r}.pt") for r in (0, 1)]
+        for r in ranks:
+            assert r["same_as_earlier"] == [True, True, True], (layout, r)
+            assert r["same_as_own"] == [True, False, False], (layout, r)  # step 1: activation, its own parameters
+        if layout == "pp":  # each stage routes its own layers: 1 MoE layer on stage 0, 3 on stage 1, x 4 micro-batches
+            assert [ranks[0]["calls"][0], ranks[1]["calls"][0]] == [4, 12]
+        else:  # ep: every rank routes its own tokens through all 4 layers, 2 micro-batches each
+            assert [r["calls"][0] for r in ranks] == [8, 8]
+        assert ranks[0]["losses"] == ranks[1]["losses"]
+
+
+def test_a_checkpoint_in_the_active_phase_resumes_exactly(tmp_path, corpus):
+    """Stopped at step 3 with steps 4 and 5 read ahead and routed by step 2's and 3's parameters: the
+    resumed run trains steps 4-6 on the same batches with the same routing as the uninterrupted one."""
+    ar = ["train.anticipatory_routing.delta_steps=2", "train.anticipatory_routing.active_steps=10"]
+    straight = trainer(tmp_path / "straight", corpus, *ar, steps=6)
+    straight.ar.activate(0)
+    finish(straight)
+    first = trainer(tmp_path / "split", corpus, *ar, steps=3)
+    first.ar.activate(0)
+    finish(first)
+    ckpt = tmp_path / "split" / "checkpoints" / "step_00000003"
+    assert (ckpt / "__0_0.distcp").is_file()
+    resumed = trainer(tmp_path / "split", corpus, *ar, steps=6)
+    assert resumed.step == 3 and len(resumed.ar.ahead) == 2 and all(r is not None for _, r in resumed.ar.ahead)
+    finish(resumed)
+    assert losses(tmp_path / "split") == losses(tmp_path / "straight")
