@@ -469,8 +469,8 @@ class CheckpointWriter:
         if fault_hook is not None:
             fault_hook(tmp)
         if _rank() == 0:
-            if final.exists():
-                shutil.rmtree(final)
+            if final.exists():  # the same step again (after a spike rollback): out of the way first
+                _discard(final)
             os.replace(tmp, final)
             fd = os.open(final.parent, os.O_RDONLY)
             try:
@@ -478,11 +478,20 @@ class CheckpointWriter:
             finally:
                 os.close(fd)
             for old in complete_checkpoints(self.run_dir)[:-self.keep] if self.keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
-            for stale in final.parent.glob(".tmp-step_*"):
+                _discard(old)
+            for stale in [*final.parent.glob(".tmp-step_*"), *final.parent.glob(".old-step_*")]:
                 if stale.name != f".tmp-{final.name}":
                     shutil.rmtree(stale, ignore_errors=True)
         _barrier()
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint directory so that a crash midway never leaves a `step_*` with files missing: it
+    is renamed `.old-step_*` (atomic) first; a leftover `.old-*` is removed by the next save."""
+    old = path.with_name(f".old-{path.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(path, old)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def weights_only(path: str | Path) -> bool:

@@ -6,6 +6,7 @@ separated by `;`, each `action:key=value:...`:
     kill:rank=1:step=3:point=step_start            SIGKILL rank 1 when it reaches that point of step 3
     kill:rank=0:step=4:point=checkpoint_write:once=/tmp/x   ... only if /tmp/x does not exist (created first)
     stall:rank=1:step=2:point=step_start:seconds=600       rank 1 sleeps there (a hung collective for the others)
+    spike:rank=0:step=7:scale=100:once=/tmp/y      rank 0's head input x 100 in step 7: a loss spike (train/spike.py)
 
 `step` is the optimizer step being run (1-based; for the checkpoint points the step being saved).
 Points (where the trainer calls `inject`):
@@ -19,6 +20,7 @@ Points (where the trainer calls `inject`):
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -29,7 +31,7 @@ from model.config import ConfigError
 
 FAULT_ENV = "FLASHTRAIN_FAULT"
 POINTS = ("step_start", "checkpoint_write", "checkpoint_in_flight", "after_step")
-ACTIONS = ("kill", "stall")
+ACTIONS = ("kill", "stall", "spike")
 
 
 @dataclass(frozen=True)
@@ -40,24 +42,74 @@ class Fault:
     point: str
     seconds: float = 3600.0
     once: str | None = None
+    scale: float = 1.0  # spike: the factor on the head's input for the step (outlier activations)
+
+
+FIELDS = ("rank", "step", "point", "seconds", "once", "scale")
+EXAMPLE = "kill:rank=1:step=3:point=step_start"
+
+
+def _int(item: str, key: str, value: str, least: int) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(f"{FAULT_ENV}: {item!r}: {key}={value!r} is not a whole number") from None
+    if n < least:
+        raise ConfigError(f"{FAULT_ENV}: {item!r}: {key}={n} must be at least {least}")
+    return n
+
+
+def parse_one(item: str) -> Fault:
+    """One `action:key=value:...` (see the module docstring); a ConfigError names what is wrong."""
+    action, *fields = item.split(":")
+    if action not in ACTIONS:
+        raise ConfigError(f"{FAULT_ENV}: {item!r}: unknown action {action!r} (actions: {', '.join(ACTIONS)}; "
+                          f"e.g. {EXAMPLE})")
+    kv: dict[str, str] = {}
+    for f in fields:
+        key, eq, value = f.partition("=")
+        if not eq:
+            raise ConfigError(f"{FAULT_ENV}: {item!r}: field {f!r} is not key=value (e.g. {EXAMPLE})")
+        if key not in FIELDS:
+            raise ConfigError(f"{FAULT_ENV}: {item!r}: unknown field {key!r} (fields: {', '.join(FIELDS)})")
+        if key in kv:
+            raise ConfigError(f"{FAULT_ENV}: {item!r}: field {key!r} is given twice")
+        kv[key] = value
+    if "step" not in kv:
+        raise ConfigError(f"{FAULT_ENV}: {item!r}: step= is missing (the 1-based optimizer step; e.g. {EXAMPLE})")
+    point = kv.get("point", "step_start")
+    if point not in POINTS:
+        raise ConfigError(f"{FAULT_ENV}: {item!r}: unknown point {point!r} (points: {', '.join(POINTS)})")
+    seconds = 3600.0
+    if "seconds" in kv:
+        if action != "stall":
+            raise ConfigError(f"{FAULT_ENV}: {item!r}: seconds= applies to stall only")
+        try:
+            seconds = float(kv["seconds"])
+        except ValueError:
+            raise ConfigError(f"{FAULT_ENV}: {item!r}: seconds={kv['seconds']!r} is not a number") from None
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ConfigError(f"{FAULT_ENV}: {item!r}: seconds={kv['seconds']} must be a finite non-negative number")
+    if "once" in kv and not kv["once"]:
+        raise ConfigError(f"{FAULT_ENV}: {item!r}: once= needs a file path")
+    if (action == "spike") != ("scale" in kv):
+        raise ConfigError(f"{FAULT_ENV}: {item!r}: scale= goes with spike, and spike needs it (e.g. "
+                          f"spike:rank=0:step=7:scale=100)")
+    scale = 1.0
+    if "scale" in kv:
+        try:
+            scale = float(kv["scale"])
+        except ValueError:
+            raise ConfigError(f"{FAULT_ENV}: {item!r}: scale={kv['scale']!r} is not a number") from None
+        if point != "step_start":
+            raise ConfigError(f"{FAULT_ENV}: {item!r}: a spike applies to the whole step; leave point= out")
+    return Fault(action, _int(item, "rank", kv.get("rank", "0"), 0), _int(item, "step", kv["step"], 1), point,
+                 seconds, kv.get("once"), scale)
 
 
 def parse(spec: str) -> list[Fault]:
-    faults = []
-    for item in filter(None, (s.strip() for s in spec.split(";"))):
-        action, *fields = item.split(":")
-        try:
-            kv = dict(f.split("=", 1) for f in fields)
-            fault = Fault(action, int(kv.pop("rank", 0)), int(kv.pop("step")), kv.pop("point", "step_start"),
-                          float(kv.pop("seconds", 3600.0)), kv.pop("once", None))
-        except (KeyError, ValueError) as e:
-            raise ConfigError(f"{FAULT_ENV}={spec!r}: cannot read {item!r} ({e}); expected e.g. "
-                              f"kill:rank=1:step=3:point=step_start") from None
-        if action not in ACTIONS or fault.point not in POINTS or kv:
-            raise ConfigError(f"{FAULT_ENV}={spec!r}: {item!r} has an unknown action, point or field (actions "
-                              f"{ACTIONS}, points {POINTS}, fields rank/step/point/seconds/once)")
-        faults.append(fault)
-    return faults
+    """The faults of a `FLASHTRAIN_FAULT` value (`;`-separated; empty items are ignored)."""
+    return [parse_one(item) for item in (s.strip() for s in spec.split(";")) if item]
 
 
 def _faults() -> list[Fault]:
@@ -65,21 +117,34 @@ def _faults() -> list[Fault]:
     return parse(spec) if spec else []
 
 
+def _first_time(f: Fault) -> bool:
+    if f.once is None:
+        return True
+    try:
+        fd = os.open(f.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # atomic: the first one to get here
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
 def inject(point: str, step: int, rank: int) -> None:
-    """Fire the faults set for this point, step and rank (nothing when FLASHTRAIN_FAULT is unset)."""
+    """Fire the kill / stall faults set for this point, step and rank (nothing when FLASHTRAIN_FAULT is unset)."""
     for f in _faults():
-        if (f.point, f.step, f.rank) != (point, step, rank):
+        if f.action == "spike" or (f.point, f.step, f.rank) != (point, step, rank) or not _first_time(f):
             continue
-        if f.once is not None:
-            try:
-                fd = os.open(f.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # atomic: the first one to get here
-            except FileExistsError:
-                continue
-            os.close(fd)
         if f.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         else:
             time.sleep(f.seconds)
+
+
+def spike_scale(step: int, rank: int) -> float | None:
+    """The factor a `spike` fault puts on this rank's head input in `step` (None: no spike)."""
+    for f in _faults():
+        if f.action == "spike" and (f.step, f.rank) == (step, rank) and _first_time(f):
+            return f.scale
+    return None
 
 
 def validate_environment() -> None:

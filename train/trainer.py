@@ -269,6 +269,7 @@ class Trainer:
         self.tokens_seen = 0
         self._stop = False
         self._op = "start-up"  # the operation the step is in, named when a collective fails (issue 18 item 8)
+        self._op_step = 0  # the step that operation belongs to
         self.detector = SpikeDetector(self.train_cfg.spike)
         self.snapshots = Snapshots(self.train_cfg.spike)
         self.ar = AnticipatoryRouting(self.train_cfg.anticipatory_routing)
@@ -409,11 +410,12 @@ class Trainer:
 
     def save(self) -> None:
         fault = os.environ.get(FAULT_ENV)
+        step = self.step  # a background write is finished during a later save: the hook names the step it wrote
 
         def hook(tmp):
-            if fault is not None and int(fault) == self.step:
+            if fault is not None and int(fault) == step:
                 os.kill(os.getpid(), signal.SIGKILL)
-            faults.inject("checkpoint_write", self.step, self.rank)
+            faults.inject("checkpoint_write", step, self.rank)
 
         hasher = getattr(self.model, "engram_hasher", None)
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict,
@@ -564,7 +566,7 @@ class Trainer:
         batches, routes = self.ar.next_step(self.step + 1, self._step_batches, self._record_routes)
         self.reducer.zero_grad()
         self._op = "the forward/backward passes (pipeline transfers, expert all-to-all, gradient buckets)"
-        with self.autocast():
+        with self.autocast(), self._injected_spike():
             sums, loads = self._pipeline_passes(batches, routes) if self.pipe else self._local_passes(batches, routes)
         self._op = "the gradient reduction"
         self.reducer.finish()
@@ -587,6 +589,19 @@ class Trainer:
         self._op = "the all-reduce of the step's losses and counters"
         sums.all_reduce()
         return sums, loads, grad_norm
+
+    @contextlib.contextmanager
+    def _injected_spike(self):
+        """FLASHTRAIN_FAULT=spike:... (tests, drills): this rank's head input x scale for the step."""
+        scale = faults.spike_scale(self.step + 1, self.rank) if self.tensor_mode is None else None
+        head = getattr(self.model, "head", None)
+        hook = None if scale is None or head is None else head.register_forward_pre_hook(
+            lambda module, args: (args[0] * scale, *args[1:]))
+        try:
+            yield
+        finally:
+            if hook is not None:
+                hook.remove()
 
     def _spike_verdict(self, sums: StepValues, grad_norm: torch.Tensor) -> str | None:
         """The spike rule on the step's global loss and grad norm (train/spike.py); every rank judges the
@@ -647,6 +662,7 @@ class Trainer:
         if self.train_cfg.spike.action == "rollback":  # a rollback point from the start
             self.snapshots.take(self.step, self.tokens_seen, self.model, self.optim.optimizers)
         while self.step < self.max_steps:
+            self._op_step = self.step + 1
             faults.inject("step_start", self.step + 1, self.rank)
             with profiler.step(self.step + 1):
                 record, loads = self.train_step()
@@ -665,6 +681,7 @@ class Trainer:
             elif self.step > self._last_spike_step:  # past the spike that caused the last rollbacks
                 self._rollbacks_in_a_row = 0
             metrics.log(self.step, record, loads, wandb_step=self.step + self.rolled_back_steps)
+            self._op_step = self.step  # the stop flag and the checkpoint belong to the step just done
             if self.train_cfg.spike.action == "rollback" and self.snapshots.due(self.step):
                 self.snapshots.take(self.step, self.tokens_seen, self.model, self.optim.optimizers)
             faults.inject("after_step", self.step, self.rank)
@@ -695,6 +712,6 @@ class Trainer:
             return e
         why = (f"did not complete within parallel.timeout_s={self.parallel.timeout_s:g} s (a rank stalled or "
                f"is stuck)" if timed_out else f"failed ({type(e).__name__}: {text.splitlines()[0][:200]})")
-        return CollectiveError(f"rank {self.rank}: step {self.step + 1}, {self._op}: a collective {why}; the last "
+        return CollectiveError(f"rank {self.rank}: step {self._op_step}, {self._op}: a collective {why}; the last "
                                f"checkpoint is intact -- restart in the run directory to resume (raise "
                                f"parallel.timeout_s if the step legitimately takes longer)")

@@ -1,0 +1,256 @@
+"""Reliability (issue 18 items 4, 5, 8): fault-injection specs (train/faults.py), the crash fuzz
+(launch/fuzz_restarts.py: 20 SIGKILLs of workers, whole jobs, the launcher alone and checkpoint writes,
+then bit-exact against an uninterrupted run), an elastic restart under `torchrun --max-restarts=1`, and a
+hung collective that fails the job within the process-group timeout, naming the step and the operation.
+
+Every end-to-end check reads facts (files and tensors on disk, exit statuses, which processes are alive)
+rather than the trainer's own messages alone."""
+
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_trainer import corpus_args  # noqa: F401 - the shared corpus fixture
+
+from model.config import ConfigError
+from train import faults
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_fuzz():
+    spec = importlib.util.spec_from_file_location("fuzz_restarts", ROOT / "launch" / "fuzz_restarts.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("fuzz_restarts", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+fuzz = _load_fuzz()
+
+
+# --- FLASHTRAIN_FAULT specs -------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, problem", [
+    ("kill:rank=1", "step= is missing"),
+    ("boom:step=1", "unknown action 'boom'"),
+    ("kill:step=1:point=somewhere", "unknown point 'somewhere'"),
+    ("kill:step=1:color=red", "unknown field 'color'"),
+    ("kill:rank1:step=2", "field 'rank1' is not key=value"),
+    ("kill:step=2:step=3", "field 'step' is given twice"),
+    ("kill:rank=one:step=2", "rank='one' is not a whole number"),
+    ("kill:step=0", "step=0 must be at least 1"),
+    ("kill:rank=-1:step=2", "rank=-1 must be at least 0"),
+    ("stall:step=2:seconds=soon", "seconds='soon' is not a number"),
+    ("stall:step=2:seconds=-5", "seconds=-5 must be a finite non-negative number"),
+    ("stall:step=2:seconds=inf", "must be a finite non-negative number"),
+    ("kill:step=2:seconds=5", "seconds= applies to stall only"),
+    ("kill:step=2:once=", "once= needs a file path"),
+    ("kill:rank=1:step=3;stall:step=x", "'stall:step=x': step='x' is not a whole number"),  # the bad item is named
+])
+def test_a_malformed_fault_spec_names_the_problem(spec, problem):
+    with pytest.raises(ConfigError, match=re.escape(problem)) as e:
+        faults.parse(spec)
+    assert "FLASHTRAIN_FAULT" in str(e.value)
+
+
+def test_fault_specs_parse():
+    assert faults.parse("") == [] and faults.parse(" ; ") == []
+    assert faults.parse("kill:rank=1:step=3:point=after_step; stall:step=2:seconds=0.5:once=/tmp/x") == [
+        faults.Fault("kill", 1, 3, "after_step"), faults.Fault("stall", 0, 2, "step_start", 0.5, "/tmp/x")]
+
+
+def test_validate_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(faults.FAULT_ENV, f"kill:step=2:once={tmp_path / 'missing' / 'fired'}")
+    with pytest.raises(ConfigError, match="does not exist"):
+        faults.validate_environment()
+    monkeypatch.setenv(faults.FAULT_ENV, "kill:step=two")
+    with pytest.raises(ConfigError, match="step='two'"):
+        faults.validate_environment()
+    monkeypatch.setenv(faults.FAULT_ENV, f"kill:step=2:once={tmp_path / 'fired'}")
+    faults.validate_environment()
+    monkeypatch.delenv(faults.FAULT_ENV)
+    faults.validate_environment()
+
+
+def test_inject_fires_only_where_aimed_and_once(monkeypatch, tmp_path):
+    fired = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: fired.append((pid, sig)))
+    monkeypatch.setattr(faults.time, "sleep", lambda s: fired.append(("sleep", s)))
+    once = tmp_path / "fired"
+    monkeypatch.setenv(faults.FAULT_ENV, f"kill:rank=1:step=3:point=after_step:once={once};"
+                                         f"stall:rank=0:step=2:seconds=7")
+    for point, step, rank in [("step_start", 3, 1), ("after_step", 2, 1), ("after_step", 3, 0),
+                              ("checkpoint_write", 3, 1), ("after_step", 4, 1)]:
+        faults.inject(point, step, rank)
+    assert fired == [] and not once.exists()
+    faults.inject("after_step", 3, 1)
+    assert fired == [(os.getpid(), signal.SIGKILL)] and once.exists()
+    faults.inject("after_step", 3, 1)  # once: the file exists, no second kill
+    assert fired == [(os.getpid(), signal.SIGKILL)]
+    faults.inject("step_start", 2, 0)  # the stall (default point step_start) fires every time
+    faults.inject("step_start", 2, 0)
+    assert fired[1:] == [("sleep", 7.0), ("sleep", 7.0)]
+    monkeypatch.delenv(faults.FAULT_ENV)
+    faults.inject("after_step", 3, 1)
+    assert len(fired) == 3
+
+
+def test_a_kill_fault_sigkills_the_process_once(tmp_path):
+    """A real process: SIGKILLed the first time, left alone the second (the `once` file exists)."""
+    once = tmp_path / "fired"
+    code = "from train import faults; faults.inject('checkpoint_write', 4, 1); print('survived')"
+    env = {**os.environ, faults.FAULT_ENV: f"kill:rank=1:step=4:point=checkpoint_write:once={once}"}
+    first = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert first.returncode == -signal.SIGKILL and "survived" not in first.stdout, first.stderr[-2000:]
+    assert once.exists()
+    second = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert second.returncode == 0 and "survived" in second.stdout, second.stderr[-2000:]
+
+
+def test_a_malformed_fault_spec_stops_the_run_at_start_up(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny",
+                          f"hydra.run.dir={tmp_path / 'run'}", "logging.wandb.mode=disabled"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, faults.FAULT_ENV: "kill:rank=1:step=3:point=checkpoint_wirte"})
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "error: FLASHTRAIN_FAULT: 'kill:rank=1:step=3:point=checkpoint_wirte': unknown point" in out.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# --- end to end: 2 processes under torchrun ---------------------------------------------------------------
+SMALL = [*fuzz.FOUR_LAYERS, *fuzz.SMALL]
+
+
+def torchrun(run_dir, corpus, *overrides, env=None, launcher_args=()):
+    """Start `torchrun --nproc_per_node=2 launch/pretrain.py` (its own session); returns the Popen, output
+    in <run_dir>.log."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *launcher_args,
+           str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run_dir}", *SMALL, *corpus,
+           *overrides]
+    log = open(f"{run_dir}.log", "w")
+    try:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**{k: v for k, v in os.environ.items() if k != faults.FAULT_ENV}, **(env or {})})
+    finally:
+        log.close()
+
+
+def wait_watching(proc, timeout):
+    """Wait for `proc`, collecting every process it starts; returns (exit status, seconds, those processes)."""
+    t0, seen = time.monotonic(), set()
+    while proc.poll() is None:
+        seen.update(fuzz.descendants(proc.pid))
+        if time.monotonic() - t0 > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            for p in seen:
+                if p.alive():
+                    os.kill(p.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"still running after {timeout} s")
+        time.sleep(0.05)
+    return proc.returncode, time.monotonic() - t0, seen
+
+
+def metrics(run_dir):
+    return fuzz.read_records(Path(run_dir) / "metrics.jsonl")[0]
+
+
+def final_tensors(run_dir, step, scratch):
+    state = fuzz.load_checkpoint_state(Path(run_dir) / "checkpoints" / f"step_{step:08d}", Path(scratch))
+    return {f"{part}.{k}": v for part in ("model", "optim") for k, v in state[part].items()}
+
+
+def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path, corpus_args):  # noqa: F811
+    """torchrun --max-restarts=1: rank 1 is SIGKILLed after step 3 (once); the launcher restarts both
+    workers, which resume from step_2 (interval 2) -- the run directory's lock is free by then -- and the
+    job exits 0 with the same final state as a run without the kill."""
+    steps = ["train.max_steps=6", "train.checkpoint.interval=2", "train.checkpoint.keep=4"]
+    straight = torchrun(tmp_path / "straight", corpus_args, *steps)
+    assert wait_watching(straight, 300)[0] == 0, Path(f"{tmp_path / 'straight'}.log").read_text()[-3000:]
+    fired = tmp_path / "fired"
+    run = tmp_path / "elastic"
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch 2.13's torchrun keeps one shared TCPStore across restarts,
+    # and a restarted worker group can read the dead group's gloo addresses from it (connectFullMesh: connection
+    # refused, or a hang until parallel.timeout_s) -- pytorch/pytorch#135712; each restart then gets a new store
+    job = torchrun(run, corpus_args, *steps, "parallel.timeout_s=60", launcher_args=["--max-restarts=1"],
+                   env={faults.FAULT_ENV: f"kill:rank=1:step=3:point=after_step:once={fired}",
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    rc, seconds, seen = wait_watching(job, 180)
+    out = Path(f"{run}.log").read_text()
+    assert rc == 0, out[-4000:]
+    assert fired.exists()  # the kill happened
+    assert len(seen) >= 4  # two generations of two workers
+    assert fuzz.wait_dead(seen, 10) == []  # nothing left running
+    # the restart resumed from the newest checkpoint: step 3 was logged, then killed before any save of it
+    assert re.findall(r"resumed from (\S+) at step (\d+)", out) == [(str(run / "checkpoints" / "step_00000002"), "2")]
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 3, 4, 5, 6]
+    ref = {r["step"]: r["loss"] for r in metrics(tmp_path / "straight")}
+    assert [r["loss"] for r in metrics(run)] == [ref[s] for s in (1, 2, 3, 3, 4, 5, 6)]
+    a, b = final_tensors(run, 6, tmp_path), final_tensors(tmp_path / "straight", 6, tmp_path)
+    assert a.keys() == b.keys() and len(a) > 0
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    print(f"elastic restart: {seconds:.1f} s")
+
+
+def test_a_hung_collective_fails_the_job_naming_the_step_and_operation(tmp_path, corpus_args):  # noqa: F811
+    """Rank 1 stalls at the start of step 2; rank 0's collective times out after parallel.timeout_s and the
+    job fails well within a minute with a CollectiveError naming step 2 and the operation; nothing is left
+    running."""
+    run = tmp_path / "hung"
+    job = torchrun(run, corpus_args, "train.max_steps=4", "parallel.timeout_s=10",
+                   env={faults.FAULT_ENV: "stall:rank=1:step=2:point=step_start:seconds=600"})
+    rc, seconds, seen = wait_watching(job, 120)
+    out = Path(f"{run}.log").read_text()
+    assert rc != 0, out[-3000:]
+    assert seconds < 60, f"the job took {seconds:.0f} s to fail"
+    m = re.search(r"CollectiveError: rank 0: step 2, (the [^:]+): a collective did not complete within "
+                  r"parallel.timeout_s=10 s", out)
+    assert m, out[-4000:]
+    assert [r["step"] for r in metrics(run)] == [1]  # step 2 never completed
+    assert len(seen) >= 2 and fuzz.wait_dead(seen, 10) == []  # the stalled rank too
+    print(f"hung collective: failed after {seconds:.1f} s in {m.group(1)}")
+
+
+# --- the crash fuzz ------------------------------------------------------------------------------------
+def test_crash_fuzz_20_kills(tmp_path, corpus_args):  # noqa: F811
+    """The acceptance run: 20 kills (workers, whole jobs, the launcher alone, sync / async checkpoint
+    writes), every restart from the newest complete checkpoint, the end bit-identical to an uninterrupted
+    run. The harness checks each kill; here the final state is compared once more, and the harness's own
+    checks are shown to catch a difference and a damaged file."""
+    work = tmp_path / "fuzz"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, str(ROOT / "launch" / "fuzz_restarts.py"), "--kills", "20", "--seed", "0",
+                          "--keep-dir", str(work), "--extra", *corpus_args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=900)
+    seconds = time.monotonic() - t0
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    kills = re.findall(r"^kill +\d+/20 (\w+)", out.stdout, re.M)
+    assert len(kills) == 20 and set(kills) == set(fuzz.KINDS), out.stdout
+    assert "VERDICT: PASS" in out.stdout
+    assert len(list((work / "logs").glob("start_*.log"))) == 21
+    steps = 2 * 20 + 10
+    a = final_tensors(work / "fuzzed", steps, tmp_path)
+    b = final_tensors(work / "uninterrupted", steps, tmp_path)
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+    # the checks are not vacuous: an earlier checkpoint differs, a flipped byte is found
+    earlier = fuzz.checkpoint_steps(work / "uninterrupted")[-2]
+    n, params, state = fuzz.compare_final(work / "uninterrupted" / "checkpoints" / f"step_{earlier:08d}",
+                                          work / "uninterrupted" / "checkpoints" / f"step_{steps:08d}", tmp_path)
+    assert len(params) > n // 2 and f"meta.step ({earlier} vs {steps})" in state
+    damaged = tmp_path / "damaged"
+    shutil.copytree(work / "fuzzed" / "checkpoints" / f"step_{steps:08d}", damaged)
+    assert fuzz.checkpoint_damage(damaged) is None
+    shard = next(p for p in sorted(damaged.iterdir()) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    assert fuzz.checkpoint_damage(damaged) == f"{shard.name} does not match its checksum"
+    print(f"crash fuzz: {seconds:.0f} s\n{out.stdout}")
