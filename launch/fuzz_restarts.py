@@ -425,15 +425,20 @@ class Fuzzer:
             launcher.wait()
             raise FuzzFailure(f"start {start.index} ({start.kind}): the launcher did not exit within "
                               f"{EXIT_TIMEOUT_S:.0f} s of the kill") from None
-        left = wait_dead(start.seen, 30.0)
+        self.require_gone(start.seen, 30.0, f"start {start.index} ({start.kind}): processes {{pids}} survived the "
+                          f"kill for 30 s", f"start {start.index} ({start.kind}): the run directory's lock is still "
+                          f"held after every process of the job died")
+
+    def require_gone(self, procs: list, seconds: float, survived: str, locked: str) -> None:
+        """Every process in `procs` dies within `seconds` (survivors are killed, and named in `survived`'s
+        {pids}) and the run directory's lock is free afterwards."""
+        left = wait_dead(procs, seconds)
         if left:
             for p in left:
                 os.kill(p.pid, signal.SIGKILL)
-            raise FuzzFailure(f"start {start.index} ({start.kind}): processes {[p.pid for p in left]} survived the "
-                              f"kill for 30 s")
+            raise FuzzFailure(survived.format(pids=[p.pid for p in left]))
         if not lock_free(self.run_dir):
-            raise FuzzFailure(f"start {start.index} ({start.kind}): the run directory's lock is still held after "
-                              f"every process of the job died")
+            raise FuzzFailure(locked)
 
     def children(self, launcher: subprocess.Popen) -> list[Proc]:
         return [p for p in descendants(launcher.pid) if (s := _stat(p.pid)) is not None and int(s[1]) == launcher.pid]
@@ -508,15 +513,9 @@ class Fuzzer:
         else:
             os.kill(launcher.pid, signal.SIGKILL)
             launcher.wait()
-            left = wait_dead(workers, 10.0)
-            if left:
-                for p in left:
-                    os.kill(p.pid, signal.SIGKILL)
-                raise FuzzFailure(f"start {start.index}: workers {[p.pid for p in left]} outlived their SIGKILLed "
-                                  f"launcher by 10 s (PR_SET_PDEATHSIG)")
-            if not lock_free(self.run_dir):
-                raise FuzzFailure(f"start {start.index}: the run directory's lock is held after the launcher was "
-                                  f"killed and its workers died")
+            self.require_gone(workers, 10.0, f"start {start.index}: workers {{pids}} outlived their SIGKILLed "
+                              f"launcher by 10 s (PR_SET_PDEATHSIG)", f"start {start.index}: the run directory's "
+                              f"lock is held after the launcher was killed and its workers died")
             start.kill_note = f"launcher alone killed {when}; its workers died by themselves, the lock is free"
         self.finish_kill(launcher, start)
         return True
