@@ -115,21 +115,21 @@ def test_indices_come_from_the_parameters_delta_steps_earlier(tmp_path, corpus, 
     assert [r["anticipatory_routing"] for r in records] == [True] * 4 + [False]
 
 
-def test_pipeline_and_expert_parallel_route_by_the_earlier_parameters(tmp_path, corpus):
+@pytest.mark.parametrize("layout", ["pp", "ep"])
+def test_pipeline_and_expert_parallel_route_by_the_earlier_parameters(tmp_path, corpus, layout):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist" / "anticipatory_routing.py"), str(tmp_path), str(corpus), "pp", "ep"]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+           str(ROOT / "tests" / "dist" / "anticipatory_routing.py"), str(tmp_path), str(corpus), layout]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    for layout in ("pp", "ep"):
-        ranks = [torch.load(tmp_path / f"{layout}.rank{r}.pt") for r in (0, 1)]
-        for r in ranks:
-            assert r["same_as_earlier"] == [True, True, True], (layout, r)
-            assert r["same_as_own"] == [True, False, False], (layout, r)  # step 1: activation, its own parameters
-        if layout == "pp":  # each stage routes its own layers: 1 MoE layer on stage 0, 3 on stage 1, x 4 micro-batches
-            assert [ranks[0]["calls"][0], ranks[1]["calls"][0]] == [4, 12]
-        else:  # ep: every rank routes its own tokens through all 4 layers, 2 micro-batches each
-            assert [r["calls"][0] for r in ranks] == [8, 8]
-        assert ranks[0]["losses"] == ranks[1]["losses"]
+    ranks = [torch.load(tmp_path / f"{layout}.rank{r}.pt") for r in (0, 1)]
+    for r in ranks:
+        assert r["same_as_earlier"] == [True, True, True], (layout, r)
+        assert r["same_as_own"] == [True, False, False], (layout, r)  # step 1: activation, its own parameters
+    if layout == "pp":  # each stage routes its own layers: 1 MoE layer on stage 0, 3 on stage 1, 4 micro-batches
+        assert [ranks[0]["calls"][0], ranks[1]["calls"][0]] == [4, 12]
+    else:  # ep: every rank routes its own tokens through all 4 layers, 2 micro-batches each
+        assert [r["calls"][0] for r in ranks] == [8, 8]
+    assert ranks[0]["losses"] == ranks[1]["losses"]
 
 
 def test_a_checkpoint_in_the_active_phase_resumes_exactly(tmp_path, corpus):

@@ -1,12 +1,14 @@
 """Run under torchrun (gloo, 2 processes): Anticipatory Routing with delta_steps=1 on flash_tiny (4 layers)
-for each layout given (`pp` = parallel.pp=2, `ep` = parallel.ep=2), switched on from step 1. Each rank
+in the layout given (`pp` = parallel.pp=2, `ep` = parallel.ep=2), switched on from step 1. Each rank
 records, per step, the parameters it holds at the step's start, the step's micro-batches and the routing
 indices its MoE gates actually used in the training forward/backward (a wrapper around Gate.forward);
 afterwards it loads the parameters of step t - 1 and recomputes step t's indices with the layout's own
 no-grad forward, and the indices of step t with step t's own parameters. Writes OUT/<layout>.rank<r>.pt:
 {"same_as_earlier": [bool per step], "same_as_own": [...], "calls": [gate calls per step], "losses": [...]}.
 
-usage: torchrun --nproc_per_node=2 tests/dist/anticipatory_routing.py OUT CORPUS_DIR LAYOUT [LAYOUT ...]"""
+usage: torchrun --nproc_per_node=2 tests/dist/anticipatory_routing.py OUT CORPUS_DIR LAYOUT
+(one layout per launch: a second process group in the same torchrun job can read the first one's stale
+rendezvous keys from the launcher's store and hang)"""
 
 import copy
 import sys
@@ -77,5 +79,4 @@ def run(out: Path, corpus: str, layout: str) -> None:
 
 
 if __name__ == "__main__":
-    for name in sys.argv[3:]:
-        run(Path(sys.argv[1]), sys.argv[2], name)
+    run(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
