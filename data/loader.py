@@ -409,8 +409,11 @@ class PackedLoader:
         if self._it is None:
             ds = _PackedIterable(self.cfg, self.spec, self.text, self.mm, self.rank, self.world,
                                  self.worker_states, self.next_worker)
+            # its own generator: the iterator then draws its worker seeds from it, not from the global torch
+            # RNG, which is the training's (checkpointed) and must not depend on when the loader first ran
             self._it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.cfg.num_workers,
-                                                        collate_fn=_identity))
+                                                        collate_fn=_identity,
+                                                        generator=torch.Generator().manual_seed(0)))
         batch = next(self._it)
         w = batch.pop("_worker")
         self.worker_states[w] = batch.pop("_state")

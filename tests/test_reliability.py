@@ -223,13 +223,14 @@ def test_a_hung_collective_fails_the_job_naming_the_step_and_operation(tmp_path,
 def test_crash_fuzz_20_kills(tmp_path, corpus_args):  # noqa: F811
     """The acceptance run: 20 kills (workers, whole jobs, the launcher alone, sync / async checkpoint
     writes), every restart from the newest complete checkpoint, the end bit-identical to an uninterrupted
-    run. The harness checks each kill; here the final state is compared once more, and the harness's own
-    checks are shown to catch a difference and a damaged file."""
+    run, data-loader and RNG states included (--strict-state). The harness checks each kill; here the
+    final state is compared once more, and the harness's own checks are shown to catch a difference and
+    a damaged file."""
     work = tmp_path / "fuzz"
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, str(ROOT / "launch" / "fuzz_restarts.py"), "--kills", "20", "--seed", "0",
-                          "--keep-dir", str(work), "--extra", *corpus_args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=900)
+                          "--strict-state", "--keep-dir", str(work), "--extra", *corpus_args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
     seconds = time.monotonic() - t0
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     kills = re.findall(r"^kill +\d+/20 (\w+)", out.stdout, re.M)
