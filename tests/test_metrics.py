@@ -77,6 +77,17 @@ def wandb_history(path):
     return run_id, config, rows
 
 
+def settled_history(path, seconds=30.0):
+    """`wandb_history` once the file holds its run record: wandb's service process may still be writing
+    the offline file for a moment after `finish()` returns on a loaded machine."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = wandb_history(path)
+        if found[0] is not None or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
 # --- heatmap ---------------------------------------------------------------------------------------
 LOADS = {0: torch.tensor([[2, 2, 2, 2], [0, 0, 0, 0]]), 3: torch.tensor([[4, 0, 0, 0], [1, 3, 0, 0]])}
 
@@ -166,7 +177,7 @@ def test_run_id_is_stored_once_and_reused(tmp_path):
     assert (tmp_path / "wandb_run_id").read_text().strip() == first_id
     runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{first_id}/run-{first_id}.wandb"))
     assert len(runs) == 2
-    (id1, config1, _), (id2, config2, _) = map(wandb_history, runs)
+    (id1, config1, _), (id2, config2, _) = map(settled_history, runs)
     assert id1 == id2 == first_id
     assert config1 == {"lr"} and config2 == set()  # the config goes to wandb on the first start only
 
