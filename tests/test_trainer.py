@@ -153,7 +153,7 @@ def test_data_parallel_parity(tmp_path, corpus_args):
 def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, corpus_args):
     run = tmp_path / "crash"
     killed = pretrain(run, corpus_args, "train.max_steps=3", "train.checkpoint.interval=1",
-                      env={"FLASHTRAIN_FAULT_KILL_AFTER_CHECKPOINT_WRITE": "2"}, check=False)
+                      env={"FLASHTRAIN_FAULT": "kill:rank=0:step=2:point=checkpoint_write"}, check=False)
     assert killed.returncode != 0
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == [".tmp-step_00000002", "step_00000001"]  # the half-written one never got its final name

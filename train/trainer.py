@@ -88,7 +88,6 @@ log = logging.getLogger(__name__)
 # smaller attention chunk for the 1M-token extension, whose indexer scores [chunk, heads, S / m] per chunk)
 # fields a resume may change: execution details, and QAT (switched on for the last part of a run)
 EXECUTION_ONLY = frozenset({"attn_chunk_size", "use_triton", "qat"})
-FAULT_ENV = "FLASHTRAIN_FAULT_KILL_AFTER_CHECKPOINT_WRITE"  # tests only: SIGKILL after writing step N's shards
 
 
 class CollectiveError(RuntimeError):
@@ -409,12 +408,9 @@ class Trainer:
             log.info(f"resumed from {path} at step {self.step}")
 
     def save(self) -> None:
-        fault = os.environ.get(FAULT_ENV)
         step = self.step  # a background write is finished during a later save: the hook names the step it wrote
 
         def hook(tmp):
-            if fault is not None and int(fault) == step:
-                os.kill(os.getpid(), signal.SIGKILL)
             faults.inject("checkpoint_write", step, self.rank)
 
         hasher = getattr(self.model, "engram_hasher", None)
