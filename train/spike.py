@@ -118,8 +118,19 @@ class SpikeDetector:
         self.grad_norms = deque(state["grad_norms"], maxlen=self.cfg.window)
 
 
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+def rng_state() -> dict:
+    s = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
 
 
 @dataclass
@@ -150,7 +161,7 @@ class Snapshots:
         self.kept = [s for s in self.kept if s.step < step]
         optim = {name: [(p, k, _copy(v)) for p, k, v, _ in opt.owned_state()] for name, opt in optimizers.items()}
         self.kept.append(Snapshot(step, tokens_seen, {k: _copy(v) for k, v in model.state_dict().items()}, optim,
-                                  _rng_state()))
+                                  rng_state()))
         keep = -(-self.cfg.rollback_steps // self.cfg.snapshot_interval) + 1  # reaches rollback_steps back
         self.kept = self.kept[-keep:]
 
@@ -170,6 +181,4 @@ class Snapshots:
             opt.clear_state()
             for p, k, v in snap.optim[name]:
                 opt.install_state(p, k, v.clone() if torch.is_tensor(v) else v)
-        torch.set_rng_state(snap.rng["torch"])
-        random.setstate(snap.rng["python"])
-        np.random.set_state(snap.rng["numpy"])
+        set_rng_state(snap.rng)

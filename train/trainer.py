@@ -79,7 +79,7 @@ from train.optim import build_optimizers
 from train.optim.routing import route_parameters, zero_inputs
 from train.profile import ProfileConfig, StepProfiler
 from train.run_guard import acquire_run_lock, die_with_launcher
-from train.spike import Snapshots, SpikeConfig, SpikeDetector
+from train.spike import Snapshots, SpikeConfig, SpikeDetector, rng_state, set_rng_state
 from train.stages import plan_stages, stage_units
 from train.step_values import LOADER_COUNTERS, StepValues
 
@@ -197,21 +197,6 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(local)
         return rank, world, torch.device("cuda", local)
     return rank, world, torch.device("cpu")
-
-
-def _rng_state() -> dict:
-    s = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
-
-
-def _set_rng_state(s: dict) -> None:
-    torch.set_rng_state(s["torch"])
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
 
 
 class Trainer:
@@ -395,7 +380,7 @@ class Trainer:
                       f"optimizer state")
             return
         self.loader.load_state_dict(mine["data"])
-        _set_rng_state(mine["rng"])
+        set_rng_state(mine["rng"])
         if "spike" in mine:
             self.detector.load_state_dict(mine["spike"]["detector"])
             self.spikes = dict(mine["spike"]["counts"])
@@ -416,7 +401,7 @@ class Trainer:
         hasher = getattr(self.model, "engram_hasher", None)
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg_dict,
                 "engram_compressed_vocab_size": None if hasher is None else hasher.compressed_vocab}
-        rank_state = {"data": self.loader.state_dict(), "rng": _rng_state(),
+        rank_state = {"data": self.loader.state_dict(), "rng": rng_state(),
                       "spike": {"detector": self.detector.state_dict(), "counts": dict(self.spikes),
                                 "rolled_back_steps": self.rolled_back_steps},
                       "anticipatory_routing": self.ar.state_dict()}
