@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from data.images import ImageProcessorConfig
+from flashtrain.config.errors import DataError
+from flashtrain.data.images import ImageProcessorConfig
 
 
-class DataConfigError(ValueError):
+class DataConfigError(DataError):
     """A data setting is invalid; the message names it and the fix."""
 
 
@@ -75,7 +76,7 @@ def resolve_shards(patterns: list[str] | None, what: str) -> list[str]:
     (`pipe:CMD`, `http://...`, `https://...`, other schemes webdataset opens) is not globbed nor checked on
     disk: it is brace-expanded as webdataset does (`.../text-{00000..00015}.tar`) and passed to
     webdataset's opener as is."""
-    from data.shards import url_scheme, url_schemes
+    from flashtrain.data.shards import url_scheme, url_schemes
 
     if not patterns:
         return []

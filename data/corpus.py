@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data.config import DataConfig, TokenSpec
-from data.shards import Document, write_shards
-from data.tokenizer import train_tokenizer
+from flashtrain.data.config import DataConfig, TokenSpec
+from flashtrain.data.shards import Document, write_shards
+from flashtrain.data.tokenizer import train_tokenizer
 
 VERSION = 1
 EXCLUDE_DIRS = {"site-packages", "__pycache__", "test", "tests", "idlelib", "lib2to3"}

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from data.config import DataConfig, TokenSpec
-from data.images import (
+from flashtrain.data.config import DataConfig, TokenSpec
+from flashtrain.data.images import (
     IMAGE_START,
     TEXT,
     ImageDecodeError,
@@ -44,7 +44,7 @@ from data.images import (
     load_image,
     plan_image_size,
 )
-from data.shards import Document, ReadStats, is_url, read_shard
+from flashtrain.data.shards import Document, ReadStats, is_url, read_shard
 
 log = logging.getLogger(__name__)
 TEXT_STREAM, MM_STREAM = 0, 1
@@ -426,8 +426,8 @@ def data_sources(cfg: DataConfig, spec: TokenSpec) -> tuple[list[str], list[str]
     are an error now, not mid-run), or the default corpus, built on first use."""
     from pathlib import Path
 
-    from data.config import resolve_shards
-    from data.corpus import corpus_shards, ensure_default_corpus
+    from flashtrain.data.config import resolve_shards
+    from flashtrain.data.corpus import corpus_shards, ensure_default_corpus
 
     if cfg.text_shards is None and cfg.mm_shards is None:
         return corpus_shards(ensure_default_corpus(cfg, spec))

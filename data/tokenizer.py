@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from data.config import TokenSpec
+from flashtrain.data.config import TokenSpec
 
 BOS, EOS, PAD, IMAGE_TOKEN = "<|bos|>", "<|eos|>", "<|pad|>", "<|image|>"
 

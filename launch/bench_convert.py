@@ -21,19 +21,17 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 PEAK = re.compile(r"peak RSS ([0-9.]+) GiB")
 
 
 def _baseline(overrides: list[str]) -> float:
     """Peak RSS (GiB) of a process that imports the converter and builds the model's shapes."""
-    code = ("import sys; sys.path.insert(0, %r)\n"
-            "from train.config import compose, model_config\n"
-            "from train.official.convert import model_shapes\n"
-            "from train.official.convert import peak_rss_gib\n"
+    code = ("from flashtrain.train.config import compose, model_config\n"
+            "from flashtrain.train.official.convert import model_shapes\n"
+            "from flashtrain.train.official.convert import peak_rss_gib\n"
             "model_shapes(model_config(compose(%r)))\n"
-            "print(peak_rss_gib())") % (str(ROOT), overrides)
+            "print(peak_rss_gib())") % (overrides,)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -42,9 +40,9 @@ def _write_checkpoint(overrides: list[str], path: Path) -> int:
     import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
 
-    from parallel.construct import model_template
-    from train.checkpoint import _blob
-    from train.config import compose, model_config
+    from flashtrain.parallel.construct import model_template
+    from flashtrain.train.checkpoint import _blob
+    from flashtrain.train.config import compose, model_config
 
     conf = compose(overrides)
     cfg = model_config(conf)

@@ -11,12 +11,9 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from data.loader import PackedLoader, data_sources  # noqa: E402
-from train.config import compose, data_config, model_config, token_spec  # noqa: E402
+from flashtrain.data.loader import PackedLoader, data_sources  # noqa: E402
+from flashtrain.train.config import compose, data_config, model_config, token_spec  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -29,14 +29,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def real_step(overrides: list[str], run_dir: str) -> dict:
     import torch
 
-    from train.config import compose
-    from train.trainer import Trainer
+    from flashtrain.train.config import compose
+    from flashtrain.train.trainer import Trainer
 
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_estimate.py measures a CUDA step; this machine has no GPU")

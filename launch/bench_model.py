@@ -48,19 +48,15 @@ import dataclasses
 import json
 import statistics
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from bench_util import alternate, format_ratio, ratio_summary, take_int  # noqa: E402
 
-from model.config import ModelConfig  # noqa: E402
-from model.kernels.select import HAS_TRITON, interpreting  # noqa: E402
-from parallel.construct import model_template  # noqa: E402
-from train.config import compose, model_config, optim_config  # noqa: E402
-from train.flops import flop_accounting, gpu_peak, measured_cpu_peak  # noqa: E402
+from flashtrain.model.config import ModelConfig  # noqa: E402
+from flashtrain.model.kernels.select import HAS_TRITON, interpreting  # noqa: E402
+from flashtrain.parallel.construct import model_template  # noqa: E402
+from flashtrain.train.config import compose, model_config, optim_config  # noqa: E402
+from flashtrain.train.flops import flop_accounting, gpu_peak, measured_cpu_peak  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -146,7 +142,7 @@ def main(argv: list[str]) -> int:
     tokens = torch.randint(3, mcfg.image_token_id, (batch, seq + 1), generator=gen).to(device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
-    from train.loss import tiled_lm_loss  # imports deepspeed: after the accounting path
+    from flashtrain.train.loss import tiled_lm_loss  # imports deepspeed: after the accounting path
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
@@ -162,7 +158,7 @@ def main(argv: list[str]) -> int:
 
     runs = {name: fwd_bwd(m) for name, m in models.items()}
     if with_optim:
-        from train.optim import build_optimizers
+        from flashtrain.train.optim import build_optimizers
 
         ocfg = optim_config(conf)
         if not cuda and ocfg.use_triton is not False:

@@ -28,18 +28,14 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from bench_util import alternate, format_ratio, ratio_summary, take_int  # noqa: E402
 
-from model import Transformer  # noqa: E402
-from train.config import compose, model_config, optim_config  # noqa: E402
-from train.optim import Muon, SinkhornBalanced, route_parameters  # noqa: E402
-from train.optim.memory import PeakTensorBytes  # noqa: E402
+from flashtrain.model import Transformer  # noqa: E402
+from flashtrain.train.config import compose, model_config, optim_config  # noqa: E402
+from flashtrain.train.optim import Muon, SinkhornBalanced, route_parameters  # noqa: E402
+from flashtrain.train.optim.memory import PeakTensorBytes  # noqa: E402
 
 
 def _fresh(params: list[torch.Tensor]) -> list[torch.nn.Parameter]:

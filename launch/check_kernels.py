@@ -27,20 +27,17 @@ import dataclasses
 import json
 import statistics
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 from bench_util import alternate  # noqa: E402
 
-from model.attention import index_select  # noqa: E402
-from model.kernels.index_topk import index_topk_triton  # noqa: E402
-from model.kernels.select import interpreting  # noqa: E402
-from model.mhc import hc_collapse, hc_expand, hc_mixes  # noqa: E402
-from model.moe import RoutedExperts  # noqa: E402
-from model.sparse_attention import sparse_attention_lean  # noqa: E402
-from train.config import compose, model_config  # noqa: E402
+from flashtrain.model.attention import index_select  # noqa: E402
+from flashtrain.model.kernels.index_topk import index_topk_triton  # noqa: E402
+from flashtrain.model.kernels.select import interpreting  # noqa: E402
+from flashtrain.model.mhc import hc_collapse, hc_expand, hc_mixes  # noqa: E402
+from flashtrain.model.moe import RoutedExperts  # noqa: E402
+from flashtrain.model.sparse_attention import sparse_attention_lean  # noqa: E402
+from flashtrain.train.config import compose, model_config  # noqa: E402
 
 
 def _opt(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
@@ -126,7 +123,7 @@ def main(argv: list[str]) -> int:
                           rounds, warmup=1)
         idx_k, vals, cands_k = index_topk_triton(*args)
         idx_r, cands_r = index_select(*args)
-    from model.attention import index_scores
+    from flashtrain.model.attention import index_scores
 
     ref_vals = index_scores(qi, wi, ki).gather(-1, idx_r.clamp_min(0))
     report["index_topk"] = ({"indices_differing": (idx_k != idx_r).float().mean().item(),

@@ -27,14 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 GiB = 1 << 30
 
 
 def configured_world(overrides: list[str]) -> int | None:
     """The config's parallel.world (the processes its layout is for), if it sets one."""
-    from train.config import compose
+    from flashtrain.train.config import compose
 
     return compose(overrides).parallel.get("world")
 
@@ -43,10 +42,10 @@ def default_ranks(overrides: list[str], world: int) -> list[int]:
     """The first rank of every pipeline position (the mesh is pp-major: position p starts at p x world / pp)."""
     from omegaconf import OmegaConf
 
-    from model.config import ConfigError
-    from parallel.config import ParallelConfig
-    from parallel.mesh import mesh_shape
-    from train.config import compose, model_config
+    from flashtrain.model.config import ConfigError
+    from flashtrain.parallel.config import ParallelConfig
+    from flashtrain.parallel.mesh import mesh_shape
+    from flashtrain.train.config import compose, model_config
 
     conf = compose(overrides)
     cfg = model_config(conf)
@@ -60,8 +59,8 @@ def default_ranks(overrides: list[str], world: int) -> list[int]:
 
 def run_one(overrides: list[str], world: int, rank: int, device: str) -> dict:
     """One rank's simulation, in this process."""
-    from train.config import compose
-    from train.estimate import estimate_rank
+    from flashtrain.train.config import compose
+    from flashtrain.train.estimate import estimate_rank
 
     return estimate_rank(compose(overrides), world, rank, device).as_dict()
 

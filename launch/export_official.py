@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="fp8: the release's quantised formats (default); bf16: unquantised")
     ap.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB; default 5)")
     args = ap.parse_args(argv)
-    from train.official.convert import GiB, OfficialCheckpointError, export_official, peak_rss_gib
+    from flashtrain.train.official.convert import GiB, OfficialCheckpointError, export_official, peak_rss_gib
 
     t0 = time.time()
     try:

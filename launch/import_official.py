@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = ap.parse_known_args(argv)
     from omegaconf import OmegaConf
 
-    from model.config import ConfigError
-    from train.config import compose, model_config
-    from train.official.convert import GiB, OfficialCheckpointError, import_official, peak_rss_gib
-    from train.official.safetensors import SafetensorsError
+    from flashtrain.model.config import ConfigError
+    from flashtrain.train.config import compose, model_config
+    from flashtrain.train.official.convert import GiB, OfficialCheckpointError, import_official, peak_rss_gib
+    from flashtrain.train.official.safetensors import SafetensorsError
 
     t0 = time.time()
     try:

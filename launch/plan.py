@@ -23,21 +23,18 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from model import Transformer  # noqa: E402
-from model.config import ConfigError  # noqa: E402
-from model.inspect import inspect_model  # noqa: E402
-from parallel.config import ParallelConfig  # noqa: E402
-from parallel.partition import in_flight_microbatches, partition_report  # noqa: E402
-from parallel.pipeline import stage_ids  # noqa: E402
-from train.config import compose, model_config, optim_config, schedule  # noqa: E402
-from train.optim.routing import route_parameters, routing_summary  # noqa: E402
-from train.stages import plan_stages, stage_units  # noqa: E402
+from flashtrain.model import Transformer  # noqa: E402
+from flashtrain.model.config import ConfigError  # noqa: E402
+from flashtrain.model.inspect import inspect_model  # noqa: E402
+from flashtrain.parallel.config import ParallelConfig  # noqa: E402
+from flashtrain.parallel.partition import in_flight_microbatches, partition_report  # noqa: E402
+from flashtrain.parallel.pipeline import stage_ids  # noqa: E402
+from flashtrain.train.config import compose, model_config, optim_config, schedule  # noqa: E402
+from flashtrain.train.optim.routing import route_parameters, routing_summary  # noqa: E402
+from flashtrain.train.stages import plan_stages, stage_units  # noqa: E402
 
 
 def build_report(overrides: list[str], device: str = "cuda", world: int | None = None) -> dict:
@@ -82,7 +79,7 @@ def build_report(overrides: list[str], device: str = "cuda", world: int | None =
 def context_parallel_report(seq_len: int, cp: int, balance: str, window: int) -> dict:
     """Per-rank attention / indexing cost of each chunk assignment (model/sequence_split.py): causal work
     grows with position, so contiguous slices leave the last rank the most; max / mean per rank."""
-    from model.sequence_split import causal_cost, chunk_ranges
+    from flashtrain.model.sequence_split import causal_cost, chunk_ranges
 
     def imbalance(mode: str) -> float:
         costs = [causal_cost(chunks, seq_len, window) for chunks in chunk_ranges(seq_len, cp, mode)]

@@ -27,15 +27,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np  # noqa: E402
 
-from data.images import ImageDecodeError, decode_image, num_image_positions, plan_image_size  # noqa: E402
-from data.shards import Document, write_shards  # noqa: E402
-from data.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
-from train.config import compose, model_config, token_spec  # noqa: E402
-from train.engram_map import load_or_build_engram_map  # noqa: E402
+from flashtrain.data.images import ImageDecodeError, decode_image, num_image_positions, plan_image_size  # noqa: E402
+from flashtrain.data.shards import Document, write_shards  # noqa: E402
+from flashtrain.data.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
+from flashtrain.train.config import compose, model_config, token_spec  # noqa: E402
+from flashtrain.train.engram_map import load_or_build_engram_map  # noqa: E402
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 

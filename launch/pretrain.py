@@ -41,25 +41,24 @@ def _die_with_launcher_early() -> None:
 
 
 _die_with_launcher_early()
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from train.trainer import Trainer  # noqa: E402
+from flashtrain.train.trainer import Trainer  # noqa: E402
 
 EXIT_CONFIG_ERROR = 2
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The project's own error types: each message already says what was wrong and what to do."""
-    from data.config import DataConfigError
-    from model.config import ConfigError
-    from train.checkpoint import CheckpointError
-    from train.official.convert import OfficialCheckpointError
-    from train.optim.routing import RoutingError
+    from flashtrain.data.config import DataConfigError
+    from flashtrain.model.config import ConfigError
+    from flashtrain.train.checkpoint import CheckpointError
+    from flashtrain.train.official.convert import OfficialCheckpointError
+    from flashtrain.train.optim.routing import RoutingError
 
     return ConfigError, DataConfigError, RoutingError, OfficialCheckpointError, CheckpointError, FileNotFoundError
 

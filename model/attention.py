@@ -42,18 +42,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.aux import StepStats, attach_aux_loss
-from model.chunks import query_chunks
-from model.config import ModelConfig, QATConfig
-from model.index_logits import index_logits_lean
-from model.kernels.index_topk import index_topk_triton
-from model.kernels.select import use_triton
-from model.layer_plan import LayerRole, Role
-from model.norm import RMSNorm
-from model.quant import fake_quant_fp4, fake_quant_fp8
-from model.rope import apply_rope, rope_angles, rope_frequencies
-from model.sequence_split import SequenceSplit
-from model.sparse_attention import sparse_attention_lean
+from flashtrain.model.aux import StepStats, attach_aux_loss
+from flashtrain.model.chunks import query_chunks
+from flashtrain.model.config import ModelConfig, QATConfig
+from flashtrain.model.index_logits import index_logits_lean
+from flashtrain.model.kernels.index_topk import index_topk_triton
+from flashtrain.model.kernels.select import use_triton
+from flashtrain.model.layer_plan import LayerRole, Role
+from flashtrain.model.norm import RMSNorm
+from flashtrain.model.quant import fake_quant_fp4, fake_quant_fp8
+from flashtrain.model.rope import apply_rope, rope_angles, rope_frequencies
+from flashtrain.model.sequence_split import SequenceSplit
+from flashtrain.model.sparse_attention import sparse_attention_lean
 
 
 @dataclass

@@ -15,9 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, the value and the fix."""
+from flashtrain.config.errors import ConfigError  # noqa: F401 (re-exported: the model's config errors)
 
 
 def reject_unknown_fields(cls, values: Mapping[str, Any], where: str, defined_in: str) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from model.config import ModelConfig
+from flashtrain.model.config import ModelConfig
 
 _MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # deterministic for n < 3.3e24
 

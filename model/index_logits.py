@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from model.chunks import query_chunks
-from model.sparse_attention import _flat_rows, gather_rows, no_autocast
+from flashtrain.model.chunks import query_chunks
+from flashtrain.model.sparse_attention import _flat_rows, gather_rows, no_autocast
 
 
 def index_logits_reference(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

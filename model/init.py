@@ -35,8 +35,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from model.config import ModelConfig
-from model.norm import RMSNorm
+from flashtrain.model.config import ModelConfig
+from flashtrain.model.norm import RMSNorm
 
 INIT_BLOCK_ELEMS = 1 << 22  # elements per seeded block (a 16 MiB fp32 temporary at most)
 STACKED_EXPERT_WEIGHTS = ("w1", "w2", "w3")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from model.config import ModelConfig
+from flashtrain.model.config import ModelConfig
 
 VISION_ROOTS = ("vision", "aligner", "image_start", "image_newline", "image_end")
 

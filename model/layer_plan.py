@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from model.config import ModelConfig
+from flashtrain.model.config import ModelConfig
 
 
 class Role(str, Enum):

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from model.kernels.mhc import hc_collapse_triton, hc_expand_triton, hc_mixes_triton
-from model.kernels.select import use_triton as _use_triton
+from flashtrain.model.kernels.mhc import hc_collapse_triton, hc_expand_triton, hc_mixes_triton
+from flashtrain.model.kernels.select import use_triton as _use_triton
 
 
 def hc_split_sinkhorn_reference(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from model.aux import StepStats, attach_aux_loss
-from model.config import ModelConfig
-from model.sequence_split import SequenceSplit
+from flashtrain.model.aux import StepStats, attach_aux_loss
+from flashtrain.model.config import ModelConfig
+from flashtrain.model.sequence_split import SequenceSplit
 
 
 def balanced_split(total: int, parts: int) -> list[int]:

@@ -30,8 +30,8 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from model.aux import StepStats
-from model.config import ConfigError
+from flashtrain.model.aux import StepStats
+from flashtrain.model.config import ConfigError
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -62,8 +62,8 @@ def validate_recompute(mode: str) -> None:
 
 def recompute_block(fn: Callable, carry, ctx, mode: str):
     """`fn(carry, ctx) -> carry` under activation checkpointing of `mode` ('full' or 'selective')."""
-    from model.attention import SharedKV
-    from model.transformer import Carry
+    from flashtrain.model.attention import SharedKV
+    from flashtrain.model.transformer import Carry
 
     first = [True]
 

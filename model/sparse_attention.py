@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.chunks import query_chunks
-from model.kernels.select import use_triton as _select_triton
-from model.kernels.sparse_attention import sparse_attention_bwd_triton, sparse_attention_fwd_triton
+from flashtrain.model.chunks import query_chunks
+from flashtrain.model.kernels.select import use_triton as _select_triton
+from flashtrain.model.kernels.sparse_attention import sparse_attention_bwd_triton, sparse_attention_fwd_triton
 
 
 def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -29,18 +29,18 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from model.attention import Attention, SharedKV
-from model.aux import StepStats
-from model.config import ModelConfig
-from model.engram import Engram, NgramHasher, engram_table_rows
-from model.init import init_weights, reset_buffers
-from model.layer_plan import LayerRole, layer_plan
-from model.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
-from model.moe import MoE
-from model.norm import RMSNorm
-from model.recompute import recompute_block, validate_recompute
-from model.sequence_split import SequenceSplit
-from model.vision import Aligner, ViT, aligner_rows, encode_images, merge_images
+from flashtrain.model.attention import Attention, SharedKV
+from flashtrain.model.aux import StepStats
+from flashtrain.model.config import ModelConfig
+from flashtrain.model.engram import Engram, NgramHasher, engram_table_rows
+from flashtrain.model.init import init_weights, reset_buffers
+from flashtrain.model.layer_plan import LayerRole, layer_plan
+from flashtrain.model.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
+from flashtrain.model.moe import MoE
+from flashtrain.model.norm import RMSNorm
+from flashtrain.model.recompute import recompute_block, validate_recompute
+from flashtrain.model.sequence_split import SequenceSplit
+from flashtrain.model.vision import Aligner, ViT, aligner_rows, encode_images, merge_images
 
 
 @dataclass

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.config import ModelConfig
-from model.norm import RMSNorm
+from flashtrain.model.config import ModelConfig
+from flashtrain.model.norm import RMSNorm
 
 # token_types values (V41_SPEC §6)
 TEXT, IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = -1, 0, 1, 2, 3

@@ -34,7 +34,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from model.config import ConfigError, reject_unknown_fields
+from flashtrain.model.config import ConfigError, reject_unknown_fields
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class ParallelConfig:
         if self.pp < 1 or self.ep < 1 or self.cp < 1:
             raise ConfigError(f"parallel.pp={self.pp}, parallel.ep={self.ep}, parallel.cp={self.cp}: "
                               "degrees must be >= 1")
-        from model.sequence_split import BALANCE_MODES
+        from flashtrain.model.sequence_split import BALANCE_MODES
 
         if self.cp_balance not in BALANCE_MODES:
             raise ConfigError(f"parallel.cp_balance={self.cp_balance!r}: use one of {', '.join(BALANCE_MODES)}")
@@ -127,7 +127,7 @@ class ParallelConfig:
             return False
         if self.engram_shard is not None:
             return bool(self.engram_shard)
-        from model.engram import engram_table_rows
+        from flashtrain.model.engram import engram_table_rows
 
         largest = max(engram_table_rows(model_cfg)) * model_cfg.engram_head_dim * 4
         return largest > self.engram_shard_min_gb * 2 ** 30

@@ -14,11 +14,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from model import Transformer
-from model.config import ModelConfig
-from parallel.engram_shard import shard_engram_tables
-from parallel.experts import shard_experts
-from parallel.pipeline import StageRange, prune_to_stages
+from flashtrain.model import Transformer
+from flashtrain.model.config import ModelConfig
+from flashtrain.parallel.engram_shard import shard_engram_tables
+from flashtrain.parallel.experts import shard_experts
+from flashtrain.parallel.pipeline import StageRange, prune_to_stages
 
 
 def model_template(cfg: ModelConfig, token_map: list[int] | None = None) -> Transformer:

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.clipping import clip_grad_norm_
-from parallel.experts import is_expert_param
-from parallel.grad_reduce import GradReducer
-from parallel.mesh import ProcessMesh, build_mesh, mesh_shape
-from parallel.zero import Ownership, balance_muon, flat_pieces, row_pieces, whole
+from flashtrain.parallel.clipping import clip_grad_norm_
+from flashtrain.parallel.experts import is_expert_param
+from flashtrain.parallel.grad_reduce import GradReducer
+from flashtrain.parallel.mesh import ProcessMesh, build_mesh, mesh_shape
+from flashtrain.parallel.zero import Ownership, balance_muon, flat_pieces, row_pieces, whole
 
 
 def is_engram_table(name: str) -> bool:

@@ -40,9 +40,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
-from model.engram import Engram
-from model.moe import balanced_split
-from parallel.zero import row_pieces
+from flashtrain.model.engram import Engram
+from flashtrain.model.moe import balanced_split
+from flashtrain.parallel.zero import row_pieces
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:

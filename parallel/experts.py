@@ -29,7 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
-from model.moe import RoutedExperts, balanced_split, expert_sizes
+from flashtrain.model.moe import RoutedExperts, balanced_split, expert_sizes
 
 
 def _chunks(xs: list[int], n: int) -> list[list[int]]:

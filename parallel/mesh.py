@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model.config import ConfigError
+from flashtrain.model.config import ConfigError
 
 
 @dataclass(frozen=True)

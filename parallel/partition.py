@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from model.config import ConfigError, ModelConfig
-from model.layer_plan import LayerRole, Role
+from flashtrain.model.config import ConfigError, ModelConfig
+from flashtrain.model.layer_plan import LayerRole, Role
 
 
 @dataclass
@@ -146,7 +146,7 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
     part of the carry the previous block wrote -- all a block after a stage's first adds) and forward
     FLOPs per token, with the embedding/vision unit folded into block 0 and the head into the last
     block. `local_len`: this rank's positions of each sequence under context parallelism."""
-    from parallel.pipeline import boundary_specs, live_shared_fields
+    from flashtrain.parallel.pipeline import boundary_specs, live_shared_fields
 
     n_state = {"muon": 1, "sinkhorn": 1, "adamw": 2}
     units = []

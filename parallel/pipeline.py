@@ -45,13 +45,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from model.attention import SharedKV
-from model.aux import StepStats
-from model.config import ConfigError, ModelConfig
-from model.layer_plan import LayerRole, Role
-from model.transformer import Carry, Transformer
-from parallel.config import SCHEDULES, ParallelConfig
-from parallel.lean_stage import LeanPipelineStage
+from flashtrain.model.attention import SharedKV
+from flashtrain.model.aux import StepStats
+from flashtrain.model.config import ConfigError, ModelConfig
+from flashtrain.model.layer_plan import LayerRole, Role
+from flashtrain.model.transformer import Carry, Transformer
+from flashtrain.parallel.config import SCHEDULES, ParallelConfig
+from flashtrain.parallel.lean_stage import LeanPipelineStage
 
 SHARED_FIELDS = ("kv", "index_k", "topk", "candidates")
 FIRST_INPUTS = ("tokens", "token_types", "rows")

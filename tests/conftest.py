@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from train.config import compose, model_config
+from flashtrain.train.config import compose, model_config
 
 
 class Allocations(TorchDispatchMode):
@@ -41,14 +41,14 @@ def flash_cfg():
 
 @pytest.fixture
 def tiny_model(tiny_cfg):
-    from model import Transformer
+    from flashtrain.model import Transformer
 
     torch.manual_seed(0)
     return Transformer(tiny_cfg)
 
 
 def image_config(cfg):
-    from train.config import token_spec
+    from flashtrain.train.config import token_spec
 
     return token_spec(cfg).image
 
@@ -58,7 +58,7 @@ def random_image(cfg, width, height, seed=0):
     import numpy as np
     from PIL import Image
 
-    from data.images import process_image
+    from flashtrain.data.images import process_image
 
     rng = np.random.default_rng(seed)
     img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))

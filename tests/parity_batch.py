@@ -3,9 +3,9 @@ reference share (tests/dist/pipeline_parity.py, tests/test_pipeline_dist.py)."""
 
 import torch
 
-from data.loader import IGNORE
-from model import Transformer
-from train.config import compose, model_config
+from flashtrain.data.loader import IGNORE
+from flashtrain.model import Transformer
+from flashtrain.train.config import compose, model_config
 
 MICROBATCHES = 4  # of one sequence each: enough for DualPipeV / ZBV with 4 virtual stages
 SEQ_LEN = 128

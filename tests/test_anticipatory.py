@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.moe import Gate
-from train.config import compose
-from train.trainer import Trainer
+from flashtrain.model.moe import Gate
+from flashtrain.train.config import compose
+from flashtrain.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",

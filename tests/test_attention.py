@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from model.attention import Attention, Compressor, SharedKV, candidate_mask, select_candidate_blocks
-from model.layer_plan import Role, layer_plan
-from model.sparse_attention import sparse_attention
+from flashtrain.model.attention import Attention, Compressor, SharedKV, candidate_mask, select_candidate_blocks
+from flashtrain.model.layer_plan import Role, layer_plan
+from flashtrain.model.sparse_attention import sparse_attention
 
 
 def _role(cfg, layer):
@@ -84,7 +84,7 @@ def test_sparse_attention_matches_literal_softmax_with_sink():
 
 def test_reuse_layers_have_no_indexer_and_backprop_into_owner_compressor(tiny_cfg):
     plan = layer_plan(tiny_cfg)
-    from model import Transformer
+    from flashtrain.model import Transformer
 
     with torch.device("meta"):
         model = Transformer(tiny_cfg, init=False)
@@ -187,7 +187,7 @@ def test_causality_every_layer(tiny_cfg, tiny_model):
 def test_index_scores_by_hand():
     """score(t, j) = sum_h ReLU(q_th . k_j) * w_th: a negative dot product contributes nothing, a
     negative weight subtracts."""
-    from model.attention import index_scores
+    from flashtrain.model.attention import index_scores
 
     q = torch.tensor([[[[1.0, 0.0], [0.5, -1.0]]]])  # [B=1, C=1, H=2, d=2]
     k = torch.tensor([[[2.0, 1.0], [-1.0, 3.0], [0.0, -2.0]]])  # [B=1, N=3, d=2]
@@ -218,8 +218,8 @@ def test_indexer_selects_the_literal_top_k_of_visible_entries(tiny_cfg):
     q = RoPE(wq_b(q_norm(wq_a(x)))), w = weights_proj(x) / sqrt(H d), k_j = RoPE_{2j}(k_norm(wk(latent_j)));
     queries that see fewer than k groups get exactly that many -1 slots. The inputs are checked to
     tell the formula from plausible variants (no ReLU, unweighted heads, one group of look-ahead)."""
-    from model.attention import visible_compressed
-    from model.rope import apply_rope, rope_angles
+    from flashtrain.model.attention import visible_compressed
+    from flashtrain.model.rope import apply_rope, rope_angles
 
     k_sel = 5
     cfg = dataclasses.replace(tiny_cfg, index_topk=k_sel)
@@ -266,7 +266,7 @@ def test_indexer_kl_by_hand():
     """KL(p || softmax(logits)) over each query's valid entries, p = the main-attention probability summed
     over heads (by the attention core) and renormalised; averaged over the queries that have any valid
     entry."""
-    from model.attention import indexer_kl
+    from flashtrain.model.attention import indexer_kl
 
     probs = torch.tensor([[[[0.1, 0.2, 0.3], [0.3, 0.0, 0.05]],    # query 0: 2 heads x 3 slots
                            [[0.5, 0.1, 0.0], [0.1, 0.2, 0.0]],     # query 1: slot 2 invalid
@@ -288,7 +288,7 @@ def test_swa_layer_equals_the_literal_per_head_computation(tiny_cfg):
     k = v = RoPE(kv_norm(wkv x)) at the key's position, softmax over the window with scale
     head_dim^-1/2 and exp(sink) in the denominator, inverse RoPE at the query position, then the
     block-diagonal grouped wo_a and wo_b. Pins the softmax scale and the head / group layout."""
-    from model.rope import apply_rope, rope_angles
+    from flashtrain.model.rope import apply_rope, rope_angles
 
     W = 4
     cfg = dataclasses.replace(tiny_cfg, window_size=W)
@@ -337,7 +337,7 @@ def test_short_pool_keeps_visible_picks_as_the_public_code_does():
     the public code's picks are defined without tie-breaking). Query 0 sees 8 entries, its pool is block 1
     (entries 2, 3); query 1 sees 5 entries with pool blocks 0 and 2 (entries 0, 1, 4). The public code keeps
     all visible entries; dropping the -inf picks (the former rule) would leave only the pool."""
-    from model.attention import keep_visible_outside_pool, top_indices
+    from flashtrain.model.attention import keep_visible_outside_pool, top_indices
 
     n_vis = torch.tensor([8, 5])
     cands = torch.tensor([[[1, -1]], [[0, 2]]]).view(1, 2, 2)
@@ -359,7 +359,7 @@ def test_short_pool_tops_up_with_the_lowest_visible_entries():
     flashtrain's are the lowest-index visible entries outside the pool. 16 entries, blocks of 2, k = 4,
     10 visible, pool = block 4 (entries 8, 9): picks 8, 9, then 0, 1. With 3 visible (pool: block 1, of
     which entry 2 is visible) the picks are every visible entry: 2, then 0, 1."""
-    from model.attention import keep_visible_outside_pool
+    from flashtrain.model.attention import keep_visible_outside_pool
 
     topk = torch.tensor([[[9, 8, -1, -1], [2, -1, -1, -1]]])
     cands = torch.tensor([[[4], [1]]])

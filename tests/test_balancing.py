@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from train.balancing import accumulate_loads, update_biases
+from flashtrain.train.balancing import accumulate_loads, update_biases
 
 
 def test_sign_rule_by_hand_with_an_absent_modality(tiny_model, tiny_cfg):
@@ -44,7 +44,7 @@ def test_global_loads_sum_over_ranks():
     """Two gloo ranks with different local loads both see the sum."""
     script = r'''
 import torch, torch.distributed as dist
-from train.balancing import global_loads
+from flashtrain.train.balancing import global_loads
 dist.init_process_group("gloo")
 r = dist.get_rank()
 loads = {2: torch.tensor([[r + 1, 0], [0, 5 * r]]), 7: torch.tensor([[3, 3], [r, r]])}

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from train import checkpoint as ck
+from flashtrain.train import checkpoint as ck
 
 ROOT = Path(__file__).resolve().parent.parent
 

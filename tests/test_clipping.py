@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.clipping import CLIP_EPS, clip_grad_norm_
+from flashtrain.parallel.clipping import CLIP_EPS, clip_grad_norm_
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ def test_norm_sums_over_stages_and_expert_shards_two_processes():
 import math
 import torch
 import torch.distributed as dist
-from parallel.clipping import CLIP_EPS, clip_grad_norm_
+from flashtrain.parallel.clipping import CLIP_EPS, clip_grad_norm_
 
 dist.init_process_group("gloo")
 r = dist.get_rank()

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from model.config import ConfigError, ModelConfig
-from model.layer_plan import layer_plan
-from train.config import compose, model_config
+from flashtrain.model.config import ConfigError, ModelConfig
+from flashtrain.model.layer_plan import layer_plan
+from flashtrain.train.config import compose, model_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import Allocations
 
-from model import Transformer
-from parallel.config import ParallelConfig
-from parallel.construct import build_rank_model, model_template
-from parallel.pipeline import local_stage_ranges
+from flashtrain.model import Transformer
+from flashtrain.parallel.config import ParallelConfig
+from flashtrain.parallel.construct import build_rank_model, model_template
+from flashtrain.parallel.pipeline import local_stage_ranges
 
 BOUNDS = [(0, 17), (17, 40)]  # a pp=2 split that cuts between layer 14 (Full, Engram) and its Reuse layers
 
@@ -71,7 +71,7 @@ def test_init_statistics_follow_the_documented_rules(tiny_cfg, whole):
 def test_row_blocks_of_a_sharded_tensor_equal_the_whole(monkeypatch):
     """Any row range of a tensor, filled with its global row offset, equals that range of the whole
     tensor, also when the range cuts through seeded blocks."""
-    import model.init as mi
+    import flashtrain.model.init as mi
 
     monkeypatch.setattr(mi, "INIT_BLOCK_ELEMS", 64)  # 8 rows of 8 per block
     full = torch.empty(30, 8)
@@ -99,8 +99,8 @@ def test_a_rank_allocates_only_what_it_owns(tiny_cfg, whole):
 def test_flash_fixed_batch_fits_common_layouts():
     """exp=flash: 1536 sequences of 64K (the published 100.6M tokens, rounded); 1024 GPUs with pp=16,
     ep=64 give dp=64 and 24 one-sequence micro-batches per pipeline, enough for 1F1B."""
-    from train.config import compose, data_config
-    from train.trainer import TrainConfig, plan_layout
+    from flashtrain.train.config import compose, data_config
+    from flashtrain.train.trainer import TrainConfig, plan_layout
 
     cfg = compose(["+exp=flash"])
     train, data = TrainConfig.from_mapping(cfg["train"]), data_config(cfg)
@@ -112,8 +112,8 @@ def test_flash_fixed_batch_fits_common_layouts():
 
 
 def test_bad_global_batch_names_the_nearest_valid_one():
-    from model.config import ConfigError
-    from train.trainer import TrainConfig, plan_layout
+    from flashtrain.model.config import ConfigError
+    from flashtrain.train.trainer import TrainConfig, plan_layout
 
     train = TrainConfig(global_batch_tokens=1535 * 65536)
     with pytest.raises(ConfigError) as e:
@@ -134,9 +134,9 @@ def test_a_layout_for_another_world_size_is_refused_and_the_tools_default_to_it(
     import importlib.util
     from pathlib import Path
 
-    from model.config import ConfigError
-    from train.config import compose
-    from train.trainer import TrainConfig, plan_layout
+    from flashtrain.model.config import ConfigError
+    from flashtrain.train.config import compose
+    from flashtrain.train.trainer import TrainConfig, plan_layout
 
     ROOT = Path(__file__).resolve().parent.parent
 

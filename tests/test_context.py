@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from model.config import ConfigError
-from model.sequence_split import SequenceSplit, _entry_rows, _halo_rows, causal_cost, chunk_ranges
+from flashtrain.model.config import ConfigError
+from flashtrain.model.sequence_split import SequenceSplit, _entry_rows, _halo_rows, causal_cost, chunk_ranges
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +35,7 @@ def test_zigzag_and_contiguous_chunks_by_hand():
 
 
 def test_point_to_point_halo_plan_by_hand():
-    from model.sequence_split import halo_plan
+    from flashtrain.model.sequence_split import halo_plan
 
     # zigzag, 2 ranks, 40 positions: chunks (0,10) (30,40) | (10,20) (20,30); width 4
     assert halo_plan(40, 2, "zigzag", 4, 0).sources == (("none", 0, 0, -1), ("peer", 0, 4, 1))
@@ -69,8 +69,8 @@ SCRIPT = r'''
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from model.sequence_split import SequenceSplit
-from parallel.context import ContextComm
+from flashtrain.model.sequence_split import SequenceSplit
+from flashtrain.parallel.context import ContextComm
 
 dist.init_process_group("gloo")
 c, C = dist.get_rank(), dist.get_world_size()

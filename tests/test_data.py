@@ -11,11 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
-from data.config import DataConfig, TokenSpec
-from data.images import ImageProcessorConfig
-from data.loader import Counters, PackedLoader, ShardStream, data_sources, split_shards
-from data.shards import Document, ReadStats, read_shard, write_shards
-from data.tokenizer import IMAGE_TOKEN, train_tokenizer
+from flashtrain.data.config import DataConfig, TokenSpec
+from flashtrain.data.images import ImageProcessorConfig
+from flashtrain.data.loader import Counters, PackedLoader, ShardStream, data_sources, split_shards
+from flashtrain.data.shards import Document, ReadStats, read_shard, write_shards
+from flashtrain.data.tokenizer import IMAGE_TOKEN, train_tokenizer
 
 SPEC = TokenSpec(vocab_size=512, image_token_id=496,
                  image=ImageProcessorConfig(patch_size=14, downsample_ratio=3, max_n_token=64, min_pixels=84 * 84))
@@ -177,7 +177,7 @@ def test_restore_mid_stream_reproduces_the_next_batches(corpus, workers, monkeyp
         assert all(_batches_equal(x, next(b)) for x in want)
         return
     # in-process: also check which shards the restored loader opens, against an uninterrupted twin
-    import data.loader as L
+    import flashtrain.data.loader as L
 
     real = L.read_shard
 

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from model.engram import (
+from flashtrain.model.engram import (
     Engram,
     NgramHasher,
     build_compressed_token_map,

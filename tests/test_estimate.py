@@ -48,7 +48,7 @@ def test_query_chunks_skip_repeated_shapes_on_fake_tensors_only():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from model.chunks import query_chunks
+    from flashtrain.model.chunks import query_chunks
 
     real = torch.zeros(1)
     assert list(query_chunks(200, 64, real, window=16)) == [(0, 64), (64, 128), (128, 192), (192, 200)]
@@ -63,9 +63,9 @@ def test_query_chunks_skip_repeated_shapes_on_fake_tensors_only():
 def test_skipping_repeated_chunks_keeps_the_simulated_memory(mode, monkeypatch):
     """The estimator's shortcut (model/chunks.py) against simulating all 16 chunks of each pass, for the
     roles with chunk loops: Full (indexer selection, KL logits, sparse attention), Reuse, Reindex."""
-    from model import chunks
-    from train.config import compose
-    from train.estimate import probe_block
+    from flashtrain.model import chunks
+    from flashtrain.train.config import compose
+    from flashtrain.train.estimate import probe_block
 
     cfg = compose(["+exp=flash_tiny", "data.seq_len=1024"])
     for layer in (2, 21, 24):
@@ -82,7 +82,7 @@ def test_step_tracker_keeps_no_graph_alive():
     import gc
     import weakref
 
-    from train.estimate import _step_tracker
+    from flashtrain.train.estimate import _step_tracker
 
     block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
     tracker = _step_tracker()

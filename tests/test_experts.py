@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.experts import is_expert_param
+from flashtrain.parallel.experts import is_expert_param
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ def test_ep2_matches_ep1_losses_gradients_loads_and_bias_updates():
 
 def test_local_experts_by_hand(tiny_cfg):
     """Two tokens, top-2 of 8 experts: the local path is sum_k w_k * w2_e (silu(clamp(w1_e x)) * clamp(w3_e x))."""
-    from model.moe import RoutedExperts
+    from flashtrain.model.moe import RoutedExperts
 
     torch.manual_seed(0)
     ex = RoutedExperts(tiny_cfg)
@@ -44,7 +44,7 @@ def test_local_experts_by_hand(tiny_cfg):
 
 def _moe_step(cfg, x, image_mask, grad):
     """One MoE layer forward+backward; returns (output, input gradient, parameter gradients)."""
-    from model.moe import MoE
+    from flashtrain.model.moe import MoE
 
     torch.manual_seed(0)
     moe = MoE(cfg, layer_id=3)

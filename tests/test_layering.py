@@ -1,5 +1,6 @@
 """DESIGN.md: imports point one way, launch -> train -> parallel -> model, train -> data; model/ and
-data/ import nothing from the others."""
+data/ import nothing from the others. Everything installs under `flashtrain` (flashtrain.model, ...);
+`flashtrain.config.errors` (conf/errors.py) is the bottom module every package may import."""
 
 import ast
 from pathlib import Path
@@ -21,10 +22,19 @@ def test_imports_point_one_way(package):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                roots = {a.name.split(".")[0] for a in node.names}
+                names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                roots = {node.module.split(".")[0]}
+                names = [node.module]
             else:
                 continue
+            assert not {n.split(".")[0] for n in names} & set(FORBIDDEN), \
+                f"{path.relative_to(ROOT)} imports a top-level project package: use flashtrain.{names[0]}"
+            roots = {n.split(".")[1] for n in names if n.startswith("flashtrain.") and n.count(".") >= 1}
             bad = roots & FORBIDDEN[package]
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_bottom_module_imports_nothing_from_the_project():
+    tree = ast.parse((ROOT / "conf" / "errors.py").read_text())
+    imported = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not imported, "flashtrain.errors must stay importable by every package"

@@ -7,14 +7,14 @@ job: tests/test_trainer.py runs every schedule against the single process.)"""
 import torch
 import torch.distributed as dist
 
-from train.config import compose
+from flashtrain.train.config import compose
 
 
 def test_middle_stage_holds_only_the_boundary_tensors_in_use():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from train.estimate import SimulatedTrainer
+    from flashtrain.train.estimate import SimulatedTrainer
 
     cfg = compose(["+exp=flash_tiny", "parallel.pp=3", "data.batch_size=1"])
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=3)
@@ -78,7 +78,7 @@ def test_last_stage_frees_each_micro_batch_after_its_backward(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import train.estimate as estimate
+    import flashtrain.train.estimate as estimate
 
     monkeypatch.setattr(estimate, "_peak_preserving_microbatches", lambda *a: {})
     cfg = compose(["+exp=flash_tiny", "parallel.pp=2", "data.batch_size=1"])

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from conftest import Allocations
 
-from data.loader import IGNORE
-from train.loss import tiled_lm_loss
+from flashtrain.data.loader import IGNORE
+from flashtrain.train.loss import tiled_lm_loss
 
 
 def _case(B=2, S=19, D=8, V=50, seed=0):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from model.config import ConfigError
-from parallel.mesh import mesh_shape
+from flashtrain.model.config import ConfigError
+from flashtrain.parallel.mesh import mesh_shape
 
 
 def test_degrees_by_hand():
@@ -29,7 +29,7 @@ def test_degrees_by_hand():
 def test_two_process_mesh():
     script = r'''
 import torch.distributed as dist
-from parallel.mesh import build_mesh, mesh_shape
+from flashtrain.parallel.mesh import build_mesh, mesh_shape
 dist.init_process_group("gloo")
 r = dist.get_rank()
 for pp, ep, cp in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 2, 2)):

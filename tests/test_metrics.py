@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_trainer import corpus_args, pretrain  # noqa: F401 - corpus_args is a fixture used below
 
-from train.metrics import (
+from flashtrain.train.metrics import (
     LoggingConfig,
     MetricsLogger,
     WandbConfig,

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from model.mhc import hc_collapse, hc_expand, hc_split_sinkhorn_reference
+from flashtrain.model.mhc import hc_collapse, hc_expand, hc_split_sinkhorn_reference
 
 
 def test_comb_is_doubly_stochastic():
@@ -27,7 +27,7 @@ def test_comb_is_doubly_stochastic():
 
 def test_model_sites_are_doubly_stochastic(tiny_model, tiny_cfg):
     """The mixes every site of the model produces on real hidden states."""
-    from model.mhc import hc_mixes
+    from flashtrain.model.mhc import hc_mixes
 
     captured = []
     for block in tiny_model.layers:
@@ -129,7 +129,7 @@ def test_split_sinkhorn_equals_the_literal_schedule_on_random_logits():
 
 def test_site_mixes_use_one_rms_statistic_per_token():
     """m = (flatten(X) . fn^T) * rsqrt(mean(X^2) + eps) over all 4 D values of the token, no weight."""
-    from model.mhc import hc_mixes
+    from flashtrain.model.mhc import hc_mixes
 
     g = torch.Generator().manual_seed(1)
     D = 3
@@ -152,9 +152,9 @@ def test_block_applies_the_single_pass_shift(tiny_cfg):
     parameters, against the spec written out per token: the attention site collapses X with the
     *incoming* pending pre, the FFN site with the attention site's pre, each expands with its own post
     and comb (computed from the streams it updates), and the block hands on the FFN site's pre."""
-    from model.attention import SharedKV
-    from model.layer_plan import layer_plan
-    from model.transformer import Block, Carry, ForwardContext
+    from flashtrain.model.attention import SharedKV
+    from flashtrain.model.layer_plan import layer_plan
+    from flashtrain.model.transformer import Block, Carry, ForwardContext
 
     cfg = tiny_cfg
     D = cfg.dim
@@ -212,8 +212,8 @@ def test_block_applies_the_single_pass_shift(tiny_cfg):
 def test_init_is_a_plain_residual(tiny_cfg):
     """With identical streams (the embedding copied 4 times) the initial site values (fn aside)
     compute X'_j = X + F(X) exactly; the small random fn keeps it within a few percent."""
-    from model.init import init_mhc_site
-    from model.mhc import hc_mixes
+    from flashtrain.model.init import init_mhc_site
+    from flashtrain.model.mhc import hc_mixes
 
     D = 8
     fn, base, scale = torch.empty(24, 4 * D), torch.empty(24), torch.empty(3)

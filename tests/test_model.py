@@ -5,8 +5,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from model import Transformer
-from model.aux import StepStats
+from flashtrain.model import Transformer
+from flashtrain.model.aux import StepStats
 
 
 def _lm_loss(logits, tokens):
@@ -125,8 +125,8 @@ def test_two_stage_split_with_shared_kv_crossing_matches_single_pass(tiny_cfg):
     tensors (as a pipeline would), and the parameter gradients -- including the aux losses attached
     on the first stage and the second stage's gradient into layer 14's compressor through the shared
     KV -- equal those of one pass."""
-    from model.attention import SharedKV
-    from model.transformer import Carry
+    from flashtrain.model.attention import SharedKV
+    from flashtrain.model.transformer import Carry
 
     torch.manual_seed(0)
     model = Transformer(tiny_cfg)

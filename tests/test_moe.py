@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from model.moe import Gate, MoE, RoutedExperts, sequence_balance_loss, swiglu_clamped
+from flashtrain.model.moe import Gate, MoE, RoutedExperts, sequence_balance_loss, swiglu_clamped
 
 
 def _softplus_sqrt(v: float) -> float:
@@ -85,7 +85,7 @@ def test_balance_loss_by_hand():
 
 
 def test_expert_load_counts_per_modality_and_aux_gradient(tiny_cfg):
-    from model.aux import StepStats
+    from flashtrain.model.aux import StepStats
 
     torch.manual_seed(0)
     moe = MoE(tiny_cfg, layer_id=5)

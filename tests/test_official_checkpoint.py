@@ -20,12 +20,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from parallel.construct import model_template
-from train.checkpoint import _blob, load_checkpoint
-from train.config import compose, model_config
-from train.official.convert import OfficialCheckpointError, dequantise, error_bound, import_official, quantise
-from train.official.layout import OfficialTensor, official_tensors
-from train.official.safetensors import SafeFile, read_index, write_file
+from flashtrain.parallel.construct import model_template
+from flashtrain.train.checkpoint import _blob, load_checkpoint
+from flashtrain.train.config import compose, model_config
+from flashtrain.train.official.convert import (
+    OfficialCheckpointError,
+    dequantise,
+    error_bound,
+    import_official,
+    quantise,
+)
+from flashtrain.train.official.layout import OfficialTensor, official_tensors
+from flashtrain.train.official.safetensors import SafeFile, read_index, write_file
 
 ROOT = Path(__file__).resolve().parent.parent
 # flash_tiny with Engram heads of 32 channels: the release's FP8 Engram format scales 32 channels at a time

@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 
-from train.config import model_config
-from train.optim import Muon, SinkhornBalanced, newton_schulz_reference
-from train.optim.newton_schulz import V41_NS_SCHEDULE
-from train.optim.sinkhorn import sinkhorn_update_reference
+from flashtrain.train.config import model_config
+from flashtrain.train.optim import Muon, SinkhornBalanced, newton_schulz_reference
+from flashtrain.train.optim.newton_schulz import V41_NS_SCHEDULE
+from flashtrain.train.optim.sinkhorn import sinkhorn_update_reference
 
 
 def _with_singular_values(m, n, svals, seed=0):
@@ -76,9 +76,9 @@ def test_the_optimizer_runs_the_published_newton_schulz_constants():
     optimizer really applies them: one Muon step (no weight decay, so the update is the whole change)
     moves a matrix G = U diag(s) V^T by lr * 0.18 * sqrt(max(rows, cols)) * U diag(f(s)) V^T, with f the
     scalar iteration above -- exact, unlike the approximate polar factor."""
-    from model import Transformer
-    from train.config import compose, optim_config
-    from train.optim import build_optimizers
+    from flashtrain.model import Transformer
+    from flashtrain.train.config import compose, optim_config
+    from flashtrain.train.optim import build_optimizers
 
     assert V41_NS_SCHEDULE == PUBLISHED_NS
     assert Muon([torch.nn.Parameter(torch.zeros(2, 2))]).ns_coefficients == PUBLISHED_NS
@@ -268,8 +268,8 @@ def test_state_dict_round_trip(make):
 
 
 def test_routing_places_every_flash_tiny_parameter(tiny_cfg, tiny_model):
-    from train.config import compose, optim_config
-    from train.optim import route_parameters
+    from flashtrain.train.config import compose, optim_config
+    from flashtrain.train.optim import route_parameters
 
     ocfg = optim_config(compose(["+exp=flash_tiny"]))
     groups = route_parameters(tiny_model, tiny_cfg, ocfg)
@@ -303,8 +303,8 @@ def test_routing_places_every_flash_tiny_parameter(tiny_cfg, tiny_model):
 
 
 def test_routing_rejects_an_unknown_parameter(tiny_cfg, tiny_model):
-    from train.config import compose, optim_config
-    from train.optim import RoutingError, route_parameters
+    from flashtrain.train.config import compose, optim_config
+    from flashtrain.train.optim import RoutingError, route_parameters
 
     tiny_model.register_parameter("mystery", torch.nn.Parameter(torch.zeros(3)))
     with pytest.raises(RoutingError, match="'mystery'"):
@@ -312,9 +312,9 @@ def test_routing_rejects_an_unknown_parameter(tiny_cfg, tiny_model):
 
 
 def test_optimizer_set_trains_flash_tiny_and_round_trips(tiny_cfg):
-    from model import Transformer
-    from train.config import compose, optim_config
-    from train.optim import build_optimizers
+    from flashtrain.model import Transformer
+    from flashtrain.train.config import compose, optim_config
+    from flashtrain.train.optim import build_optimizers
 
     ocfg = optim_config(compose(["+exp=flash_tiny"]))
     torch.manual_seed(0)
@@ -351,7 +351,7 @@ def test_optimizer_set_trains_flash_tiny_and_round_trips(tiny_cfg):
 def test_sinkhorn_step_has_no_m_by_n_workspace():
     """Measured by tensor allocations (not RSS): beyond its momentum buffer the step allocates only
     chunk-sized temporaries, while a step that materialises U (literal Algorithm 1) allocates m x n."""
-    from train.optim.memory import PeakTensorBytes
+    from flashtrain.train.optim.memory import PeakTensorBytes
 
     m, n, chunk = 2048, 256, 1 << 13
     table = m * n * 4
@@ -368,8 +368,8 @@ def test_sinkhorn_step_has_no_m_by_n_workspace():
 
 
 def test_optim_config_validation_names_the_field():
-    from model.config import ConfigError
-    from train.config import compose, optim_config
+    from flashtrain.model.config import ConfigError
+    from flashtrain.train.config import compose, optim_config
 
     for override, field in (("optim.sinkhorn.num_steps=10", "optim.sinkhorn.num_steps=10"),
                             ("optim.muon.ns_dtype=float16", "optim.muon.ns_dtype='float16'"),

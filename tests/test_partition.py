@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.config import ConfigError
-from parallel.partition import PartitionCosts, _stage_cost, in_flight_microbatches, partition, unit_costs
+from flashtrain.model.config import ConfigError
+from flashtrain.parallel.partition import PartitionCosts, _stage_cost, in_flight_microbatches, partition, unit_costs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,9 +170,9 @@ ROLE_LAYERS = (0, 1, 2, 3, 14, 20, 24)
 
 @pytest.fixture(scope="module")
 def tiny_template():
-    from parallel.construct import model_template
-    from train.config import compose, model_config, optim_config
-    from train.optim.routing import route_parameters
+    from flashtrain.parallel.construct import model_template
+    from flashtrain.train.config import compose, model_config, optim_config
+    from flashtrain.train.optim.routing import route_parameters
 
     cfg = compose(["+exp=flash_tiny"])
     m = model_config(cfg)
@@ -187,7 +187,7 @@ def test_cost_model_matches_the_measured_block_activations(tiny_template, mode, 
     """carry exact; what a micro-batch keeps for backward within 25% (the term the in-flight count
     multiplies); the transient backward peak within 35%. The probe runs each block alone on fake
     tensors, through the real forward and backward (torch's autograd, checkpointing, autocast)."""
-    from train.estimate import probe_block
+    from flashtrain.train.estimate import probe_block
 
     cfg, m, model, optimizer_of = tiny_template
     costs = PartitionCosts(recompute=mode, mixed_precision=device == "cuda")
@@ -216,7 +216,7 @@ def test_cost_model_matches_the_measured_block_activations(tiny_template, mode, 
 
 def test_state_shares_under_zero1_and_engram_sharding():
     """Per-parameter state bytes (parameter + gradient + optimizer values), by hand: fp32, dp=64, ep=8."""
-    from parallel.partition import PartitionCosts
+    from flashtrain.parallel.partition import PartitionCosts
 
     c = PartitionCosts(bytes_per_value=4, ep=8, dp=64, zero=True, engram_shard=True)
     assert c.param_state_bytes("layers.3.attn.wq_a.weight", 6400, 1) == 6400 * 4 * (2 + 1 / 64)

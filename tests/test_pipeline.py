@@ -4,15 +4,15 @@ refusal; the multi-process parity runs are in tests/test_pipeline_dist.py."""
 import pytest
 import torch
 
-from model import Transformer
-from model.aux import StepStats
-from model.config import ConfigError
-from parallel.config import ParallelConfig
-from parallel.pipeline import boundary_specs, live_shared_fields, prune_to_stages, stage_ids, stage_ranges
+from flashtrain.model import Transformer
+from flashtrain.model.aux import StepStats
+from flashtrain.model.config import ConfigError
+from flashtrain.parallel.config import ParallelConfig
+from flashtrain.parallel.pipeline import boundary_specs, live_shared_fields, prune_to_stages, stage_ids, stage_ranges
 
 
 def test_live_fields_follow_the_role_table(tiny_cfg):
-    from model.layer_plan import layer_plan
+    from flashtrain.model.layer_plan import layer_plan
 
     plan = layer_plan(tiny_cfg)
     # tiny: Full 2, 8, 14 (ratio 2), Full 20 (ratio 1, candidate source), Reindex 24/28/32/36 use the pool
@@ -51,8 +51,8 @@ def test_boundary_specs_match_the_real_carry(tiny_cfg, boundary):
             t = getattr(carry, spec.name) if spec.name in ("h", "pre_mix") else getattr(carry.shared, spec.name)
             assert t is not None and tuple(t.shape) == spec.shape and t.dtype == spec.dtype, spec
             kept[spec.name] = t
-        from model.attention import SharedKV
-        from model.transformer import Carry
+        from flashtrain.model.attention import SharedKV
+        from flashtrain.model.transformer import Carry
 
         rest = Carry(kept["h"], kept["pre_mix"],
                      SharedKV(**{k: v for k, v in kept.items() if k not in ("h", "pre_mix")}))
@@ -107,7 +107,7 @@ def test_good_pipeline_config_rounds():
 def test_the_former_schedule_key_still_works_with_a_deprecation_message():
     """`parallel.schedule` was renamed `parallel.pipeline_schedule` ("schedule" is the LR schedule); the old
     key is read for one release, with a warning, and a conflicting pair is refused."""
-    from train.config import compose
+    from flashtrain.train.config import compose
 
     with pytest.warns(DeprecationWarning, match="parallel.pipeline_schedule=zbv"):
         cfg = ParallelConfig.from_mapping({"pp": 2, "schedule": "zbv"})

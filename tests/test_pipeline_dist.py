@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from parity_batch import IGNORE, MICROBATCHES, batch, tiny_model
 
-from model.aux import StepStats
+from flashtrain.model.aux import StepStats
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = {"1f1b": "17,23", "interleaved_1f1b": "9,8,6,17", "zbv": "9,8,6,17", "dualpipev": "9,8,6,17"}

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from model.config import ConfigError, ModelConfig
-from train.flops import PeakTflops, flop_accounting, flops_per_token, gpu_peak, mfu, peak_flops
-from train.profile import ProfileConfig, StepProfiler
+from flashtrain.model.config import ConfigError, ModelConfig
+from flashtrain.train.flops import PeakTflops, flop_accounting, flops_per_token, gpu_peak, mfu, peak_flops
+from flashtrain.train.profile import ProfileConfig, StepProfiler
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_PEAK_TFLOPS = 0.5
@@ -69,7 +69,7 @@ def test_flops_per_token_by_hand(seq):
 
 def test_flops_per_token_is_bench_models():
     """The benchmark's printed count (launch/bench_model.py --flops-only +exp=flash_small: 0.181 GFLOP at 512)."""
-    from train.config import compose, model_config
+    from flashtrain.train.config import compose, model_config
 
     assert flops_per_token(model_config(compose(["+exp=flash_small"])), 512) == 180661792.0
 
@@ -90,7 +90,7 @@ def test_mfu_and_peaks():
 
 
 def test_profile_config():
-    from train.trainer import TrainConfig
+    from flashtrain.train.trainer import TrainConfig
 
     t = TrainConfig.from_mapping({"profile": {"steps": [2, 3], "memory_snapshot": True}, "peak_tflops": {"cuda": 900}})
     assert t.profile.steps == [2, 3] and t.profile.memory_steps == 3 and t.peak_tflops.cuda == 900.0
@@ -169,7 +169,7 @@ def test_trace_of_steps_2_to_3_names_the_modules(profiled_run):
 
 
 def test_records_carry_flops_and_mfu(profiled_run):
-    from train.config import compose, model_config
+    from flashtrain.train.config import compose, model_config
 
     _, recs = profiled_run
     expected = flops_per_token(model_config(compose(["+exp=flash_tiny"])), 128)

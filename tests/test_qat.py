@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from model import attention as attention_module
-from model.attention import Attention, SharedKV
-from model.config import ConfigError, ModelConfig, QATConfig
-from model.layer_plan import layer_plan
+from flashtrain.model import attention as attention_module
+from flashtrain.model.attention import Attention, SharedKV
+from flashtrain.model.config import ConfigError, ModelConfig, QATConfig
+from flashtrain.model.layer_plan import layer_plan
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 

@@ -12,7 +12,7 @@ import struct
 import pytest
 import torch
 
-from model.quant import (
+from flashtrain.model.quant import (
     E2M1_GRID,
     FP4_MAX,
     FP8_MAX,

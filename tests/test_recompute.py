@@ -8,9 +8,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model.aux import StepStats
-from parallel.experts import shard_experts
-from train.optim.memory import PeakTensorBytes
+from flashtrain.model.aux import StepStats
+from flashtrain.parallel.experts import shard_experts
+from flashtrain.train.optim.memory import PeakTensorBytes
 
 
 class CountingDict(dict):
@@ -102,9 +102,9 @@ def test_selective_sends_no_second_all_to_all(runs):
 
 
 def test_unknown_mode_is_refused_with_the_choices():
-    from model.config import ConfigError
-    from parallel.config import ParallelConfig
-    from train.trainer import TrainConfig, plan_layout
+    from flashtrain.model.config import ConfigError
+    from flashtrain.parallel.config import ParallelConfig
+    from flashtrain.train.trainer import TrainConfig, plan_layout
 
     with pytest.raises(ConfigError, match=r"train.recompute='sometimes': must be one of none, selective, full"):
         plan_layout(TrainConfig(global_batch_tokens=256, recompute="sometimes"), 128, 1, ParallelConfig(), 1)

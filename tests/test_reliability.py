@@ -20,8 +20,8 @@ import pytest
 import torch
 from test_trainer import corpus_args  # noqa: F401 - the shared corpus fixture
 
-from model.config import ConfigError
-from train import faults
+from flashtrain.model.config import ConfigError
+from flashtrain.train import faults
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,7 +106,7 @@ def test_inject_fires_only_where_aimed_and_once(monkeypatch, tmp_path):
 def test_a_kill_fault_sigkills_the_process_once(tmp_path):
     """A real process: SIGKILLed the first time, left alone the second (the `once` file exists)."""
     once = tmp_path / "fired"
-    code = "from train import faults; faults.inject('checkpoint_write', 4, 1); print('survived')"
+    code = "from flashtrain.train import faults; faults.inject('checkpoint_write', 4, 1); print('survived')"
     env = {**os.environ, faults.FAULT_ENV: f"kill:rank=1:step=4:point=checkpoint_write:once={once}"}
     first = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert first.returncode == -signal.SIGKILL and "survived" not in first.stdout, first.stderr[-2000:]

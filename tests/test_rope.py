@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from model.rope import apply_rope, rope_angles, rope_frequencies
+from flashtrain.model.rope import apply_rope, rope_angles, rope_frequencies
 
 
 def literal_frequencies(rot_dim, theta, original_seq_len=0, factor=1.0, beta_fast=32.0, beta_slow=1.0):
@@ -93,8 +93,8 @@ def test_attention_output_gets_the_inverse_rotation_at_the_query_position(tiny_c
     output is the query position's own RoPE'd KV; the inverse rotation at that position must give back
     the un-rotated kv_norm(wkv(x)), and the layer output is then wo_b(block-diagonal wo_a(...)) of it,
     independent of the position. A missing, doubled or misplaced inverse rotation breaks this."""
-    from model.attention import Attention, SharedKV
-    from model.layer_plan import layer_plan
+    from flashtrain.model.attention import Attention, SharedKV
+    from flashtrain.model.layer_plan import layer_plan
 
     cfg = dataclasses.replace(tiny_cfg, window_size=1)
     role = layer_plan(cfg)[0]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from train.run_guard import RunDirectoryBusy, acquire_run_lock
+from flashtrain.train.run_guard import RunDirectoryBusy, acquire_run_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["logging.wandb.mode=disabled", "logging.progress=false", "data.corpus_text_bytes=300000",

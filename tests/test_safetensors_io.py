@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.official.safetensors import (
+from flashtrain.train.official.safetensors import (
     DTYPES,
     INDEX_NAME,
     SafeFile,

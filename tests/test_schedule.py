@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from model.config import ConfigError
-from train.schedule import Schedule, ScheduleConfig
+from flashtrain.model.config import ConfigError
+from flashtrain.train.schedule import Schedule, ScheduleConfig
 
 
 def small():
@@ -37,7 +37,7 @@ def test_fractions_scale_the_same_shape():
 
 
 def test_published_flash_numbers(flash_cfg):
-    from train.config import compose, schedule
+    from flashtrain.train.config import compose, schedule
 
     s = schedule(compose(["+exp=flash"]))
     assert s.tokens_per_step == 1536 * 65536  # the published 100.6M tokens, rounded to 1536 sequences of 64K

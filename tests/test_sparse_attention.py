@@ -6,7 +6,7 @@ saves for backward (q, output, log-sum-exp, indices) is a fraction of what the r
 import pytest
 import torch
 
-from model.sparse_attention import sparse_attention, sparse_attention_lean
+from flashtrain.model.sparse_attention import sparse_attention, sparse_attention_lean
 
 
 def _inputs(B=2, S=23, H=3, D=8, N=9, k=4, dtype=torch.float32, seed=0):
@@ -101,7 +101,7 @@ def test_lean_path_saves_only_q_output_lse_and_indices():
 def test_lean_index_logits_equal_the_reference_and_finite_differences(chunk):
     """The KL's indexer logits of the selected entries: values and gradients (q, w, index keys) equal the
     chunked reference; empty slots (-1) send no gradient to key row 0; gradcheck in float64."""
-    from model.index_logits import index_logits_lean, index_logits_reference
+    from flashtrain.model.index_logits import index_logits_lean, index_logits_reference
 
     g = torch.Generator().manual_seed(2)
     B, S, H, d, N, k = 2, 21, 3, 6, 8, 4

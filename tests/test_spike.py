@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.config import ConfigError
-from train.spike import Snapshots, SpikeConfig, SpikeDetector
+from flashtrain.model.config import ConfigError
+from flashtrain.train.spike import Snapshots, SpikeConfig, SpikeDetector
 
 
 def detector(**kw):

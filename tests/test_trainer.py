@@ -214,7 +214,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, corpus_args):
 def test_expert_load_statistics_by_hand():
     import math
 
-    from train.metrics import finite_or_none, load_statistics
+    from flashtrain.train.metrics import finite_or_none, load_statistics
 
     loads = {0: torch.tensor([[2, 2, 2, 2], [0, 0, 0, 0]]), 1: torch.tensor([[4, 0, 0, 0], [1, 3, 0, 0]])}
     s = load_statistics(loads)

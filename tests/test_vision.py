@@ -9,8 +9,14 @@ import torch
 from conftest import random_image, vl_sample
 from PIL import Image
 
-from data.images import ImageDecodeError, ImageProcessorConfig, image_token_types, load_image, plan_image_size
-from model.vision import (
+from flashtrain.data.images import (
+    ImageDecodeError,
+    ImageProcessorConfig,
+    image_token_types,
+    load_image,
+    plan_image_size,
+)
+from flashtrain.model.vision import (
     apply_rope_2d,
     encode_images,
     is_vision_body,
@@ -194,8 +200,8 @@ def test_freeze_rule_and_training_with_frozen_and_unfrozen_vit(tiny_cfg, tiny_mo
 
 
 def test_token_type_values_agree_between_data_and_model():
-    import data.images as d
-    import model.vision as m
+    import flashtrain.data.images as d
+    import flashtrain.model.vision as m
 
     for name in ("TEXT", "IMAGE_START", "IMAGE", "IMAGE_NEWLINE", "IMAGE_END"):
         assert getattr(d, name) == getattr(m, name), name
@@ -206,7 +212,7 @@ def test_aligner_is_unshuffle_linear_exact_gelu_linear_by_hand(tiny_cfg):
     """Aligner on random features, written out: each 3 x 3 cell (zero-padded) flattened as
     c * 9 + kh * 3 + kw, then w1 (+ bias), the exact (erf) GELU, w2 (+ bias). Pre-activations are
     spread over [-3, 3], where the tanh approximation of GELU is off by up to ~1e-3."""
-    from model.vision import Aligner
+    from flashtrain.model.vision import Aligner
 
     torch.manual_seed(0)
     al = Aligner(tiny_cfg)

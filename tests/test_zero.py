@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from parallel.sharded_state import GlobalChunk
-from parallel.zero import balance_muon, flat_pieces, muon_loads, ns_cost, row_pieces
+from flashtrain.parallel.sharded_state import GlobalChunk
+from flashtrain.parallel.zero import balance_muon, flat_pieces, muon_loads, ns_cost, row_pieces
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,13 +65,13 @@ def test_global_chunks_reshard_through_dcp(tmp_path):
 
 SCRIPT = r'''
 import os, sys, torch, torch.distributed as dist
-from model import Transformer
-from parallel.dims import ParallelDims
-from train.checkpoint import _blob, load_checkpoint, optimizer_state_sharded
-from train.config import compose, model_config, optim_config
-from train.loss import tiled_lm_loss
-from train.optim import build_optimizers, route_parameters
-from train.optim.routing import zero_inputs
+from flashtrain.model import Transformer
+from flashtrain.parallel.dims import ParallelDims
+from flashtrain.train.checkpoint import _blob, load_checkpoint, optimizer_state_sharded
+from flashtrain.train.config import compose, model_config, optim_config
+from flashtrain.train.loss import tiled_lm_loss
+from flashtrain.train.optim import build_optimizers, route_parameters
+from flashtrain.train.optim.routing import zero_inputs
 from conftest import Allocations
 import torch.distributed.checkpoint as dcp
 
@@ -158,7 +158,7 @@ for key in ref:
 # buckets start in bucket order whatever order this rank's backward completes them in (an image on
 # one rank only changes its graph): one backward call per parameter, rank 0 completing the buckets
 # first to last, rank 1 last to first; one more parameter is reached on rank 0 only (zero-fill rule)
-from parallel.grad_reduce import GradReducer
+from flashtrain.parallel.grad_reduce import GradReducer
 extra, qs = torch.nn.Parameter(torch.zeros(2)), [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 7, 11)]
 red = GradReducer([("extra", extra)] + [(f"q{i}", q) for i, q in enumerate(qs)], lambda name: dist.group.WORLD, 2,
                   bucket_bytes=4)  # one parameter per bucket, in reverse registration order: q3 q2 q1 q0 extra
@@ -177,7 +177,7 @@ for i, q in enumerate(qs):  # (i + 1 + i + 2) / 2 on both ranks
 torch.testing.assert_close(extra.grad, torch.full_like(extra, 1.5))
 # row-sharded Engram lookups of a whole round: counts of every micro-batch in one exchange, ids sent
 # only on launch, rows equal to the whole table's; each looked-up row's gradient reaches its owner
-from parallel.engram_shard import ShardedRows
+from flashtrain.parallel.engram_shard import ShardedRows
 table = torch.randn(10, 4, generator=torch.Generator().manual_seed(3))
 block = table[5 * r:5 * r + 5].clone().requires_grad_()
 rows = ShardedRows(dist.group.WORLD, 2, r, [0, 5, 10])
@@ -218,9 +218,9 @@ def test_pipeline_sends_each_micro_batchs_engram_ids_during_the_previous_forward
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import parallel.engram_shard as engram_shard
-    import train.estimate as estimate
-    from train.config import compose
+    import flashtrain.parallel.engram_shard as engram_shard
+    import flashtrain.train.estimate as estimate
+    from flashtrain.train.config import compose
 
     monkeypatch.setattr(estimate, "_peak_preserving_microbatches", lambda *a: {})
     launches, rounds = [], []

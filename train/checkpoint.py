@@ -57,8 +57,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from model.config import ConfigError
-from parallel.sharded_state import GlobalChunk
+from flashtrain.config.errors import CheckpointError  # noqa: F401 (re-exported)
+from flashtrain.model.config import ConfigError
+from flashtrain.parallel.sharded_state import GlobalChunk
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +123,6 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 # ---------------------------------------------------------------------------------------- verification
 MANIFEST = "checksums.json"  # {file name: {"size": bytes, "sha256": hex}} of every other file of the checkpoint
 _HASH_BLOCK = 8 << 20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, or one to load is damaged; the message says which and what is kept."""
 
 
 def _digest(path: Path) -> dict:

@@ -8,16 +8,13 @@ ever sees the typed objects.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from omegaconf import DictConfig, OmegaConf
 
-from data.config import DataConfig, TokenSpec
-from data.images import ImageProcessorConfig
-from model.config import ModelConfig
-from train.optim.config import OptimConfig
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from flashtrain.config import CONF_DIR
+from flashtrain.data.config import DataConfig, TokenSpec
+from flashtrain.data.images import ImageProcessorConfig
+from flashtrain.model.config import ModelConfig
+from flashtrain.train.optim.config import OptimConfig
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
@@ -49,7 +46,7 @@ def token_spec(model: ModelConfig) -> TokenSpec:
 
 def schedule(cfg: DictConfig):
     """The LR schedule of a run: ScheduleConfig + the fixed global batch in tokens."""
-    from train.schedule import Schedule, ScheduleConfig
+    from flashtrain.train.schedule import Schedule, ScheduleConfig
 
     seq_len = int(cfg.data.seq_len)
     sequences = max(1, round(float(cfg.train.global_batch_tokens) / seq_len))

@@ -11,7 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from model.engram import build_compressed_token_map
+from flashtrain.model.engram import build_compressed_token_map
 
 
 def load_or_build_engram_map(tokenizer_path: str | Path) -> list[int]:

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, open_dict
 
-from model.vision import set_vision_body_trainable
-from parallel.construct import model_template
-from train.trainer import Trainer
+from flashtrain.model.vision import set_vision_body_trainable
+from flashtrain.parallel.construct import model_template
+from flashtrain.train.trainer import Trainer
 
 
 @dataclass
@@ -244,9 +244,9 @@ def probe_block(cfg: DictConfig, layer: int, recompute: str, device_type: str = 
     The partitioner's cost model (parallel/partition.py) is calibrated against these figures."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from parallel.pipeline import RoundStats, StageModule, StageRange, boundary_specs, prune_to_stages
-    from train.config import model_config
-    from train.optim.memory import PeakTensorBytes
+    from flashtrain.parallel.pipeline import RoundStats, StageModule, StageRange, boundary_specs, prune_to_stages
+    from flashtrain.train.config import model_config
+    from flashtrain.train.optim.memory import PeakTensorBytes
 
     m = model_config(cfg)
     b, S = int(cfg.data.batch_size), int(cfg.data.seq_len)

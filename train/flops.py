@@ -56,9 +56,9 @@ from typing import Any, Mapping
 
 import torch
 
-from model.config import ConfigError, ModelConfig, reject_unknown_fields
-from model.inspect import VISION_ROOTS, inspect_model
-from model.layer_plan import layer_plan
+from flashtrain.model.config import ConfigError, ModelConfig, reject_unknown_fields
+from flashtrain.model.inspect import VISION_ROOTS, inspect_model
+from flashtrain.model.layer_plan import layer_plan
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def flop_accounting(cfg: ModelConfig, seq: int, template=None) -> dict:
     """flops per token at `seq` with its parts, and the parameter counts they come from. `template`: the
     whole model (any device, meta is enough; not a rank's pruned model); built on the meta device if None."""
     if template is None:
-        from parallel.construct import model_template
+        from flashtrain.parallel.construct import model_template
 
         template = model_template(cfg)  # meta device: shapes only
     parts = matmul_params(template, cfg)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from data.loader import IGNORE
+from flashtrain.data.loader import IGNORE
 
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)

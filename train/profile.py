@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from model.config import ConfigError, reject_unknown_fields
+from flashtrain.model.config import ConfigError, reject_unknown_fields
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from model.config import ConfigError, reject_unknown_fields
+from flashtrain.model.config import ConfigError, reject_unknown_fields
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from model.config import ConfigError, reject_unknown_fields
+from flashtrain.model.config import ConfigError, reject_unknown_fields
 
 ACTIONS = ("none", "skip", "rollback")
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from model.config import ModelConfig
-from parallel.config import ParallelConfig
-from parallel.partition import PartitionCosts, in_flight_microbatches, partition, unit_costs
-from train.optim.config import OptimConfig
-from train.optim.routing import route_parameters
+from flashtrain.model.config import ModelConfig
+from flashtrain.parallel.config import ParallelConfig
+from flashtrain.parallel.partition import PartitionCosts, in_flight_microbatches, partition, unit_costs
+from flashtrain.train.optim.config import OptimConfig
+from flashtrain.train.optim.routing import route_parameters
 
 
 def stage_units(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig, parallel: ParallelConfig,
@@ -32,7 +32,7 @@ def stage_units(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig
 
 def plan_stages(units: list[dict], parallel: ParallelConfig) -> list[tuple[int, int]]:
     """[start, end) blocks of the parallel.n_stages stages."""
-    from parallel.pipeline import stage_ids
+    from flashtrain.parallel.pipeline import stage_ids
 
     budget = None if parallel.gpu_memory_gb is None else parallel.gpu_memory_gb * 1e9
     return partition(units, parallel.n_stages, parallel.stage_layers,

@@ -47,22 +47,22 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from data.config import resolve_shards
-from data.loader import PackedLoader, data_sources
-from model.aux import StepStats
-from model.config import ConfigError, reject_unknown_fields
-from model.recompute import validate_recompute
-from model.vision import set_vision_body_trainable
-from parallel.config import ParallelConfig
-from parallel.construct import build_rank_model, model_template
-from parallel.context import ContextComm
-from parallel.dims import ParallelDims
-from parallel.mesh import mesh_shape
-from parallel.pipeline import build_pipeline, local_stage_ranges
-from train import faults
-from train.anticipatory import AnticipatoryRouting, AnticipatoryRoutingConfig
-from train.balancing import accumulate_loads, global_loads, update_biases
-from train.checkpoint import (
+from flashtrain.data.config import resolve_shards
+from flashtrain.data.loader import PackedLoader, data_sources
+from flashtrain.model.aux import StepStats
+from flashtrain.model.config import ConfigError, reject_unknown_fields
+from flashtrain.model.recompute import validate_recompute
+from flashtrain.model.vision import set_vision_body_trainable
+from flashtrain.parallel.config import ParallelConfig
+from flashtrain.parallel.construct import build_rank_model, model_template
+from flashtrain.parallel.context import ContextComm
+from flashtrain.parallel.dims import ParallelDims
+from flashtrain.parallel.mesh import mesh_shape
+from flashtrain.parallel.pipeline import build_pipeline, local_stage_ranges
+from flashtrain.train import faults
+from flashtrain.train.anticipatory import AnticipatoryRouting, AnticipatoryRoutingConfig
+from flashtrain.train.balancing import accumulate_loads, global_loads, update_biases
+from flashtrain.train.checkpoint import (
     CheckpointError,
     CheckpointWriter,
     checkpoint_problem,
@@ -70,18 +70,18 @@ from train.checkpoint import (
     load_checkpoint,
     weights_only,
 )
-from train.config import data_config, model_config, optim_config, schedule, token_spec
-from train.engram_map import load_or_build_engram_map
-from train.flops import PeakTflops, flops_per_token, mfu, peak_flops
-from train.loss import tiled_lm_loss
-from train.metrics import LoggingConfig, MetricsLogger, load_statistics
-from train.optim import build_optimizers
-from train.optim.routing import route_parameters, zero_inputs
-from train.profile import ProfileConfig, StepProfiler
-from train.run_guard import acquire_run_lock, die_with_launcher
-from train.spike import Snapshots, SpikeConfig, SpikeDetector, rng_state, set_rng_state
-from train.stages import plan_stages, stage_units
-from train.step_values import LOADER_COUNTERS, StepValues
+from flashtrain.train.config import data_config, model_config, optim_config, schedule, token_spec
+from flashtrain.train.engram_map import load_or_build_engram_map
+from flashtrain.train.flops import PeakTflops, flops_per_token, mfu, peak_flops
+from flashtrain.train.loss import tiled_lm_loss
+from flashtrain.train.metrics import LoggingConfig, MetricsLogger, load_statistics
+from flashtrain.train.optim import build_optimizers
+from flashtrain.train.optim.routing import route_parameters, zero_inputs
+from flashtrain.train.profile import ProfileConfig, StepProfiler
+from flashtrain.train.run_guard import acquire_run_lock, die_with_launcher
+from flashtrain.train.spike import Snapshots, SpikeConfig, SpikeDetector, rng_state, set_rng_state
+from flashtrain.train.stages import plan_stages, stage_units
+from flashtrain.train.step_values import LOADER_COUNTERS, StepValues
 
 log = logging.getLogger(__name__)
 # model fields that change how the step is computed, not what: a run may resume with other values (e.g. a
@@ -179,7 +179,7 @@ def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: Pa
         raise ConfigError("train.checkpoint.interval and train.checkpoint.keep must be positive")
     accumulation = g // (dp * micro_batch)
     if parallel.cp > 1:
-        from model.sequence_split import chunk_ranges
+        from flashtrain.model.sequence_split import chunk_ranges
 
         chunk_ranges(seq_len, parallel.cp, parallel.cp_balance)  # a sequence too short for the split fails here
     return Layout(world, dp, micro_batch, accumulation, g, parallel.pp, parallel.round_microbatches(accumulation),

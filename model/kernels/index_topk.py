@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from model.kernels.select import HAS_TRITON, interpreting
+from flashtrain.model.kernels.select import HAS_TRITON, interpreting
 
 if HAS_TRITON:
     import triton
@@ -328,7 +328,7 @@ def index_topk_triton(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, n_vis: 
                                      LOG_SEG=_log2_p2(seg), DO_TOPK=do_topk, WRITE_BLOCKS=write, **common)
 
         if source_blocks:
-            from model.attention import top_indices  # the reference's ranking (that module imports this one)
+            from flashtrain.model.attention import top_indices  # the reference's ranking (that module imports this one)
 
             # chunk * block queries a launch: their block maxima are as many numbers as the reference's
             # score chunk [B, chunk, N]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from model.kernels.select import HAS_TRITON, interpreting
+from flashtrain.model.kernels.select import HAS_TRITON, interpreting
 
 if HAS_TRITON:
     import triton

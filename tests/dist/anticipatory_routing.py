@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2])]
 
-from model.moe import Gate  # noqa: E402
-from train.config import compose  # noqa: E402
-from train.trainer import Trainer  # noqa: E402
+from flashtrain.model.moe import Gate  # noqa: E402
+from flashtrain.train.config import compose  # noqa: E402
+from flashtrain.train.trainer import Trainer  # noqa: E402
 
 FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
                "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]

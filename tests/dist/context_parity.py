@@ -16,18 +16,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' shared helpers
 
 from conftest import random_image, vl_sample  # noqa: E402
 from parity_batch import IGNORE, tiny_cfg, tiny_model  # noqa: E402
 
-from model.aux import StepStats  # noqa: E402
-from parallel.config import ParallelConfig  # noqa: E402
-from parallel.context import ContextComm  # noqa: E402
-from parallel.partition import bounds_from_counts  # noqa: E402
-from parallel.pipeline import build_pipeline  # noqa: E402
-from train.balancing import update_biases  # noqa: E402
-from train.loss import tiled_lm_loss  # noqa: E402
+from flashtrain.model.aux import StepStats  # noqa: E402
+from flashtrain.parallel.config import ParallelConfig  # noqa: E402
+from flashtrain.parallel.context import ContextComm  # noqa: E402
+from flashtrain.parallel.partition import bounds_from_counts  # noqa: E402
+from flashtrain.parallel.pipeline import build_pipeline  # noqa: E402
+from flashtrain.train.balancing import update_biases  # noqa: E402
+from flashtrain.train.loss import tiled_lm_loss  # noqa: E402
 
 SEQ_LEN, ROWS, TILE = 126, 4, 48
 

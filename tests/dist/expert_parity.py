@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' shared helpers
 
 from host_syncs import HostSyncs  # noqa: E402
 from parity_batch import IGNORE, batch, tiny_model  # noqa: E402
 
-from model.aux import StepStats  # noqa: E402
-from parallel.experts import is_expert_param, shard_experts  # noqa: E402
-from train.balancing import global_loads, update_biases  # noqa: E402
+from flashtrain.model.aux import StepStats  # noqa: E402
+from flashtrain.parallel.experts import is_expert_param, shard_experts  # noqa: E402
+from flashtrain.train.balancing import global_loads, update_biases  # noqa: E402
 
 
 def step(model, tokens, types, labels, images):

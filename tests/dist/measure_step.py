@@ -11,11 +11,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from train.config import compose  # noqa: E402
-from train.optim.memory import PeakTensorBytes  # noqa: E402
-from train.trainer import Trainer  # noqa: E402
+from flashtrain.train.config import compose  # noqa: E402
+from flashtrain.train.optim.memory import PeakTensorBytes  # noqa: E402
+from flashtrain.train.trainer import Trainer  # noqa: E402
 
 
 def live_bytes(trainer: Trainer) -> int:

@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' shared helpers
 
 from parity_batch import tiny_cfg, tiny_model  # noqa: E402
 
-from train.config import compose, optim_config  # noqa: E402
-from train.optim import SinkhornBalanced, build_optimizers  # noqa: E402
+from flashtrain.train.config import compose, optim_config  # noqa: E402
+from flashtrain.train.optim import SinkhornBalanced, build_optimizers  # noqa: E402
 
 
 def run(shard_group_of):

@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' shared helpers
 
 from parity_batch import MICROBATCHES, batch, tiny_model  # noqa: E402
 
-from parallel.config import ParallelConfig  # noqa: E402
-from parallel.partition import bounds_from_counts  # noqa: E402
-from parallel.pipeline import build_pipeline  # noqa: E402
-from train.loss import tiled_lm_loss  # noqa: E402
+from flashtrain.parallel.config import ParallelConfig  # noqa: E402
+from flashtrain.parallel.partition import bounds_from_counts  # noqa: E402
+from flashtrain.parallel.pipeline import build_pipeline  # noqa: E402
+from flashtrain.train.loss import tiled_lm_loss  # noqa: E402
 
 LOSS_TILE_TOKENS = 48  # 128-token micro-batches: 3 tiles, the last one shorter
 

@@ -16,10 +16,10 @@ import triton.language as tl
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_kernels.py"
 
-from model.attention import Attention, SharedKV, index_scores, index_select, visible_compressed  # noqa: E402
-from model.kernels.index_topk import _pack, _unpack, index_topk_triton  # noqa: E402
-from model.layer_plan import Role, layer_plan  # noqa: E402
-from model.rope import rope_angles  # noqa: E402
+from flashtrain.model.attention import Attention, SharedKV, index_scores, index_select, visible_compressed  # noqa: E402
+from flashtrain.model.kernels.index_topk import _pack, _unpack, index_topk_triton  # noqa: E402
+from flashtrain.model.layer_plan import Role, layer_plan  # noqa: E402
+from flashtrain.model.rope import rope_angles  # noqa: E402
 
 
 @triton.jit

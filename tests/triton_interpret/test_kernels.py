@@ -7,9 +7,9 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_kernels.py"
 
-from train.optim import Muon, SinkhornBalanced  # noqa: E402
-from train.optim.newton_schulz import newton_schulz_reference, newton_schulz_triton, syrk  # noqa: E402
-from train.optim.sinkhorn import sinkhorn_update_reference, sinkhorn_update_triton  # noqa: E402
+from flashtrain.train.optim import Muon, SinkhornBalanced  # noqa: E402
+from flashtrain.train.optim.newton_schulz import newton_schulz_reference, newton_schulz_triton, syrk  # noqa: E402
+from flashtrain.train.optim.sinkhorn import sinkhorn_update_reference, sinkhorn_update_triton  # noqa: E402
 
 
 @pytest.mark.parametrize("b, m, k", [(1, 16, 16), (2, 37, 20), (3, 50, 33)])

@@ -9,9 +9,9 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_kernels.py"
 
-import model.kernels.mhc as kmhc  # noqa: E402
-from model.kernels.mhc import hc_collapse_triton, hc_expand_triton, hc_mixes_triton  # noqa: E402
-from model.mhc import hc_collapse, hc_expand, hc_mixes  # noqa: E402
+import flashtrain.model.kernels.mhc as kmhc  # noqa: E402
+from flashtrain.model.kernels.mhc import hc_collapse_triton, hc_expand_triton, hc_mixes_triton  # noqa: E402
+from flashtrain.model.mhc import hc_collapse, hc_expand, hc_mixes  # noqa: E402
 
 NORM_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20
 

@@ -27,8 +27,8 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton
 
 from parity_batch import IGNORE, batch, tiny_cfg  # noqa: E402
 
-from model import Transformer  # noqa: E402
-from model.aux import StepStats  # noqa: E402
+from flashtrain.model import Transformer  # noqa: E402
+from flashtrain.model.aux import StepStats  # noqa: E402
 
 SEQ = 64
 SINKHORN_ROUNDS = 4

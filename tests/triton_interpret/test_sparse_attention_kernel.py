@@ -12,8 +12,8 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_kernels.py"
 
-from model.kernels.sparse_attention import sparse_attention_fwd_triton  # noqa: E402
-from model.sparse_attention import sparse_attention, sparse_attention_lean  # noqa: E402
+from flashtrain.model.kernels.sparse_attention import sparse_attention_fwd_triton  # noqa: E402
+from flashtrain.model.sparse_attention import sparse_attention, sparse_attention_lean  # noqa: E402
 
 
 def _inputs(B, S, H, D, N, k, q_offset=0, seed=0):

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from model.config import ModelConfig
-from model.quant import (
+from flashtrain.model.config import ModelConfig
+from flashtrain.model.quant import (
     fp4_block_dequant,
     fp4_block_quant,
     fp8_block_dequant,
@@ -37,10 +37,10 @@ from model.quant import (
     fp8_weight_dequant,
     fp8_weight_quant,
 )
-from parallel.construct import model_template
-from train.checkpoint import _blob, _unblob
-from train.official.dcp_parts import PartsWriter, pieces
-from train.official.layout import (
+from flashtrain.parallel.construct import model_template
+from flashtrain.train.checkpoint import _blob, _unblob
+from flashtrain.train.official.dcp_parts import PartsWriter, pieces
+from flashtrain.train.official.layout import (
     BLOCK,
     TORCH_DTYPE,
     OfficialTensor,
@@ -51,7 +51,7 @@ from train.official.layout import (
     official_tensors,
     quantised_from_config,
 )
-from train.official.safetensors import SafeFile, ShardedWriter, read_index
+from flashtrain.train.official.safetensors import SafeFile, ShardedWriter, read_index
 
 GiB = 1 << 30
 _ENGRAM_TABLE = re.compile(r"^layers\.(\d+)\.engram\.embed\.weight$")

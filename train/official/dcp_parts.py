@@ -22,8 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from parallel.sharded_state import GlobalChunk
-from train.checkpoint import write_manifest
+from flashtrain.parallel.sharded_state import GlobalChunk
+from flashtrain.train.checkpoint import write_manifest
 
 _DATA_FILE = "__0_0.distcp"  # what a single-process dcp.save writes
 

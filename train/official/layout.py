@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.config import ModelConfig
+from flashtrain.model.config import ModelConfig
 
 BLOCK = 32  # the release's fp8 tile / fp4 and Engram scale block (inference/model.py: fp8_block_size, fp4_block_size)
 FORMATS = ("bf16", "fp32", "fp8", "fp4", "fp8_rows")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.zero import Ownership, whole
+from flashtrain.parallel.zero import Ownership, whole
 
 
 class ShardedAdamW:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.zero import Piece
+from flashtrain.parallel.zero import Piece
 
 
 class GroupwiseOptimizer(torch.optim.Optimizer):

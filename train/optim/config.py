@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from model.config import ConfigError, reject_unknown_fields
+from flashtrain.model.config import ConfigError, reject_unknown_fields
 
 
 @dataclass

@@ -34,8 +34,8 @@ from collections import defaultdict
 
 import torch
 
-from train.optim.base import GroupwiseOptimizer
-from train.optim.newton_schulz import V41_NS_SCHEDULE, newton_schulz
+from flashtrain.train.optim.base import GroupwiseOptimizer
+from flashtrain.train.optim.newton_schulz import V41_NS_SCHEDULE, newton_schulz
 
 
 def _as_matrices(t: torch.Tensor, num_heads: int | None) -> torch.Tensor:

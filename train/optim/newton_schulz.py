@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from model.kernels.select import HAS_TRITON, interpreting, use_triton
+from flashtrain.model.kernels.select import HAS_TRITON, interpreting, use_triton
 
 MAIN_COEFFS = (3.4445, -4.7750, 2.0315)
 POLISH_COEFFS = (2.0, -1.5, 0.5)

@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from model.config import ModelConfig
-from model.vision import is_vision_body
-from train.optim.adamw import ShardedAdamW
-from train.optim.config import OptimConfig
-from train.optim.muon import Muon, _as_matrices
-from train.optim.sinkhorn import SinkhornBalanced
+from flashtrain.model.config import ModelConfig
+from flashtrain.model.vision import is_vision_body
+from flashtrain.train.optim.adamw import ShardedAdamW
+from flashtrain.train.optim.config import OptimConfig
+from flashtrain.train.optim.muon import Muon, _as_matrices
+from flashtrain.train.optim.sinkhorn import SinkhornBalanced
 
 RULES: tuple[tuple[str, str], ...] = (
     ("sinkhorn", r"^(embed|head)\.weight$"),

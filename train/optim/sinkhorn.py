@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
-from model.kernels.select import HAS_TRITON, interpreting, use_triton
-from train.optim.base import GroupwiseOptimizer
+from flashtrain.model.kernels.select import HAS_TRITON, interpreting, use_triton
+from flashtrain.train.optim.base import GroupwiseOptimizer
 
 
 def _row_mean(rho: torch.Tensor, row_group) -> torch.Tensor:
