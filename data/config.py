@@ -3,12 +3,10 @@ data pipeline takes from the model config (data/ does not import model/)."""
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
 
 from flashtrain.config.errors import DataError
 from flashtrain.data.images import ImageProcessorConfig
@@ -45,16 +43,6 @@ class DataConfig:
     corpus_text_bytes: int = 12_000_000  # stdlib source read for the default corpus
     corpus_mm_docs: int = 4000  # rendered image documents in the default corpus
     corpus_shards: int = 16  # shards per stream in the default corpus
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "DataConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise DataConfigError(f"data config has unknown field(s) {unknown}; see data/config.py")
-        cfg = cls(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in values.items()})
-        cfg.validate()
-        return cfg
 
     def validate(self) -> None:
         for name in ("seq_len", "batch_size", "pack_buffer", "corpus_shards"):

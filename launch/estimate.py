@@ -26,6 +26,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from flashtrain.config.typed import typed_config
+
 ROOT = Path(__file__).resolve().parent.parent
 
 GiB = 1 << 30
@@ -42,14 +44,14 @@ def default_ranks(overrides: list[str], world: int) -> list[int]:
     """The first rank of every pipeline position (the mesh is pp-major: position p starts at p x world / pp)."""
     from omegaconf import OmegaConf
 
-    from flashtrain.model.config import ConfigError
+    from flashtrain.config.errors import ConfigError
     from flashtrain.parallel.config import ParallelConfig
     from flashtrain.parallel.mesh import mesh_shape
     from flashtrain.train.config import compose, model_config
 
     conf = compose(overrides)
     cfg = model_config(conf)
-    parallel = ParallelConfig.from_mapping(OmegaConf.to_container(conf.parallel, resolve=True))
+    parallel = typed_config(ParallelConfig, OmegaConf.to_container(conf.parallel, resolve=True), "parallel")
     try:
         shape = mesh_shape(world, parallel.pp, parallel.ep, cfg.n_layers, cfg.n_routed_experts, parallel.cp)
     except ConfigError as e:

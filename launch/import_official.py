@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = ap.parse_known_args(argv)
     from omegaconf import OmegaConf
 
-    from flashtrain.model.config import ConfigError
+    from flashtrain.config.errors import ConfigError
     from flashtrain.train.config import compose, model_config
     from flashtrain.train.official.convert import GiB, OfficialCheckpointError, import_official, peak_rss_gib
     from flashtrain.train.official.safetensors import SafetensorsError

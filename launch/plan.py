@@ -26,6 +26,7 @@ import sys
 
 import torch  # noqa: E402
 
+from flashtrain.config.typed import typed_config
 from flashtrain.model import Transformer  # noqa: E402
 from flashtrain.model.config import ConfigError  # noqa: E402
 from flashtrain.model.inspect import inspect_model  # noqa: E402
@@ -47,7 +48,7 @@ def build_report(overrides: list[str], device: str = "cuda", world: int | None =
     report["optimizers"] = routing_summary(groups)
     from omegaconf import OmegaConf
 
-    parallel = ParallelConfig.from_mapping(OmegaConf.to_container(conf.parallel, resolve=True))
+    parallel = typed_config(ParallelConfig, OmegaConf.to_container(conf.parallel, resolve=True), "parallel")
     world = world or parallel.world
     report["world"] = world
     seq_len = int(conf.data.seq_len)

@@ -54,9 +54,8 @@ EXIT_CONFIG_ERROR = 2
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The project's own error types: each message already says what was wrong and what to do."""
+    from flashtrain.config.errors import CheckpointError, ConfigError
     from flashtrain.data.config import DataConfigError
-    from flashtrain.model.config import ConfigError
-    from flashtrain.train.checkpoint import CheckpointError
     from flashtrain.train.official.convert import OfficialCheckpointError
     from flashtrain.train.optim.routing import RoutingError
 

@@ -1,6 +1,7 @@
 """flashtrain.model: the V4.1-Flash network only (no torch.distributed, no optimizer, no I/O)."""
 
-from flashtrain.model.config import ConfigError, ModelConfig
+from flashtrain.config.errors import ConfigError
+from flashtrain.model.config import ModelConfig
 from flashtrain.model.layer_plan import LayerRole, Role, layer_plan
 from flashtrain.model.transformer import Carry, ForwardContext, Transformer
 

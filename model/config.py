@@ -13,17 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-from flashtrain.config.errors import ConfigError  # noqa: F401 (re-exported: the model's config errors)
-
-
-def reject_unknown_fields(cls, values: Mapping[str, Any], where: str, defined_in: str) -> None:
-    """A typo in a yaml key is an error naming the key, not a silently ignored setting."""
-    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
-    if unknown:
-        raise ConfigError(f"{where} has unknown field(s) {unknown}; the known fields are in {defined_in} "
-                          f"(check the spelling in conf/)")
+from flashtrain.config.errors import ConfigError
 
 
 @dataclass
@@ -132,18 +124,6 @@ class ModelConfig:
     qat: QATConfig = field(default_factory=QATConfig)
 
     # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "ModelConfig":
-        """Build from a plain mapping (e.g. `OmegaConf.to_container(cfg.model)`), rejecting unknown keys."""
-        reject_unknown_fields(cls, values, "model config", "model/config.py")
-        values = dict(values)
-        if isinstance(values.get("qat"), Mapping):
-            reject_unknown_fields(QATConfig, values["qat"], "model.qat", "model/config.py (QATConfig)")
-            values["qat"] = QATConfig(**values["qat"])
-        cfg = cls(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in values.items()})
-        cfg.validate()
-        return cfg
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -30,8 +30,8 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from flashtrain.config.errors import ConfigError
 from flashtrain.model.aux import StepStats
-from flashtrain.model.config import ConfigError
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 

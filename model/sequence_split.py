@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from flashtrain.model.config import ConfigError
+from flashtrain.config.errors import ConfigError
 
 BALANCE_MODES = ("zigzag", "contiguous")
 

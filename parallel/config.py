@@ -30,11 +30,9 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
 
-from flashtrain.model.config import ConfigError, reject_unknown_fields
+from flashtrain.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +53,6 @@ class ParallelConfig:
     cp: int = 1
     cp_balance: str = "zigzag"
     pipeline_schedule: str = "1f1b"
-    schedule: str | None = None  # deprecated alias of pipeline_schedule
     timeout_s: float = 1800.0
     microbatches: int | None = None
     stage_layers: list | None = None
@@ -65,26 +62,8 @@ class ParallelConfig:
     engram_shard_min_gb: float = 4.0
     grad_bucket_mb: float = 25.0
 
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "ParallelConfig":
-        values = dict(values)
-        reject_unknown_fields(cls, values, "parallel config", "parallel/config.py")
-        old = values.pop("schedule", None)
-        if old is not None:
-            new = values.get("pipeline_schedule", cls.pipeline_schedule)
-            if new not in (old, cls.pipeline_schedule):
-                raise ConfigError(f"parallel.schedule={old!r} and parallel.pipeline_schedule={new!r}: set only "
-                                  f"parallel.pipeline_schedule (parallel.schedule is its deprecated name)")
-            warnings.warn(f"parallel.schedule={old} is deprecated and will be removed in the next release: use "
-                          f"parallel.pipeline_schedule={old} (\"schedule\" alone is the LR schedule)",
-                          DeprecationWarning, stacklevel=2)
-            log.warning("parallel.schedule is deprecated: use parallel.pipeline_schedule=%s", old)
-            values["pipeline_schedule"] = old
-        cfg = cls(**values)
-        if cfg.stage_layers is not None:
-            cfg.stage_layers = [int(k) for k in cfg.stage_layers]
-        cfg.validate()
-        return cfg
+    # parallel.schedule: the former name of pipeline_schedule ("schedule" alone is the LR schedule)
+    renamed_fields = {"schedule": "pipeline_schedule"}
 
     @property
     def stages_per_rank(self) -> int:
@@ -95,6 +74,8 @@ class ParallelConfig:
         return self.pp * self.stages_per_rank
 
     def validate(self) -> None:
+        if self.stage_layers is not None:
+            self.stage_layers = [int(k) for k in self.stage_layers]
         if self.pipeline_schedule not in SCHEDULES:
             raise ConfigError(f"parallel.pipeline_schedule={self.pipeline_schedule!r}: unknown; use one of "
                               f"{sorted(SCHEDULES)}")

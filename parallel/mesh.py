@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashtrain.model.config import ConfigError
+from flashtrain.config.errors import ConfigError
 
 
 @dataclass(frozen=True)

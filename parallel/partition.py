@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from flashtrain.model.config import ConfigError, ModelConfig
+from flashtrain.config.errors import ConfigError
+from flashtrain.model.config import ModelConfig
 from flashtrain.model.layer_plan import LayerRole, Role
 
 

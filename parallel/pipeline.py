@@ -45,9 +45,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flashtrain.config.errors import ConfigError
 from flashtrain.model.attention import SharedKV
 from flashtrain.model.aux import StepStats
-from flashtrain.model.config import ConfigError, ModelConfig
+from flashtrain.model.config import ModelConfig
 from flashtrain.model.layer_plan import LayerRole, Role
 from flashtrain.model.transformer import Carry, Transformer
 from flashtrain.parallel.config import SCHEDULES, ParallelConfig

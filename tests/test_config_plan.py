@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flashtrain.model.config import ConfigError, ModelConfig
+from flashtrain.config.errors import ConfigError
+from flashtrain.config.typed import typed_config
+from flashtrain.model.config import ModelConfig
 from flashtrain.model.layer_plan import layer_plan
 from flashtrain.train.config import compose, model_config
 
@@ -81,7 +83,7 @@ def test_kv_sources_after_the_candidate_source_are_rejected(flash_cfg):
 
 def test_unknown_field_rejected():
     with pytest.raises(ConfigError, match="unknown field.*'dimm'"):
-        ModelConfig.from_mapping({"dimm": 5})
+        typed_config(ModelConfig, {"dimm": 5}, "model")
 
 
 def _plan(*args):

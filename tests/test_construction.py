@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import Allocations
 
+from flashtrain.config.typed import typed_config
 from flashtrain.model import Transformer
 from flashtrain.parallel.config import ParallelConfig
 from flashtrain.parallel.construct import build_rank_model, model_template
@@ -103,7 +104,7 @@ def test_flash_fixed_batch_fits_common_layouts():
     from flashtrain.train.trainer import TrainConfig, plan_layout
 
     cfg = compose(["+exp=flash"])
-    train, data = TrainConfig.from_mapping(cfg["train"]), data_config(cfg)
+    train, data = typed_config(TrainConfig, cfg["train"], "train"), data_config(cfg)
     assert data.batch_size == 1 and train.global_batch_tokens == 1536 * 65536
     layout = plan_layout(train, data.seq_len, data.batch_size, ParallelConfig(pp=16, ep=64), 1024, 40, 384)
     assert (layout.dp, layout.accumulation, layout.global_sequences) == (64, 24, 1536)
@@ -112,7 +113,7 @@ def test_flash_fixed_batch_fits_common_layouts():
 
 
 def test_bad_global_batch_names_the_nearest_valid_one():
-    from flashtrain.model.config import ConfigError
+    from flashtrain.config.errors import ConfigError
     from flashtrain.train.trainer import TrainConfig, plan_layout
 
     train = TrainConfig(global_batch_tokens=1535 * 65536)
@@ -134,7 +135,7 @@ def test_a_layout_for_another_world_size_is_refused_and_the_tools_default_to_it(
     import importlib.util
     from pathlib import Path
 
-    from flashtrain.model.config import ConfigError
+    from flashtrain.config.errors import ConfigError
     from flashtrain.train.config import compose
     from flashtrain.train.trainer import TrainConfig, plan_layout
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flashtrain.model.config import ConfigError
+from flashtrain.config.errors import ConfigError
 from flashtrain.model.sequence_split import SequenceSplit, _entry_rows, _halo_rows, causal_cost, chunk_ranges
 
 ROOT = Path(__file__).resolve().parent.parent

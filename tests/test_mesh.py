@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flashtrain.model.config import ConfigError
+from flashtrain.config.errors import ConfigError
 from flashtrain.parallel.mesh import mesh_shape
 
 

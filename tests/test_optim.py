@@ -368,7 +368,7 @@ def test_sinkhorn_step_has_no_m_by_n_workspace():
 
 
 def test_optim_config_validation_names_the_field():
-    from flashtrain.model.config import ConfigError
+    from flashtrain.config.errors import ConfigError
     from flashtrain.train.config import compose, optim_config
 
     for override, field in (("optim.sinkhorn.num_steps=10", "optim.sinkhorn.num_steps=10"),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashtrain.model.config import ConfigError
+from flashtrain.config.errors import ConfigError
 from flashtrain.parallel.partition import PartitionCosts, _stage_cost, in_flight_microbatches, partition, unit_costs
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,9 +4,10 @@ refusal; the multi-process parity runs are in tests/test_pipeline_dist.py."""
 import pytest
 import torch
 
+from flashtrain.config.errors import ConfigError
+from flashtrain.config.typed import typed_config
 from flashtrain.model import Transformer
 from flashtrain.model.aux import StepStats
-from flashtrain.model.config import ConfigError
 from flashtrain.parallel.config import ParallelConfig
 from flashtrain.parallel.pipeline import boundary_specs, live_shared_fields, prune_to_stages, stage_ids, stage_ranges
 
@@ -95,13 +96,14 @@ def test_prune_keeps_names_and_drops_the_rest(tiny_cfg, tiny_model):
 ])
 def test_bad_pipeline_config_is_refused_with_a_message(values, accumulation, message):
     with pytest.raises(ConfigError, match=message):
-        ParallelConfig.from_mapping(values).round_microbatches(accumulation)
+        typed_config(ParallelConfig, values, "parallel").round_microbatches(accumulation)
 
 
 def test_good_pipeline_config_rounds():
-    assert ParallelConfig.from_mapping({"pp": 2}).round_microbatches(4) == 4
-    assert ParallelConfig.from_mapping({"pp": 2, "microbatches": 2}).round_microbatches(4) == 2
-    assert ParallelConfig.from_mapping({"pp": 2, "pipeline_schedule": "dualpipev"}).round_microbatches(8) == 8
+    assert typed_config(ParallelConfig, {"pp": 2}, "parallel").round_microbatches(4) == 4
+    assert typed_config(ParallelConfig, {"pp": 2, "microbatches": 2}, "parallel").round_microbatches(4) == 2
+    dualpipe = typed_config(ParallelConfig, {"pp": 2, "pipeline_schedule": "dualpipev"}, "parallel")
+    assert dualpipe.round_microbatches(8) == 8
 
 
 def test_the_former_schedule_key_still_works_with_a_deprecation_message():
@@ -110,12 +112,13 @@ def test_the_former_schedule_key_still_works_with_a_deprecation_message():
     from flashtrain.train.config import compose
 
     with pytest.warns(DeprecationWarning, match="parallel.pipeline_schedule=zbv"):
-        cfg = ParallelConfig.from_mapping({"pp": 2, "schedule": "zbv"})
+        cfg = typed_config(ParallelConfig, {"pp": 2, "schedule": "zbv"}, "parallel")
     assert cfg.pipeline_schedule == "zbv" and cfg.stages_per_rank == 2
     with pytest.raises(ConfigError, match="set only parallel.pipeline_schedule"):
-        ParallelConfig.from_mapping({"schedule": "zbv", "pipeline_schedule": "dualpipev"})
+        typed_config(ParallelConfig, {"schedule": "zbv", "pipeline_schedule": "dualpipev"}, "parallel")
     from omegaconf import OmegaConf
 
     conf = compose(["+exp=flash_tiny", "parallel.schedule=dualpipev"])  # the command-line override still parses
     with pytest.warns(DeprecationWarning):
-        assert ParallelConfig.from_mapping(OmegaConf.to_container(conf.parallel)).pipeline_schedule == "dualpipev"
+        parsed = typed_config(ParallelConfig, OmegaConf.to_container(conf.parallel), "parallel")
+    assert parsed.pipeline_schedule == "dualpipev"

@@ -13,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from flashtrain.model.config import ConfigError, ModelConfig
+from flashtrain.config.errors import ConfigError
+from flashtrain.config.typed import typed_config
+from flashtrain.model.config import ModelConfig
 from flashtrain.train.flops import PeakTflops, flop_accounting, flops_per_token, gpu_peak, mfu, peak_flops
 from flashtrain.train.profile import ProfileConfig, StepProfiler
 
@@ -84,20 +86,21 @@ def test_mfu_and_peaks():
     measured, source = peak_flops(torch.device("cpu"), PeakTflops())
     assert measured > 1e8 and "measured" in source
     with pytest.raises(ConfigError, match="peak_tflops.cpu"):
-        PeakTflops.from_mapping({"cpu": -1})
+        typed_config(PeakTflops, {"cpu": -1}, "train.peak_tflops")
     with pytest.raises(ConfigError, match="unknown"):
-        PeakTflops.from_mapping({"tpu": 1})
+        typed_config(PeakTflops, {"tpu": 1}, "train.peak_tflops")
 
 
 def test_profile_config():
     from flashtrain.train.trainer import TrainConfig
 
-    t = TrainConfig.from_mapping({"profile": {"steps": [2, 3], "memory_snapshot": True}, "peak_tflops": {"cuda": 900}})
+    t = typed_config(TrainConfig, {"profile": {"steps": [2, 3], "memory_snapshot": True}, "peak_tflops": {"cuda": 900}},
+                     "train")
     assert t.profile.steps == [2, 3] and t.profile.memory_steps == 3 and t.peak_tflops.cuda == 900.0
-    assert TrainConfig.from_mapping({}).profile.steps is None
+    assert typed_config(TrainConfig, {}, "train").profile.steps is None
     for bad in ({"steps": [3, 2]}, {"steps": [0, 1]}, {"steps": 2}, {"memory_steps": 0}, {"step": [1, 2]}):
         with pytest.raises(ConfigError):
-            ProfileConfig.from_mapping(bad)
+            typed_config(ProfileConfig, bad, "train.profile")
 
 
 # ------------------------------------------------------------------------------------------ profiling

@@ -8,9 +8,11 @@ import dataclasses
 import pytest
 import torch
 
+from flashtrain.config.errors import ConfigError
+from flashtrain.config.typed import typed_config
 from flashtrain.model import attention as attention_module
 from flashtrain.model.attention import Attention, SharedKV
-from flashtrain.model.config import ConfigError, ModelConfig, QATConfig
+from flashtrain.model.config import ModelConfig, QATConfig
 from flashtrain.model.layer_plan import layer_plan
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -32,7 +34,7 @@ def test_widths_the_formats_cannot_hold_are_refused(tiny_cfg):
                                           r"multiple of 32"):
         dataclasses.replace(tiny_cfg, qat=QATConfig(indexer_fp4=True)).validate()
     with pytest.raises(ConfigError, match="unknown field.*'fp4_kv'"):
-        ModelConfig.from_mapping({"qat": {"fp4_kv": True}})
+        typed_config(ModelConfig, {"qat": {"fp4_kv": True}}, "model")
 
 
 def test_compressed_kv_and_index_keys_lie_on_their_grids(qat_cfg):

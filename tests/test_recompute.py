@@ -102,7 +102,7 @@ def test_selective_sends_no_second_all_to_all(runs):
 
 
 def test_unknown_mode_is_refused_with_the_choices():
-    from flashtrain.model.config import ConfigError
+    from flashtrain.config.errors import ConfigError
     from flashtrain.parallel.config import ParallelConfig
     from flashtrain.train.trainer import TrainConfig, plan_layout
 

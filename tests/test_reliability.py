@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_trainer import corpus_args  # noqa: F401 - the shared corpus fixture
 
-from flashtrain.model.config import ConfigError
+from flashtrain.config.errors import ConfigError
 from flashtrain.train import faults
 
 ROOT = Path(__file__).resolve().parent.parent

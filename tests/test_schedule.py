@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from flashtrain.model.config import ConfigError
+from flashtrain.config.errors import ConfigError
 from flashtrain.train.schedule import Schedule, ScheduleConfig
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashtrain.model.config import ConfigError
+from flashtrain.config.errors import ConfigError
+from flashtrain.config.typed import typed_config
 from flashtrain.train.spike import Snapshots, SpikeConfig, SpikeDetector
 
 
@@ -68,9 +69,9 @@ def test_state_round_trip_keeps_the_window():
                                          ("loss_sigmas", 0.0), ("grad_norm_sigmas", -1.0), ("snapshot_interval", 0)])
 def test_bad_settings_are_refused_by_name(field, value):
     with pytest.raises(ConfigError, match=f"train.spike.{field}|{field}"):
-        SpikeConfig.from_mapping({field: value})
+        typed_config(SpikeConfig, {field: value}, "train.spike")
     with pytest.raises(ConfigError, match="train.spike"):
-        SpikeConfig.from_mapping({"sigma": 3})
+        typed_config(SpikeConfig, {"sigma": 3}, "train.spike")
 
 
 def test_snapshot_restores_weights_buffers_and_optimizer_state():

@@ -25,9 +25,9 @@ with the resumed parameters (logged).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Callable
 
-from flashtrain.model.config import ConfigError, reject_unknown_fields
+from flashtrain.config.errors import ConfigError
 
 
 @dataclass
@@ -35,15 +35,10 @@ class AnticipatoryRoutingConfig:
     delta_steps: int = 1
     active_steps: int = 100
 
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> "AnticipatoryRoutingConfig":
-        values = dict(values or {})
-        reject_unknown_fields(cls, values, "train.anticipatory_routing", "train/anticipatory.py")
-        cfg = cls(**values)
-        if cfg.delta_steps < 0 or cfg.active_steps < 0:
-            raise ConfigError(f"train.anticipatory_routing: delta_steps={cfg.delta_steps} and active_steps="
-                              f"{cfg.active_steps} must be >= 0 (active_steps=0: never switched on)")
-        return cfg
+    def validate(self) -> None:
+        if self.delta_steps < 0 or self.active_steps < 0:
+            raise ConfigError(f"train.anticipatory_routing: delta_steps={self.delta_steps} and active_steps="
+                              f"{self.active_steps} must be >= 0 (active_steps=0: never switched on)")
 
 
 class AnticipatoryRouting:

@@ -57,8 +57,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from flashtrain.config.errors import CheckpointError  # noqa: F401 (re-exported)
-from flashtrain.model.config import ConfigError
+from flashtrain.config.errors import (
+    CheckpointError,  # noqa: F401 (re-exported)
+    ConfigError,
+)
 from flashtrain.parallel.sharded_state import GlobalChunk
 
 log = logging.getLogger(__name__)

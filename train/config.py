@@ -11,6 +11,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from flashtrain.config import CONF_DIR
+from flashtrain.config.typed import typed_config
 from flashtrain.data.config import DataConfig, TokenSpec
 from flashtrain.data.images import ImageProcessorConfig
 from flashtrain.model.config import ModelConfig
@@ -26,15 +27,15 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 
 
 def model_config(cfg: DictConfig) -> ModelConfig:
-    return ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
+    return typed_config(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), "model")
 
 
 def optim_config(cfg: DictConfig) -> OptimConfig:
-    return OptimConfig.from_mapping(OmegaConf.to_container(cfg.optim, resolve=True))
+    return typed_config(OptimConfig, OmegaConf.to_container(cfg.optim, resolve=True), "optim")
 
 
 def data_config(cfg: DataConfig | DictConfig) -> DataConfig:
-    return DataConfig.from_mapping(OmegaConf.to_container(cfg.data, resolve=True))
+    return typed_config(DataConfig, OmegaConf.to_container(cfg.data, resolve=True), "data")
 
 
 def token_spec(model: ModelConfig) -> TokenSpec:
@@ -50,5 +51,5 @@ def schedule(cfg: DictConfig):
 
     seq_len = int(cfg.data.seq_len)
     sequences = max(1, round(float(cfg.train.global_batch_tokens) / seq_len))
-    return Schedule(ScheduleConfig.from_mapping(OmegaConf.to_container(cfg.schedule, resolve=True)),
+    return Schedule(typed_config(ScheduleConfig, OmegaConf.to_container(cfg.schedule, resolve=True), "schedule"),
                     sequences * seq_len)

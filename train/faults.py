@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashtrain.model.config import ConfigError
+from flashtrain.config.errors import ConfigError
 
 FAULT_ENV = "FLASHTRAIN_FAULT"
 POINTS = ("step_start", "checkpoint_write", "checkpoint_in_flight", "after_step")

@@ -52,11 +52,12 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
 
 import torch
 
-from flashtrain.model.config import ConfigError, ModelConfig, reject_unknown_fields
+from flashtrain.config.errors import ConfigError
+from flashtrain.config.typed import typed_config
+from flashtrain.model.config import ModelConfig
 from flashtrain.model.inspect import VISION_ROOTS, inspect_model
 from flashtrain.model.layer_plan import layer_plan
 
@@ -165,7 +166,7 @@ def flop_accounting(cfg: ModelConfig, seq: int, template=None) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _flops_per_token(cfg_json: str, seq: int) -> float:
-    return flop_accounting(ModelConfig.from_mapping(json.loads(cfg_json)), seq)["flops_per_token"]
+    return flop_accounting(typed_config(ModelConfig, json.loads(cfg_json), "model"), seq)["flops_per_token"]
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -214,16 +215,12 @@ class PeakTflops:
     cuda: float | None = None
     cpu: float | None = None
 
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> "PeakTflops":
-        values = dict(values or {})
-        reject_unknown_fields(cls, values, "train.peak_tflops", "train/flops.py (PeakTflops)")
-        out = cls(**{k: None if v is None else float(v) for k, v in values.items()})
-        for k, v in asdict(out).items():
-            if v is not None and not v > 0:
+    def validate(self) -> None:
+        for k, v in asdict(self).items():
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
                 raise ConfigError(f"train.peak_tflops.{k}={v}: must be a positive number of TFLOP/s, or null "
                                   f"(automatic)")
-        return out
+            setattr(self, k, None if v is None else float(v))
 
 
 CPU_PEAK_SOURCE = "measured CPU fp32 matmul peak (2048^3, best of up to 5 in 0.5 s)"

@@ -20,10 +20,11 @@ import secrets
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
 
 import numpy as np
 import torch
+
+from flashtrain.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,9 @@ class LoggingConfig:
     heatmap_interval: int = 50  # 0: no expert-load heatmaps at all
     progress: bool = True
 
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "LoggingConfig":
-        values = dict(values)
-        wb = WandbConfig(**values.pop("wandb", {}))
-        if wb.mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"logging.wandb.mode={wb.mode!r}: use offline, online or disabled")
-        return cls(wandb=wb, **values)
+    def validate(self) -> None:
+        if self.wandb.mode not in ("offline", "online", "disabled"):
+            raise ConfigError(f"logging.wandb.mode={self.wandb.mode!r}: use offline, online or disabled")
 
 
 def load_statistics(loads: dict[int, torch.Tensor]) -> dict:

@@ -27,12 +27,11 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from flashtrain.model.config import ConfigError, reject_unknown_fields
+from flashtrain.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +52,13 @@ class ProfileConfig:
     memory_snapshot: bool = False  # CUDA allocator history (pickle for PyTorch's memory viz)
     memory_steps: int | list[int] = 3  # n: the first n steps run by this process; or [first, last]
 
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> "ProfileConfig":
-        values = dict(values or {})
-        reject_unknown_fields(cls, values, "train.profile", "train/profile.py (ProfileConfig)")
-        out = cls(**values)
-        _step_range(out.steps, "train.profile.steps")
-        m = out.memory_steps
+    def validate(self) -> None:
+        _step_range(self.steps, "train.profile.steps")
+        m = self.memory_steps
         if isinstance(m, (list, tuple)):
             _step_range(list(m), "train.profile.memory_steps")
         elif isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ConfigError(f"train.profile.memory_steps={m!r}: a positive number of steps, or [first, last]")
-        return out
 
 
 class StepProfiler:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from flashtrain.model.config import ConfigError
+from flashtrain.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
 
-from flashtrain.model.config import ConfigError, reject_unknown_fields
+from flashtrain.config.errors import ConfigError
 
 
 @dataclass
@@ -28,11 +27,6 @@ class ScheduleConfig:
     decay_end_tokens: float | None = 40e12
     decay_start_fraction: float | None = None  # of total tokens, when decay_start_tokens is null
     decay_end_fraction: float | None = None
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "ScheduleConfig":
-        reject_unknown_fields(cls, values, "schedule config", "train/schedule.py")
-        return cls(**dict(values))
 
 
 class Schedule:

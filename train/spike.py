@@ -26,12 +26,11 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping
 
 import numpy as np
 import torch
 
-from flashtrain.model.config import ConfigError, reject_unknown_fields
+from flashtrain.config.errors import ConfigError
 
 ACTIONS = ("none", "skip", "rollback")
 
@@ -47,14 +46,6 @@ class SpikeConfig:
     rollback_steps: int = 10
     snapshot_interval: int = 10
     max_rollbacks: int = 3
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> "SpikeConfig":
-        values = dict(values or {})
-        reject_unknown_fields(cls, values, "train.spike", "train/spike.py")
-        cfg = cls(**values)
-        cfg.validate()
-        return cfg
 
     def validate(self) -> None:
         if self.action not in ACTIONS:

@@ -40,17 +40,17 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from flashtrain.config.errors import ConfigError
+from flashtrain.config.typed import typed_config
 from flashtrain.data.config import resolve_shards
 from flashtrain.data.loader import PackedLoader, data_sources
 from flashtrain.model.aux import StepStats
-from flashtrain.model.config import ConfigError, reject_unknown_fields
 from flashtrain.model.recompute import validate_recompute
 from flashtrain.model.vision import set_vision_body_trainable
 from flashtrain.parallel.config import ParallelConfig
@@ -116,19 +116,6 @@ class TrainConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # traces / memory snapshots (train/profile.py)
     spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike detection and rollback (train/spike.py)
     anticipatory_routing: AnticipatoryRoutingConfig = field(default_factory=AnticipatoryRoutingConfig)
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "TrainConfig":
-        values = dict(values)
-        ck = values.pop("checkpoint", {})
-        peak = PeakTflops.from_mapping(values.pop("peak_tflops", None))
-        profile = ProfileConfig.from_mapping(values.pop("profile", None))
-        spike = SpikeConfig.from_mapping(values.pop("spike", None))
-        ar = AnticipatoryRoutingConfig.from_mapping(values.pop("anticipatory_routing", None))
-        reject_unknown_fields(cls, values, "train config", "train/trainer.py")
-        reject_unknown_fields(CheckpointConfig, ck, "train.checkpoint", "train/trainer.py")
-        return cls(checkpoint=CheckpointConfig(**ck), peak_tflops=peak, profile=profile, spike=spike,
-                   anticipatory_routing=ar, **values)
 
 
 @dataclass
@@ -239,9 +226,9 @@ class Trainer:
         self.model_cfg = model_config(cfg)
         self.optim_cfg = optim_config(cfg)
         self.data_cfg = data_config(cfg)
-        self.train_cfg = TrainConfig.from_mapping(self.cfg_dict["train"])
-        self.log_cfg = LoggingConfig.from_mapping(self.cfg_dict.get("logging", {}))
-        self.parallel = ParallelConfig.from_mapping(self.cfg_dict.get("parallel", {}))
+        self.train_cfg = typed_config(TrainConfig, self.cfg_dict["train"], "train")
+        self.log_cfg = typed_config(LoggingConfig, self.cfg_dict.get("logging"), "logging")
+        self.parallel = typed_config(ParallelConfig, self.cfg_dict.get("parallel"), "parallel")
         self.schedule = schedule(cfg)
         self.layout = plan_layout(self.train_cfg, self.data_cfg.seq_len, self.data_cfg.batch_size, self.parallel, world,
                                   self.model_cfg.n_layers, self.model_cfg.n_routed_experts)

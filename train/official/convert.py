@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from flashtrain.config.errors import FlashtrainError
+from flashtrain.config.typed import typed_config
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.quant import (
     fp4_block_dequant,
@@ -71,7 +73,7 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
 
 
-class OfficialCheckpointError(ValueError):
+class OfficialCheckpointError(FlashtrainError, ValueError):
     """A released checkpoint does not match the model: the message names each tensor or config field."""
 
 
@@ -286,7 +288,7 @@ def export_official(ckpt: str | Path, out: str | Path, quantised: bool = True, s
     reading at most `read_bytes` of checkpoint tensors at a time (a larger tensor alone)."""
     ckpt, out = Path(ckpt), Path(out)
     meta, md = _checkpoint_meta(ckpt)
-    cfg = ModelConfig.from_mapping(meta["config"]["model"])
+    cfg = typed_config(ModelConfig, meta["config"]["model"], "model")
     shapes = model_shapes(cfg)
     missing = [k for k in shapes if f"model.{k}" not in md]
     if missing:

@@ -46,6 +46,8 @@ from typing import Union
 
 import torch
 
+from flashtrain.config.errors import FlashtrainError
+
 __all__ = [
     "DTYPES",
     "INDEX_NAME",
@@ -92,7 +94,7 @@ DTYPES: dict[str, torch.dtype] = _dtype_table()
 _DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(FlashtrainError, ValueError):
     """A malformed safetensors file or index, or a tensor the format cannot hold."""
 
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
 
-from flashtrain.model.config import ConfigError, reject_unknown_fields
+from flashtrain.config.errors import ConfigError
 
 
 @dataclass
@@ -59,22 +58,8 @@ class OptimConfig:
     sinkhorn: SinkhornConfig = field(default_factory=SinkhornConfig)
     adamw: AdamWConfig = field(default_factory=AdamWConfig)
 
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "OptimConfig":
-        def build(klass, vals, where):
-            reject_unknown_fields(klass, vals, where, "train/optim/config.py")
-            kwargs = {}
-            for k, v in vals.items():
-                sub = {"muon": MuonConfig, "sinkhorn": SinkhornConfig, "adamw": AdamWConfig}.get(k)
-                kwargs[k] = build(sub, v, f"{where}.{k}") if (klass is cls and sub) else v
-            return klass(**kwargs)
-
-        if "lr" in values:
-            raise ConfigError(f"optim.lr={values['lr']!r}: removed, the LR schedule is the only source of the learning "
-                              f"rate; set schedule.peak_lr (and schedule.final_lr) instead")
-        cfg = build(cls, dict(values), "optim")
-        cfg.validate()
-        return cfg
+    removed_fields = {"lr": "removed, the LR schedule is the only source of the learning rate; set "
+                            "schedule.peak_lr (and schedule.final_lr) instead"}
 
     def validate(self) -> None:
         if self.vision_lr_mult < 0:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from flashtrain.config.errors import ConfigError
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.vision import is_vision_body
 from flashtrain.train.optim.adamw import ShardedAdamW
@@ -55,7 +56,7 @@ OPTIMIZER_OF = {"sinkhorn": "sinkhorn", "sinkhorn_engram": "sinkhorn", "adamw_no
                 "muon": "muon", "muon_q_heads": "muon", "muon_index_heads": "muon"}
 
 
-class RoutingError(ValueError):
+class RoutingError(ConfigError):
     """A parameter that no routing rule places (or that a rule cannot take)."""
 
 
