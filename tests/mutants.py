@@ -606,6 +606,15 @@ MUTANTS = [
            'older = [s for s in self.kept if s.step <= spike_step - self.cfg.rollback_steps]',
            'older = [s for s in self.kept if s.step < spike_step]',
            ['tests/test_spike.py']),
+    # issue 30 item 13: behaviour the suite did not pin before
+    Mutant('best fit excludes an exact fit', 'data/loader.py',
+           '                        if size < len(p) <= room:',
+           '                        if size < len(p) < room:',
+           ['tests/test_packing.py']),
+    Mutant('buckets without a reduce group not divided by dp', 'parallel/grad_reduce.py',
+           '        b.buffer.div_(self.divisor)\n        if b.group is not None:',
+           '        if b.group is not None:\n            b.buffer.div_(self.divisor)',
+           ['tests/test_grad_reduce.py']),
 ]
 
 
