@@ -1,5 +1,5 @@
 """Peak memory of launch/export_official.py and launch/import_official.py against the shard size: a
-measurement, not a test (README "Official checkpoints").
+measurement, not a test (docs/official_formats.md).
 
     python launch/bench_convert.py [+exp=flash_small] [--shard-gb 0.05 0.2] [--dir /tmp/bench_convert]
 

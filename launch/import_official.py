@@ -12,7 +12,7 @@ the field or tensor. Tensors the model does not use (`mtp.*`: the DSpark drafter
 
 OUT_CKPT is a DCP checkpoint of the weights alone (fp32, the experts stacked): `train.resume_from=OUT_CKPT`
 starts a run from it at step 0 with fresh optimizer state and the data from the start; the LR schedule is
-the config's (README "Continued pre-training" says which to use). Once the run has written its own
+the config's (docs/official_formats.md "Continued pre-training" says which to use). Once the run has written its own
 checkpoints, a restart resumes from those even with resume_from still set.
 
 Memory: one source tensor at a time plus at most --part-gb of converted tensors before they are written.

@@ -119,7 +119,7 @@ class RoutedExperts(nn.Module):
     host synchronisation (torchtitan's grouped-GEMM MoE). The looped per-expert reference
     (`model.use_triton=false`, or where grouped GEMM is unavailable) reads the counts to the host. The
     grouped path is the default on the CPU too: it runs the flash_small experts' forward+backward about
-    3x faster than the loop (README "GPU kernels")."""
+    3x faster than the loop (docs/kernels.md)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
