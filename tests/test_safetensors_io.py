@@ -103,6 +103,26 @@ def test_write_file_replaces_atomically(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["r.safetensors"]
 
 
+def test_write_interrupted_keeps_the_old_file(tmp_path, monkeypatch):
+    """The package writes in place; write_file must not: a write that dies half-way leaves the previous
+    file under the final name, byte for byte, and no temporary behind."""
+    import safetensors.torch
+
+    path = tmp_path / "r.safetensors"
+    write_file(path, {"old": torch.arange(5)})
+    before = path.read_bytes()
+
+    def dies_half_way(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")  # a header length and nothing more
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_half_way)
+    with pytest.raises(OSError, match="disk full"):
+        write_file(path, {"new": torch.ones(3)})
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["r.safetensors"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # reader: hand-built files
 
