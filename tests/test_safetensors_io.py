@@ -1,6 +1,7 @@
-"""train/official/safetensors.py against the published format: files written by the module are parsed
-here byte by byte (struct + json), files built here by hand (struct + json) are read by the module, and
-float8 / bf16 bit patterns are decoded by hand. Round trips are checked bit-exactly via uint8 views."""
+"""train/official/safetensors.py (the `safetensors` package plus flashtrain's checks) against the published
+format: files written by the module are parsed here byte by byte (struct + json), files built here by hand
+(struct + json) are read by the module, and float8 / bf16 bit patterns are decoded by hand. Round trips are
+checked bit-exactly via uint8 views; damaged files must give one-line errors naming the file and the tensor."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_write_file_exact_bytes(tmp_path):
         "a": {"dtype": "I32", "shape": [2, 3], "data_offsets": [0, 24]},
         "b": {"dtype": "BF16", "shape": [4], "data_offsets": [24, 32]},
     }
-    assert list(header) == ["a", "b"]  # the given order is kept
+    assert list(header) == ["a", "b"]  # I32 before BF16: the package stores by decreasing dtype alignment
     assert len(data) == 32
     assert struct.unpack("<6i", data[:24]) == (0, 1, 2, 3, 4, 5)
     bits = struct.unpack("<4h", data[24:32])
@@ -74,11 +75,11 @@ def test_write_file_metadata_order_and_noncontiguous(tmp_path):
     write_file(path, {"z": t, "a": torch.tensor(7, dtype=torch.int64)}, metadata={"format": "pt", "é": "ü"})
     header, _, data = parse_file(path)
     assert header.pop("__metadata__") == {"format": "pt", "é": "ü"}
-    assert list(header) == ["z", "a"]
-    assert header["z"] == {"dtype": "F32", "shape": [3, 2], "data_offsets": [0, 24]}
-    assert header["a"] == {"dtype": "I64", "shape": [], "data_offsets": [24, 32]}
-    assert struct.unpack("<6f", data[:24]) == (0.0, 3.0, 1.0, 4.0, 2.0, 5.0)
-    assert struct.unpack("<q", data[24:]) == (7,)
+    assert list(header) == ["a", "z"]  # not the given order: the package stores I64 before F32 (alignment)
+    assert header["z"] == {"dtype": "F32", "shape": [3, 2], "data_offsets": [8, 32]}
+    assert header["a"] == {"dtype": "I64", "shape": [], "data_offsets": [0, 8]}
+    assert struct.unpack("<6f", data[8:]) == (0.0, 3.0, 1.0, 4.0, 2.0, 5.0)
+    assert struct.unpack("<q", data[:8]) == (7,)
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -99,6 +100,26 @@ def test_write_file_replaces_atomically(tmp_path):
     write_file(path, {"new": torch.ones(3)})
     with SafeFile(path) as f:
         assert f.keys() == ["new"]
+    assert [p.name for p in tmp_path.iterdir()] == ["r.safetensors"]
+
+
+def test_write_interrupted_keeps_the_old_file(tmp_path, monkeypatch):
+    """The package writes in place; write_file must not: a write that dies half-way leaves the previous
+    file under the final name, byte for byte, and no temporary behind."""
+    import safetensors.torch
+
+    path = tmp_path / "r.safetensors"
+    write_file(path, {"old": torch.arange(5)})
+    before = path.read_bytes()
+
+    def dies_half_way(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")  # a header length and nothing more
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_half_way)
+    with pytest.raises(OSError, match="disk full"):
+        write_file(path, {"new": torch.ones(3)})
+    assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["r.safetensors"]
 
 
@@ -203,8 +224,10 @@ def test_round_trip_every_dtype(tmp_path):
         assert header[name]["dtype"] == name
         begin, end = header[name + ".empty"]["data_offsets"]
         assert begin == end
+    by_offset = sorted(header, key=lambda n: tuple(header[n]["data_offsets"]) if n != "__metadata__" else (-1, -1))
     with SafeFile(path) as f:
-        assert f.keys() == list(tensors)
+        assert sorted(f.keys()) == sorted(tensors)
+        assert f.keys() == by_offset[1:]  # file order, from the header parsed here
         assert f.metadata() == meta
         for name, ref in tensors.items():
             assert f.info(name) == (ref.dtype, tuple(ref.shape))
@@ -295,6 +318,32 @@ def test_bad_headers(tmp_path):
     build_file(path, {"__metadata__": {"k": 3}}, b"")
     with pytest.raises(SafetensorsError, match="'k'"):
         SafeFile(path)
+
+
+def damaged_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """{case: (file, the tensor at fault)}: files the package refuses (or flashtrain, for C64)."""
+    good = write_file_path(tmp_path, {"a": torch.zeros(4), "b": torch.zeros(4), "w": torch.zeros(4)})
+    cases = {"truncated": (tmp_path / "truncated.safetensors", "w")}  # 'w' is stored last (same dtype: by name)
+    cases["truncated"][0].write_bytes(good.read_bytes()[:-3])
+    f32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    for case, entry, data in [
+        ("out of bounds", {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}, 12),  # 4 of its 8 bytes exist
+        ("unknown dtype", {"dtype": "F7", "shape": [2], "data_offsets": [8, 16]}, 16),
+        ("dtype size", {"dtype": "F64", "shape": [2], "data_offsets": [8, 16]}, 16),  # F64 x 2 needs 16 bytes
+        ("unsupported dtype", {"dtype": "C64", "shape": [1], "data_offsets": [8, 16]}, 16),  # the package reads it
+    ]:
+        path = build_file(tmp_path / f"{case.replace(' ', '_')}.safetensors", {"a": f32, "w": entry}, bytes(data))
+        cases[case] = (path, "w")
+    return cases
+
+
+@pytest.mark.parametrize("case", ["truncated", "out of bounds", "unknown dtype", "dtype size", "unsupported dtype"])
+def test_damaged_file_error_names_file_and_tensor(tmp_path, case):
+    path, tensor = damaged_files(tmp_path)[case]
+    with pytest.raises(SafetensorsError) as e:
+        SafeFile(path)
+    message = str(e.value)
+    assert str(path) in message and repr(tensor) in message and "\n" not in message, message
 
 
 def test_missing_name_is_key_error(tmp_path):

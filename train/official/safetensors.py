@@ -1,49 +1,54 @@
-"""Reading and writing the safetensors format (Hugging Face's), without the `safetensors` package.
+"""Safetensors files (Hugging Face's format) through the `safetensors` package, plus what it does not do.
 
-File layout::
+The package (the reference implementation) parses, validates and memory-maps files (`safe_open`) and
+serialises them (`safetensors.torch.save_file`). This module adds what the official-checkpoint
+converters (convert.py) need on top:
 
-    [8 bytes]  N, the header length, unsigned little-endian
-    [N bytes]  UTF-8 JSON object, optionally padded with trailing spaces (0x20)
-    [rest]     the data buffer
+- error messages that name the file and the tensor: the package's header errors name neither in most
+  cases ("incomplete metadata, file not fully covered"), so when it refuses a file, `_diagnose` reads
+  the header (8-byte little-endian length, JSON) and says which entry is wrong and how, followed by the
+  package's own words;
+- the project's dtype table `DTYPES`: the 14 dtypes flashtrain reads and writes (the release formats
+  use BF16, F32, F8_E4M3 weights, F8_E8M0 scales and I8 for FP4 codes, two E2M1 values per byte). The
+  package also knows C64, U32, U64, the FNUZ float8s and the sub-byte F4 / F6 types (F4 with a doubled
+  last dimension); the release formats use none of them, and a file holding one is refused naming the
+  tensor, as is a tensor of such a dtype handed to the writer;
+- atomic writes: `write_file` writes ``<path>.tmp``, fsyncs and renames it (the package writes in place),
+  so a file under its final name is always complete;
+- size-limited shards with the index (`ShardedWriter`, `read_index`, `write_index`): Hugging Face's
+  ``model-00001-of-00003.safetensors`` ... plus ``model.safetensors.index.json`` = ``{"metadata":
+  {"total_size": <data bytes>}, "weight_map": {tensor name: file name}}``.
 
-The JSON object maps every tensor name to ``{"dtype": str, "shape": [int, ...], "data_offsets":
-[begin, end]}``; offsets count bytes from the start of the data buffer (not of the file), ``end`` is
-exclusive, and the tensors cover the buffer contiguously: sorted by offset, each begins where the
-previous one ends, with no gap, no overlap and nothing after the last one. ``end - begin`` is
-``prod(shape) * itemsize`` (0 for a tensor without elements). An optional ``"__metadata__"`` entry
-holds a ``{str: str}`` map. Data is row-major, little-endian (this module assumes a little-endian
-host, like every platform torch trains on). The writer pads the header with spaces so that the data
-buffer starts 8-byte aligned; the reader accepts any padding and any alignment.
+Layout written by the package: the data buffer starts 8-byte aligned (the header is padded with
+spaces), the tensors are stored by decreasing dtype alignment, then by name (not in the given order),
+contiguously; readers accept any order and padding.
 
 Memory bounds:
 
-- `write_file` writes the header, then each tensor's bytes straight to the file, one tensor at a time;
-  the only extra memory is one CPU-contiguous copy of the tensor being written (none when it already
-  is CPU-contiguous). Files are written to ``<path>.tmp``, fsynced and renamed, so a file under its
-  final name is always complete.
-- `SafeFile` maps the file with mmap and copies out one tensor per `SafeFile.get`; a file is never read
-  whole.
-- `ShardedWriter` must know every entry of a shard before writing its header, so it keeps the current
-  shard's tensors (CPU copies made at `ShardedWriter.add`) until the shard is full: at most one shard
+- `SafeFile.get` returns a tensor backed by a private (copy-on-write) map of the file: its pages are
+  read when first touched and count toward the process's RSS only while the tensor lives; writing to it
+  never reaches the file. A file is never read whole.
+- `write_file` hands the package the tensors as they are when they are CPU-contiguous and own their
+  storage (no copy); others (another device, strided, sharing storage with another entry) are copied
+  to CPU first, all of them alive until the file is written. The package writes straight from the
+  tensors' memory.
+- `ShardedWriter` must know every entry of a shard before writing it, so it keeps the current shard's
+  tensors (CPU copies made at `ShardedWriter.add`) until the shard is full: at most one shard
   (``max_shard_bytes``, or one tensor when that tensor alone is larger) is held at a time.
-
-Sharded checkpoints follow the Hugging Face convention: ``model-00001-of-00003.safetensors`` ... plus
-``model.safetensors.index.json`` = ``{"metadata": {"total_size": <data bytes>}, "weight_map":
-{tensor name: file name}}``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Union
 
+import safetensors
+import safetensors.torch
 import torch
 
 from flashtrain.config.errors import FlashtrainError
@@ -64,64 +69,47 @@ PathLike = Union[str, os.PathLike]
 
 INDEX_NAME = "model.safetensors.index.json"
 METADATA_KEY = "__metadata__"
-_ALIGN = 8
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # a larger header is a corrupt length field, not a real file
 _ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
 
-
-def _dtype_table() -> dict[str, torch.dtype]:
-    table = {
-        "BOOL": torch.bool,
-        "U8": torch.uint8,
-        "I8": torch.int8,
-        "I16": torch.int16,
-        "U16": torch.uint16,
-        "I32": torch.int32,
-        "I64": torch.int64,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "F32": torch.float32,
-        "F64": torch.float64,
-    }
-    # float8 types exist from torch 2.1 (e4m3fn, e5m2) and 2.7 (e8m0fnu); the project allows torch >= 2.5
-    for name, attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu")):
-        if hasattr(torch, attr):
-            table[name] = getattr(torch, attr)
-    return table
-
-
-DTYPES: dict[str, torch.dtype] = _dtype_table()
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # torch >= 2.7
+}
 _DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 
 class SafetensorsError(FlashtrainError, ValueError):
-    """A malformed safetensors file or index, or a tensor the format cannot hold."""
+    """A malformed safetensors file or index, or a tensor the format (or flashtrain) cannot hold."""
 
 
 # ---------------------------------------------------------------------------------------------------
 # writing
 
 
-def _dtype_name(path: PathLike, name: str, tensor: torch.Tensor) -> str:
-    if not isinstance(tensor, torch.Tensor):
-        raise SafetensorsError(f"{path}: tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.layout != torch.strided:
-        raise SafetensorsError(f"{path}: tensor {name!r}: layout {tensor.layout} is not supported (dense only)")
-    try:
-        return _DTYPE_NAMES[tensor.dtype]
-    except KeyError:
-        raise SafetensorsError(
-            f"{path}: tensor {name!r}: dtype {tensor.dtype} is not supported by safetensors "
-            f"(supported: {', '.join(str(d) for d in DTYPES.values())})"
-        ) from None
-
-
-def _check_name(path: PathLike, name: object) -> str:
+def _check_tensor(path: PathLike, name: object, tensor: object) -> None:
     if not isinstance(name, str):
         raise SafetensorsError(f"{path}: tensor name {name!r} is not a str")
     if name == METADATA_KEY:
         raise SafetensorsError(f"{path}: tensor name {METADATA_KEY!r} is reserved for the metadata")
-    return name
+    if not isinstance(tensor, torch.Tensor):
+        raise SafetensorsError(f"{path}: tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise SafetensorsError(f"{path}: tensor {name!r}: layout {tensor.layout} is not supported (dense only)")
+    if tensor.dtype not in _DTYPE_NAMES:
+        raise SafetensorsError(f"{path}: tensor {name!r}: dtype {tensor.dtype} is not one flashtrain writes "
+                               f"(supported: {', '.join(str(d) for d in DTYPES.values())})")
 
 
 def _check_metadata(path: PathLike, metadata: Mapping[str, str] | None) -> dict[str, str]:
@@ -139,32 +127,19 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's row-major bytes, from a CPU-contiguous copy (no copy when it already is one)."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():  # one copy, whatever the device/strides
-        tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(tensor)
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
-def _encode_header(header: dict) -> bytes:
-    """JSON, padded with spaces so that the data buffer (after the 8-byte length) starts aligned."""
-    raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    return raw + b" " * (-(8 + len(raw)) % _ALIGN)
-
-
-def _build_header(path: PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> bytes:
-    header: dict[str, object] = {}
-    meta = _check_metadata(path, metadata)
-    if meta:
-        header[METADATA_KEY] = meta
-    offset = 0
+def _cpu_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as the package takes them: CPU, contiguous, each with a storage of its own (the package
+    refuses entries that share memory). Tensors that already are so are passed as they are."""
+    out, storages = {}, set()
     for name, tensor in tensors.items():
-        dtype = _dtype_name(path, _check_name(path, name), tensor)
-        size = _nbytes(tensor)
-        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    return _encode_header(header)
+        tensor = tensor.detach()
+        storage = (tensor.untyped_storage().data_ptr(), tensor.device) if tensor.numel() else None
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or storage in storages:
+            tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(tensor)
+        elif storage is not None:
+            storages.add(storage)
+        out[name] = tensor
+    return out
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -181,34 +156,34 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_file(path: PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> int:
-    """Write `tensors` (in the given order) and `metadata` to `path` atomically; returns the file size.
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
-    Each tensor is copied to CPU-contiguous memory and written on its own, so at most one tensor's copy
-    is alive at a time. Raises SafetensorsError for an unsupported dtype or a non-str name / metadata.
+
+def write_file(path: PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> int:
+    """Write `tensors` and `metadata` to `path` atomically with the package; returns the file size.
+
+    Raises SafetensorsError, before anything is written, for a dtype outside `DTYPES`, a non-dense
+    tensor or a non-str name / metadata.
     """
     path = Path(path)
-    header = _build_header(path, tensors, metadata)
+    for name, tensor in tensors.items():
+        _check_tensor(path, name, tensor)
+    meta = _check_metadata(path, metadata)
     tmp = path.with_name(path.name + ".tmp")
-    written = 0
     try:
-        with open(tmp, "wb") as f:
-            written += f.write(struct.pack("<Q", len(header)))
-            written += f.write(header)
-            for name, tensor in tensors.items():
-                data = _tensor_bytes(tensor)
-                if len(data) != _nbytes(tensor):  # the tensor changed between header and data
-                    raise SafetensorsError(f"{path}: tensor {name!r}: size changed while writing")
-                written += f.write(data)
-                del data
-            f.flush()
-            os.fsync(f.fileno())
+        safetensors.torch.save_file(_cpu_tensors(tensors), tmp, metadata=meta or None)
+        _fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
-    return written
+    return path.stat().st_size
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -219,153 +194,121 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class _Entry:
-    __slots__ = ("name", "dtype", "shape", "begin", "end")
-
-    def __init__(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], begin: int, end: int):
-        self.name, self.dtype, self.shape, self.begin, self.end = name, dtype, shape, begin, end
-
-
-def _parse_entry(path: PathLike, name: str, info: object) -> _Entry:
-    where = f"{path}: tensor {name!r}"
-    if not isinstance(info, dict):
-        raise SafetensorsError(f"{where}: entry must be a JSON object, got {info!r}")
-    for field in _ENTRY_FIELDS:
-        if field not in info:
-            raise SafetensorsError(f"{where}: missing field {field!r}")
-    extra = sorted(set(info) - set(_ENTRY_FIELDS))
-    if extra:
-        raise SafetensorsError(f"{where}: unknown field(s) {extra}")
-    dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype_name not in DTYPES:
-        raise SafetensorsError(f"{where}: field 'dtype': unknown dtype {dtype_name!r} (known: {', '.join(DTYPES)})")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise SafetensorsError(f"{where}: field 'shape' must be a list of non-negative ints, got {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
-        raise SafetensorsError(f"{where}: field 'data_offsets' must be [begin, end] ints, got {offsets!r}")
-    begin, end = offsets
-    dtype = DTYPES[dtype_name]
-    expected = math.prod(shape) * dtype.itemsize
-    if begin < 0 or end < begin or end - begin != expected:
-        raise SafetensorsError(
-            f"{where}: field 'data_offsets' {offsets} does not hold shape {shape} of {dtype_name} "
-            f"({expected} bytes)"
-        )
-    return _Entry(name, dtype, tuple(shape), begin, end)
-
-
-def _check_layout(path: PathLike, entries: list[_Entry], buffer_size: int) -> None:
-    """Entries (sorted by offset) cover [0, buffer_size) contiguously, without gap or overlap."""
-    position, previous = 0, None
-    for entry in entries:
-        if entry.begin < position:
-            raise SafetensorsError(
-                f"{path}: tensor {entry.name!r}: data_offsets [{entry.begin}, {entry.end}] overlap "
-                f"tensor {previous.name!r} [{previous.begin}, {previous.end}]"
-            )
-        if entry.begin > position:
-            raise SafetensorsError(
-                f"{path}: tensor {entry.name!r}: data_offsets [{entry.begin}, {entry.end}] leave a gap "
-                f"after byte {position} of the data buffer"
-            )
-        if entry.end > buffer_size:
-            raise SafetensorsError(
-                f"{path}: tensor {entry.name!r}: data_offsets [{entry.begin}, {entry.end}] run past the end "
-                f"of the data buffer ({buffer_size} bytes): the file is truncated"
-            )
-        position, previous = entry.end, entry
-    if position != buffer_size:
-        raise SafetensorsError(
-            f"{path}: the tensors cover {position} bytes but the data buffer holds {buffer_size}: "
-            f"{buffer_size - position} trailing bytes"
-        )
-
-
-def _read_header(path: PathLike, f, file_size: int) -> tuple[dict, int]:
-    """The decoded JSON header and the file offset of the data buffer."""
-    if file_size < 8:
-        raise SafetensorsError(f"{path}: {file_size} bytes is too short for the 8-byte header length")
-    (length,) = struct.unpack("<Q", f.read(8))
-    if length > file_size - 8:
-        raise SafetensorsError(f"{path}: header length {length} is larger than the file ({file_size} bytes)")
-    if length > _MAX_HEADER_BYTES:
-        raise SafetensorsError(f"{path}: header length {length} exceeds the {_MAX_HEADER_BYTES}-byte limit")
-    raw = f.read(length)
+def _header_problem(path: Path) -> str | None:
+    """What is wrong with the header of `path`, naming the tensor where one is at fault; None when these
+    checks find nothing. Used only to explain a file the package refused (the package does the validation)."""
+    size = path.stat().st_size
+    if size < 8:
+        return f"{size} bytes is too short for the 8-byte header length"
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        if length > size - 8:
+            return f"header length {length} is larger than the file ({size} bytes)"
+        raw = f.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SafetensorsError(f"{path}: header is not valid UTF-8 JSON: {e}") from None
+        return f"header is not valid UTF-8 JSON: {e}"
     if not isinstance(header, dict):
-        raise SafetensorsError(f"{path}: header must be a JSON object, got {type(header).__name__}")
-    return header, 8 + length
+        return f"header must be a JSON object, got {type(header).__name__}"
+    meta = header.pop(METADATA_KEY, None)
+    if meta is not None and not isinstance(meta, dict):
+        return f"{METADATA_KEY} must be a JSON object of str to str, got {meta!r}"
+    for key, value in (meta or {}).items():
+        if not isinstance(value, str):
+            return f"{METADATA_KEY} entry {key!r}: values must be str, got {value!r}"
+    spans = []
+    for name, info in header.items():
+        where = f"tensor {name!r}"
+        if not isinstance(info, dict):
+            return f"{where}: entry must be a JSON object, got {info!r}"
+        missing = [k for k in _ENTRY_FIELDS if k not in info]
+        extra = sorted(set(info) - set(_ENTRY_FIELDS))
+        if missing or extra:
+            return f"{where}: missing field(s) {missing}" if missing else f"{where}: unknown field(s) {extra}"
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in DTYPES:  # unknown to the package, or a dtype flashtrain does not read
+            return f"{where}: field 'dtype': unknown dtype {dtype!r} (known: {', '.join(DTYPES)})"
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            return f"{where}: field 'shape' must be a list of non-negative ints, got {shape!r}"
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+            return f"{where}: field 'data_offsets' must be [begin, end] ints, got {offsets!r}"
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        if offsets[0] < 0 or offsets[1] - offsets[0] != nbytes:
+            return f"{where}: field 'data_offsets' {offsets} does not hold shape {shape} of {dtype} ({nbytes} bytes)"
+        spans.append((offsets[0], offsets[1], name))
+    buffer, position, previous = size - 8 - length, 0, None
+    for begin, end, name in sorted(spans):
+        if begin < position:
+            return f"tensor {name!r}: data_offsets [{begin}, {end}] overlap tensor {previous!r}"
+        if begin > position:
+            return f"tensor {name!r}: data_offsets [{begin}, {end}] leave a gap after byte {position} of the data"
+        if end > buffer:
+            return (f"tensor {name!r}: data_offsets [{begin}, {end}] run past the end of the data buffer "
+                    f"({buffer} bytes): the file is truncated")
+        position, previous = end, name
+    if position != buffer:
+        return f"the tensors cover {position} of the {buffer} data bytes: {buffer - position} trailing bytes"
+    return None
+
+
+def _diagnose(path: Path, error: Exception) -> SafetensorsError:
+    """The package's refusal of `path`, as one line naming the file and (where one is at fault) the tensor."""
+    problem = _header_problem(path)
+    said = f"safetensors: {error}"
+    return SafetensorsError(f"{path}: {problem} ({said})" if problem else f"{path}: {said}")
 
 
 class SafeFile:
-    """A safetensors file opened for lazy reading: the header is parsed and validated on open, tensor
-    data is copied out of an mmap one tensor at a time by `get`."""
+    """A safetensors file opened with `safetensors.safe_open` (memory-mapped): the package validates the
+    header on open; `get` hands out one tensor at a time."""
 
     def __init__(self, path: PathLike):
         self.path = Path(path)
-        self._file = open(self.path, "rb")
-        self._mmap: mmap.mmap | None = None
         try:
-            self._parse()
+            self._handle = safetensors.safe_open(self.path, framework="pt")
+        except safetensors.SafetensorError as e:
+            raise _diagnose(self.path, e) from None
+        try:
+            self._metadata = dict(self._handle.metadata() or {})
+            self._info: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+            for name in self._handle.offset_keys():  # file order (by data offset)
+                piece = self._handle.get_slice(name)
+                dtype = piece.get_dtype()
+                if dtype not in DTYPES:
+                    raise SafetensorsError(f"{self.path}: tensor {name!r}: dtype {dtype!r} is not one flashtrain "
+                                           f"reads (known: {', '.join(DTYPES)})")
+                self._info[name] = (DTYPES[dtype], tuple(piece.get_shape()))
         except BaseException:
             self.close()
             raise
 
-    def _parse(self) -> None:
-        file_size = os.fstat(self._file.fileno()).st_size
-        header, self._data_start = _read_header(self.path, self._file, file_size)
-        self._metadata = _check_metadata(self.path, header.pop(METADATA_KEY, None))
-        entries = [_parse_entry(self.path, name, info) for name, info in header.items()]
-        entries.sort(key=lambda e: (e.begin, e.end))  # stable: ties keep the header's order
-        _check_layout(self.path, entries, file_size - self._data_start)
-        self._entries = {e.name: e for e in entries}
-        if file_size > self._data_start:  # mmap cannot map an empty range
-            self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-
     def keys(self) -> list[str]:
         """Tensor names in file order (by data offset)."""
-        return list(self._entries)
+        return list(self._info)
 
     def metadata(self) -> dict[str, str]:
         return dict(self._metadata)
 
-    def _entry(self, name: str) -> _Entry:
+    def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The stored dtype and shape, without reading data."""
         try:
-            return self._entries[name]
+            return self._info[name]
         except KeyError:
             raise KeyError(f"{self.path}: no tensor named {name!r}") from None
 
-    def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """The stored dtype and shape, without reading data."""
-        entry = self._entry(name)
-        return entry.dtype, entry.shape
-
     def get(self, name: str) -> torch.Tensor:
-        """A new tensor (owned memory) holding the stored values."""
-        entry = self._entry(name)
-        if self._file is None:
+        """The stored values, backed by a private copy-on-write map of the file (see the module docstring):
+        writable, never writing the file, valid after `close`."""
+        self.info(name)
+        if self._handle is None:
             raise SafetensorsError(f"{self.path}: file is closed")
-        if entry.end == entry.begin:
-            return torch.empty(entry.shape, dtype=entry.dtype)
-        with warnings.catch_warnings():  # the mapping is read-only; the clone below is what we hand out
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            view = torch.frombuffer(
-                self._mmap, dtype=torch.uint8, count=entry.end - entry.begin, offset=self._data_start + entry.begin
-            )
-        data = view.clone()  # owned and aligned, so the view to a wider dtype is valid
-        del view  # release the mmap export so that close() can unmap
-        return data.view(entry.dtype).reshape(entry.shape)
+        return self._handle.get_tensor(name)
 
     def close(self) -> None:
-        if self._mmap is not None:
-            self._mmap.close()
-            self._mmap = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+            self._handle = None
 
     def __enter__(self) -> SafeFile:
         return self
@@ -374,7 +317,7 @@ class SafeFile:
         self.close()
 
     def __repr__(self) -> str:
-        return f"SafeFile({str(self.path)!r}, {len(self._entries)} tensors)"
+        return f"SafeFile({str(self.path)!r}, {len(self._info)} tensors)"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -466,7 +409,7 @@ class ShardedWriter:
         """Queue `tensor` (copied now: later changes to it are not written) under `name`."""
         if self._weight_map is not None:
             raise SafetensorsError(f"{self.dir}: tensor {name!r}: the writer is closed")
-        _dtype_name(self.dir, _check_name(self.dir, name), tensor)
+        _check_tensor(self.dir, name, tensor)
         if name in self._seen:
             raise SafetensorsError(f"{self.dir}: tensor {name!r} was already added")
         size = _nbytes(tensor)
