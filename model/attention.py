@@ -2,7 +2,8 @@
 
 Every layer computes its own query and its own sliding-window KV. Layers with a compress ratio add
 `index_topk` compressed entries chosen by an indexer; which compressed KV and which indices they use
-follows their `LayerRole` (model/layer_plan.py):
+follows their `LayerRole` (model/layer_plan.py), and what they read from and publish to the carry is
+what the carry contract (model/carry.py) lets their role read and write (`SharedKV.read` / `write`):
 
 - FULL:    `Compressor` pools its own compressed KV; its `Indexer` derives index-K from the pre-RoPE
            latent, scores and selects top-k; all are published in the carry (`SharedKV`).
