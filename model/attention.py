@@ -2,10 +2,11 @@
 
 Every layer computes its own query and its own sliding-window KV. Layers with a compress ratio add
 `index_topk` compressed entries chosen by an indexer; which compressed KV and which indices they use
-follows their `LayerRole` (model/layer_plan.py):
+follows their `LayerRole` (model/layer_plan.py), and what they read from and publish to the carry is
+what the carry contract (model/carry.py) lets their role read and write (`SharedKV.read` / `write`):
 
 - FULL:    `Compressor` pools its own compressed KV; its `Indexer` derives index-K from the pre-RoPE
-           latent, scores and selects top-k; both are published in the carry (`SharedKV`).
+           latent, scores and selects top-k; all are published in the carry (`SharedKV`).
            The candidate source also ranks blocks of `candidate_block_size` positions and publishes
            the best `candidate_topk_blocks` as block indices ([S, n_cand], not an [S, S/8] mask).
 - REUSE:   reads the carry's KV and top-k (gradients flow back into the owner's compressor).
@@ -36,13 +37,12 @@ memory-lean training path (saves q, output, log-sum-exp and indices; recomputes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flashtrain.model.aux import StepStats, attach_aux_loss
+from flashtrain.model.carry import SharedKV
 from flashtrain.model.chunks import query_chunks
 from flashtrain.model.config import ModelConfig, QATConfig
 from flashtrain.model.index_logits import index_logits_lean
@@ -54,16 +54,6 @@ from flashtrain.model.quant import fake_quant_fp4, fake_quant_fp8
 from flashtrain.model.rope import apply_rope, rope_angles, rope_frequencies
 from flashtrain.model.sequence_split import SequenceSplit
 from flashtrain.model.sparse_attention import sparse_attention_lean
-
-
-@dataclass
-class SharedKV:
-    """The CSA2 part of the block carry (DESIGN.md table)."""
-
-    kv: torch.Tensor | None = None  # [B, N, head_dim] compressed KV, RoPE'd at j*m
-    index_k: torch.Tensor | None = None  # [B, N, index_head_dim] index keys, RoPE'd
-    topk: torch.Tensor | None = None  # [B, S, k] int64 compressed indices, -1 = empty slot
-    candidates: torch.Tensor | None = None  # [B, S, n_cand] int32 block indices of the candidate pool, -1 = empty
 
 
 def visible_compressed(seq_len: int, ratio: int, device=None) -> torch.Tensor:
@@ -306,14 +296,14 @@ class Attention(nn.Module):
             self.rope_freqs.copy_(rope_frequencies(*self._rope_args))
 
     # -------------------------------------------------------------------------------------------
-    def _select(self, x, qr, shared: SharedKV, cos, sin, n_vis):
-        """Run this layer's indexer: top-k indices [B, S, k], grad-carrying logits of the selected
-        entries and their validity (for the KL loss); publish candidates when this is the source."""
+    def _select(self, x, qr, k_i, candidates, cos, sin, n_vis, made: dict):
+        """Run this layer's indexer over index-K `k_i` (inside the pool `candidates` when restricted):
+        top-k indices [B, S, k], grad-carrying logits of the selected entries and their validity (for the
+        KL loss); candidates go into `made` when this is the source."""
         q_i, w_i = self.indexer.queries(x, qr, cos, sin)
-        k_i = shared.index_k
-        restrict = self.role.uses_candidates and shared.candidates is not None
+        restrict = self.role.uses_candidates and candidates is not None
         args = (q_i, w_i, k_i, n_vis, min(self.index_topk, k_i.shape[1]), self.chunk,
-                shared.candidates if restrict else None, self.cand_block_size,
+                candidates if restrict else None, self.cand_block_size,
                 self.cand_blocks if self.role.is_candidate_source else 0)
         with torch.no_grad():
             if use_triton(q_i, self.use_triton):
@@ -321,9 +311,9 @@ class Attention(nn.Module):
             else:
                 (topk, cands), values = index_select(*args), None
             if restrict and self.pool_may_fall_short:
-                topk, values = keep_visible_outside_pool(topk, n_vis, shared.candidates, self.cand_block_size), None
+                topk, values = keep_visible_outside_pool(topk, n_vis, candidates, self.cand_block_size), None
         if self.role.is_candidate_source:
-            shared.candidates = cands
+            made["candidates"] = cands
         # grad-carrying logits of the selected entries only (for the KL loss), memory-lean; the forward
         # values come from the selection pass when the kernel computed them
         return topk, index_logits_lean(q_i, w_i, k_i, topk, self.chunk, values), topk >= 0
@@ -352,15 +342,15 @@ class Attention(nn.Module):
         comp_kv = topk = sel_logits = sel_valid = None
         if self.ratio:
             n_vis = visible_compressed_at(pos, self.ratio)
+            given, made = shared.read(self.role), {}  # what the carry contract lets this role read / write
             if self.role.role is Role.FULL:
                 latent = self._compress(x, split, proj, halos)
                 ccos, csin = rope_angles(self.rope_freqs, torch.arange(latent.shape[1], device=x.device) * self.ratio)
-                shared.kv = apply_rope(latent, ccos, csin)
+                made["kv"] = apply_rope(latent, ccos, csin)
                 if self.qat.compressed_kv_fp4:  # the public code's FP4 compressed KV (report §2.4.4)
-                    shared.kv = fake_quant_fp4(shared.kv, QATConfig.COMPRESSED_KV_BLOCK, torch.float8_e4m3fn)
-                shared.index_k = self.indexer.index_keys(latent, ccos, csin)
-                shared.candidates = None
-            comp_kv = shared.kv
+                    made["kv"] = fake_quant_fp4(made["kv"], QATConfig.COMPRESSED_KV_BLOCK, torch.float8_e4m3fn)
+                made["index_k"] = self.indexer.index_keys(latent, ccos, csin)
+            comp_kv = made.get("kv", given.get("kv"))
             if comp_kv is None:
                 raise RuntimeError(f"layer {self.role.id} ({self.role.role.value}) needs the compressed KV of "
                                    f"layer {self.role.kv_source}, but the carry has none")
@@ -368,10 +358,12 @@ class Attention(nn.Module):
                 if comp_kv.shape[1] == 0:
                     topk = torch.full((B, L, 0), -1, dtype=torch.long, device=x.device)
                 else:
-                    topk, sel_logits, sel_valid = self._select(x, qr, shared, cos, sin, n_vis)
-                shared.topk = topk
+                    topk, sel_logits, sel_valid = self._select(x, qr, made.get("index_k", given.get("index_k")),
+                                                               given.get("candidates"), cos, sin, n_vis, made)
+                made["topk"] = topk
             else:
-                topk = shared.topk
+                topk = given["topk"]
+            shared.write(self.role, made)
 
         outs, targets = [], []
         for (a, b), o, (halo_kv, _) in zip(split.chunks, split.offsets, halos):

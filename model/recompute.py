@@ -13,8 +13,9 @@
                Megatron's `recompute_modules`).
 
 The block mutates the carry's `SharedKV` in place (a Full layer publishes its KV, a Reindex layer its
-top-k), so the checkpointed function takes the carry as explicit tensors and builds a fresh carry from
-them: the recomputation sees the block's original inputs, never what the forward wrote afterwards.
+top-k), so the checkpointed function takes the carry as explicit tensors (`Carry.tensors`, in the order
+of model/carry.py's table) and builds a fresh carry from them: the recomputation sees the block's
+original inputs, never what the forward wrote afterwards.
 
 The aux side channel (`StepStats`) is filled by the first run only; a recomputation writes into a
 throwaway one, so loads and aux values are counted once (their gradients ride on the original graph).
@@ -32,6 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.model.aux import StepStats
+from flashtrain.model.carry import Carry
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -60,28 +62,21 @@ def validate_recompute(mode: str) -> None:
         raise ConfigError(f"train.recompute={mode!r}: must be one of {', '.join(RECOMPUTE_MODES)}")
 
 
-def recompute_block(fn: Callable, carry, ctx, mode: str):
+def recompute_block(fn: Callable, carry: Carry, ctx, mode: str) -> Carry:
     """`fn(carry, ctx) -> carry` under activation checkpointing of `mode` ('full' or 'selective')."""
-    from flashtrain.model.attention import SharedKV
-    from flashtrain.model.transformer import Carry
-
     first = [True]
 
-    def run(h, pre_mix, kv, index_k, topk, candidates):
+    def run(*tensors):  # the carry's fields in CARRY_FIELDS order (model/carry.py)
         run_ctx = ctx if first[0] else dataclasses.replace(ctx, stats=StepStats())
         first[0] = False
-        out = fn(Carry(h, pre_mix, SharedKV(kv, index_k, topk, candidates)), run_ctx)
-        s = out.shared
-        return out.h, out.pre_mix, s.kv, s.index_k, s.topk, s.candidates
+        return fn(Carry.from_tensors(tensors), run_ctx).tensors()
 
-    s = carry.shared
     # The checkpoint keeps its inputs as fresh views, and a field the block passes through unchanged comes
     # back as the original tensor: a zero-bubble pipeline detaches a stage's outputs in place after the
     # input backward, and such an output (e.g. a passed-on KV) may be a checkpointed block's input too.
-    originals = (carry.h, carry.pre_mix, s.kv, s.index_k, s.topk, s.candidates)
+    originals = carry.tensors()
     inputs = [t.view_as(t) if t is not None and t.requires_grad else t for t in originals]
     kwargs = {"context_fn": selective_context} if mode == "selective" else {}
     outs = checkpoint(run, *inputs, use_reentrant=False, **kwargs)
     passed = {id(v): t for v, t in zip(inputs, originals) if v is not None}
-    h, pre_mix, kv, index_k, topk, candidates = (passed.get(id(o), o) for o in outs)
-    return Carry(h, pre_mix, SharedKV(kv, index_k, topk, candidates))
+    return Carry.from_tensors(passed.get(id(o), o) for o in outs)

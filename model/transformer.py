@@ -7,6 +7,8 @@ is a pipeline stage:
   Carry.pre_mix  [B, S, 4]      pending single-pass `pre`  (every sublayer writes the next one's)
   Carry.shared   SharedKV       compressed KV, index-K, top-k, candidate pool (CSA2 sharing)
 
+(model/carry.py declares the fields, their shapes and which layer role reads and writes each.)
+
 `ForwardContext` is computed once per batch from the batch alone: token types, image mask, Engram
 hash ids, and the side channel for aux-loss values and expert loads.
 
@@ -29,8 +31,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from flashtrain.model.attention import Attention, SharedKV
+from flashtrain.model.attention import Attention
 from flashtrain.model.aux import StepStats
+from flashtrain.model.carry import Carry
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.engram import Engram, NgramHasher, engram_table_rows
 from flashtrain.model.init import init_weights, reset_buffers
@@ -55,13 +58,6 @@ class ForwardContext:
     # Anticipatory Routing (train/anticipatory.py): routing indices to use, by layer id; a dict to record into
     routes: dict[int, torch.Tensor] | None = None
     recorded: dict[int, torch.Tensor] | None = None
-
-
-@dataclass
-class Carry:
-    h: torch.Tensor
-    pre_mix: torch.Tensor
-    shared: SharedKV = field(default_factory=SharedKV)
 
 
 class Block(nn.Module):

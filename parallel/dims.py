@@ -5,10 +5,11 @@
 nothing is exchanged over it). It owns
 - the ("pp", "dp_rep", "ep") DeviceMesh and the cp groups (parallel/mesh.py) and this rank's coordinates;
 - which group each parameter's gradient is reduced over (`replica_group`) and which group holds other
-  pieces of it (`shard_group`): routed experts are sharded over ep and replicated over dp_rep;
-  row-sharded Engram tables are sharded over dp x cp and not replicated; everything else is replicated
-  over dp x cp. Gradients are summed over the group and divided by dp: the cp ranks of one group hold
-  partial sums of the same sequences' loss (model/sequence_split.py), the dp ranks distinct batches;
+  pieces of it (`shard_group`), by the parameter's kind (model/param_kinds.py): routed experts are
+  sharded over ep and replicated over dp_rep; row-sharded Engram tables are sharded over dp x cp and not
+  replicated; everything else is replicated over dp x cp. Gradients are summed over the group and
+  divided by dp: the cp ranks of one group hold partial sums of the same sequences' loss
+  (model/sequence_split.py), the dp ranks distinct batches;
 - the bucketed, backward-overlapped gradient reduction (parallel/grad_reduce.py);
 - clipping by the norm over every stage and shard (parallel/clipping.py);
 - ZeRO-1 ownership of optimizer state (parallel/zero.py) and Muon's Newton-Schulz split;
@@ -23,23 +24,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 from flashtrain.parallel.clipping import clip_grad_norm_
-from flashtrain.parallel.experts import is_expert_param
 from flashtrain.parallel.grad_reduce import GradReducer
 from flashtrain.parallel.mesh import ProcessMesh, build_mesh, mesh_shape
 from flashtrain.parallel.zero import Ownership, balance_muon, flat_pieces, row_pieces, whole
 
 
-def is_engram_table(name: str) -> bool:
-    return name.endswith(".engram.embed.weight")
-
-
-def _forward_position(name: str) -> int:
+def _forward_position(name: str, kind: ParamKind) -> int:
     """Where a parameter's gradient is completed, in forward order: the head first (the tiled loss
     accumulates its gradient tile by tile in the forward pass, so no single hook marks it complete),
     then the input path, the blocks by index, the final norm (a stable sort keeps registration order
     within each)."""
-    if name.startswith("head."):
+    if kind is ParamKind.HEAD:
         return -1
     if name.startswith("layers."):
         return 1 + int(name.split(".")[1])
@@ -118,21 +115,32 @@ class ParallelDims:
     def ep_rank(self) -> int:
         return self._local("ep")
 
-    def replica_group(self, name: str):
-        """The group `name`'s gradient is averaged over (None: no other rank holds it)."""
-        if is_expert_param(name):
+    def replica_group(self, kind: ParamKind):
+        """The group a parameter of `kind` has its gradient averaged over (None: no other rank holds it)."""
+        if kind is ParamKind.ROUTED_EXPERT:
             return self.rep_group
-        if self.engram_shard and is_engram_table(name):
+        if self.engram_shard and kind is ParamKind.ENGRAM_TABLE:
             return None
         return self.dp_cp_group
 
-    def shard_group(self, name: str):
-        """The group whose ranks hold the other pieces of `name` (None: this rank holds all of it)."""
-        if is_expert_param(name):
+    def shard_group(self, kind: ParamKind):
+        """The group whose ranks hold the other pieces of a parameter of `kind` (None: this rank holds all
+        of it)."""
+        if kind is ParamKind.ROUTED_EXPERT:
             return self.ep_group
-        if self.engram_shard and is_engram_table(name):
+        if self.engram_shard and kind is ParamKind.ENGRAM_TABLE:
             return self.dp_cp_group
         return None
+
+    def replica_group_of(self, model: nn.Module):
+        """name -> `replica_group` of that parameter of `model` (its kind: model/param_kinds.py)."""
+        kinds = parameter_kinds(model)
+        return lambda name: self.replica_group(kinds[name])
+
+    def shard_group_of(self, model: nn.Module):
+        """name -> `shard_group` of that parameter of `model`."""
+        kinds = parameter_kinds(model)
+        return lambda name: self.shard_group(kinds[name])
 
     # --- gradients ---------------------------------------------------------------------------
     def grad_reducer(self, model: nn.Module) -> GradReducer:
@@ -140,20 +148,22 @@ class ParallelDims:
         them, and starts buckets in that order only), so that the parameters a backward may not reach --
         the vision tower, aligner and image embeddings in a step without images, the head (completed in
         the forward) -- come last and do not hold back the buckets before them."""
-        named = sorted(model.named_parameters(), key=lambda np: _forward_position(np[0]))
-        return GradReducer(named, self.replica_group, self.dp, self.bucket_bytes)
+        kinds = parameter_kinds(model)
+        named = sorted(model.named_parameters(), key=lambda np: _forward_position(np[0], kinds[np[0]]))
+        return GradReducer(named, self.replica_group_of(model), self.dp, self.bucket_bytes)
 
     def clip(self, model: nn.Module, max_norm: float, device: torch.device) -> torch.Tensor:
         """Clip to `max_norm` by the norm of the whole model's gradient; returns the norm before clipping."""
         named = [(n, p.grad) for n, p in model.named_parameters() if p.requires_grad]
-        return clip_grad_norm_(named, max_norm, device, self.shard_group, self.pp_group)
+        return clip_grad_norm_(named, max_norm, device, self.shard_group_of(model), self.pp_group)
 
     # --- optimizer state ---------------------------------------------------------------------
     def muon_split_group_of(self, model: nn.Module):
         """Without ZeRO: the group over which each Muon parameter's Newton-Schulz work is split."""
         if self.dp_cp == 1:
             return None
-        group_of = {id(p): self.replica_group(n) for n, p in model.named_parameters()}
+        kinds = parameter_kinds(model)
+        group_of = {id(p): self.replica_group(kinds[n]) for n, p in model.named_parameters()}
         return lambda p: group_of[id(p)]
 
     def zero_plan(self, model: nn.Module, kind_of: dict[str, str], matrices: dict[str, tuple[int, int, int]]):
@@ -161,8 +171,9 @@ class ParallelDims:
         (muon / sinkhorn / adamw), matrices[name] = (n, rows, cols) for Muon parameters."""
         plan: dict[int, Ownership] = {}
         muon_by_group: dict[int, list] = {}
+        kinds = parameter_kinds(model)
         for name, p in model.named_parameters():
-            group = self.replica_group(name)
+            group = self.replica_group(kinds[name])
             if not self.zero or group is None:
                 plan[id(p)] = whole(p.numel())
                 continue
@@ -186,13 +197,13 @@ class ParallelDims:
     def global_layout(self, model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         """{name: (global shape, offset of the local tensor)} for parameters this rank holds a piece of
         (experts under EP, row-sharded Engram tables); the others are whole here."""
-        out = {}
+        out, kinds = {}, parameter_kinds(model)
         for module_name, module in model.named_modules():
             for pname, p in module.named_parameters(recurse=False):
                 name = f"{module_name}.{pname}" if module_name else pname
                 rows = getattr(module, "global_rows", None)  # a module that holds a row block of its tables
-                if is_expert_param(name) and self.ep > 1:
+                if kinds.get(name) is ParamKind.ROUTED_EXPERT and self.ep > 1:
                     out[name] = ((module.n_global,) + tuple(p.shape[1:]), (module.offset,) + (0,) * (p.dim() - 1))
-                elif rows is not None and is_engram_table(name) and self.engram_shard:
+                elif rows is not None and kinds.get(name) is ParamKind.ENGRAM_TABLE and self.engram_shard:
                     out[name] = ((rows,) + tuple(p.shape[1:]), (module.row_offset,) + (0,) * (p.dim() - 1))
         return out

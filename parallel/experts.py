@@ -88,10 +88,6 @@ def expert_modules(model: nn.Module) -> list[RoutedExperts]:
     return [m for m in model.modules() if isinstance(m, RoutedExperts)]
 
 
-def is_expert_param(name: str) -> bool:
-    return ".ffn.experts.w" in name
-
-
 @torch.no_grad()
 def shard_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.ProcessGroup) -> None:
     """Keep experts [ep_rank E/ep, (ep_rank+1) E/ep) of every MoE layer, in place, and route through

@@ -40,6 +40,7 @@ from torch import nn
 from flashtrain.config.errors import ConfigError
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.layer_plan import LayerRole, Role
+from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 
 
 @dataclass
@@ -52,11 +53,11 @@ class PartitionCosts:
     zero: bool = False  # ZeRO-1: optimizer state / its replica group (dp, or dp / ep for routed experts)
     engram_shard: bool = False  # Engram tables (and their gradient and state) row-sharded over dp
 
-    def param_state_bytes(self, name: str, numel: int, n_state: int) -> float:
-        """Parameter + gradient + `n_state` optimizer values of one parameter (its local share)."""
-        expert = ".ffn.experts." in name
+    def param_state_bytes(self, kind: ParamKind, numel: int, n_state: int) -> float:
+        """Parameter + gradient + `n_state` optimizer values of one parameter of `kind` (its local share)."""
+        expert = kind is ParamKind.ROUTED_EXPERT
         local = numel / (self.ep if expert else 1)
-        if self.engram_shard and self.dp > 1 and name.endswith(".engram.embed.weight"):
+        if self.engram_shard and self.dp > 1 and kind is ParamKind.ENGRAM_TABLE:
             return local / self.dp * self.bytes_per_value * (2 + n_state)
         replicas = (self.dp // self.ep if expert else self.dp) if self.zero else 1
         return local * self.bytes_per_value * (2 + n_state / max(1, replicas))
@@ -154,9 +155,10 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
     per_expert = sum(p.numel() for p in model.layers[0].ffn.experts.parameters()) // cfg.n_routed_experts
     local_len = local_len or seq_len
     tokens = local_len * micro_batch
+    kinds = parameter_kinds(model)
 
     def state_bytes(prefix: str, module: nn.Module) -> int:  # this rank's share (experts, ZeRO-1, Engram rows)
-        return int(sum(costs.param_state_bytes(f"{prefix}{n}", p.numel(), n_state[optimizer_of[f"{prefix}{n}"]])
+        return int(sum(costs.param_state_bytes(kinds[f"{prefix}{n}"], p.numel(), n_state[optimizer_of[f"{prefix}{n}"]])
                        for n, p in module.named_parameters()))
 
     for role, block in zip(model.plan, model.layers):
@@ -188,8 +190,8 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
     for n, p in model.named_parameters():
         if not n.startswith("layers."):
             unit = last if n.startswith(("head.", "norm.")) else first
-            unit["state_bytes"] += int(costs.param_state_bytes(n, p.numel(), n_state[optimizer_of[n]]))
-            if n == "head.weight":
+            unit["state_bytes"] += int(costs.param_state_bytes(kinds[n], p.numel(), n_state[optimizer_of[n]]))
+            if kinds[n] is ParamKind.HEAD:
                 unit["flops_per_token"] += 2 * p.numel()
     return units
 

@@ -5,20 +5,19 @@ tensors. What crosses a boundary:
 
   tokens, token_types   [b, S] int64        every boundary (each stage rebuilds its ForwardContext:
                                             image mask, Engram hash ids -- they depend on tokens only)
-  h, pre_mix            [b, S, 4, D], [b, S, 4] fp32, with gradients
-  kv, index_k           [b, S/m, head_dim], [b, S/m, index_head_dim] fp32, with gradients   } only when
-  topk                  [b, S, k] int64                                                      } a later
-  candidates            [b, S, min(candidate_topk_blocks, ceil((S/m) / block))] int32        } layer reads
-                                                                                               them
-Under context parallelism (parallel.cp) S above is the whole sequence for tokens / token_types and for
-the compressed fields' S/m (gathered whole on every rank), and this rank's positions (S / cp) for h,
-pre_mix, topk and candidates (model/sequence_split.py).
+  h, pre_mix            every boundary      } shapes and dtypes from the carry table (model/carry.py);
+  kv, index_k, topk,    only when a later   } the float fields fp32, with gradients
+  candidates            layer reads them    }
+
+Under context parallelism (parallel.cp) S is the whole sequence for tokens / token_types and for the
+compressed fields (gathered whole on every rank), and this rank's positions (S / cp) for h, pre_mix,
+topk and candidates (model/sequence_split.py).
 So when a Full layer and its Reuse / Reindex layers sit on different stages, the compressed KV,
 index-K, top-k and candidate pool travel with the activations, and the gradients of kv / index_k flow
 back to the owner's compressor over the boundary. Which fields are live at a boundary is derived from
-the LayerPlan (`live_shared_fields`), so shapes are known up front and every stage is built in the
-pipelining library's static mode (no shape inference that would have to run the model on empty
-integer tensors).
+the LayerPlan and the carry table's reads / writes (`live_shared_fields`), so shapes are known up front
+and every stage is built in the pipelining library's static mode (no shape inference that would have to
+run the model on empty integer tensors).
 
 The first stage additionally takes `rows` [b] int64 (row indices into the round's batch) and looks the
 images of its rows up in a per-round side table: images are lists of variable-size tensors that cannot
@@ -46,53 +45,43 @@ import torch.distributed as dist
 from torch import nn
 
 from flashtrain.config.errors import ConfigError
-from flashtrain.model.attention import SharedKV
 from flashtrain.model.aux import StepStats
+from flashtrain.model.carry import (
+    BLOCK_FIELDS,
+    FIELDS,
+    SHARED_NAMES,
+    Carry,
+    SharedKV,
+    shared_reads,
+    shared_resets,
+    shared_writes,
+)
 from flashtrain.model.config import ModelConfig
-from flashtrain.model.layer_plan import LayerRole, Role
-from flashtrain.model.transformer import Carry, Transformer
+from flashtrain.model.layer_plan import LayerRole
+from flashtrain.model.transformer import Transformer
 from flashtrain.parallel.config import SCHEDULES, ParallelConfig
 from flashtrain.parallel.lean_stage import LeanPipelineStage
 
-SHARED_FIELDS = ("kv", "index_k", "topk", "candidates")
 FIRST_INPUTS = ("tokens", "token_types", "rows")
-BASE_FIELDS = ("tokens", "token_types", "h", "pre_mix")
 
 
-# --- what crosses a boundary ---------------------------------------------------------------------
-def _reads(role: LayerRole) -> set[str]:
-    if role.role is Role.REUSE:
-        return {"kv", "topk"}
-    if role.role is Role.REINDEX:
-        return {"kv", "index_k"} | ({"candidates"} if role.uses_candidates else set())
-    return set()
-
-
-def _writes(role: LayerRole) -> set[str]:
-    if role.role is Role.FULL:
-        return {"kv", "index_k", "topk", "candidates"}  # candidates: reset, or published by the source
-    if role.role is Role.REINDEX:
-        return {"topk"} | ({"candidates"} if role.is_candidate_source else set())
-    return set()
-
-
+# --- what crosses a boundary (the carry contract: model/carry.py) ---------------------------------
 def live_shared_fields(plan: tuple[LayerRole, ...], boundary: int) -> dict[str, LayerRole]:
     """Shared-carry fields that some layer at or after `boundary` reads before a later layer rewrites
     them, mapped to the layer (before `boundary`) that wrote them."""
     writer: dict[str, LayerRole] = {}
     for role in plan[:boundary]:
-        if role.role is Role.FULL:
-            writer.pop("candidates", None)
-        for f in _writes(role):
-            if f != "candidates" or role.is_candidate_source:
-                writer[f] = role
+        for f in shared_resets(role):
+            writer.pop(f, None)
+        for f in shared_writes(role):
+            writer[f] = role
     live, rewritten = {}, set()
     for role in plan[boundary:]:
-        for f in _reads(role) - rewritten:
+        for f in shared_reads(role) - rewritten:
             if f in writer:
                 live[f] = writer[f]
-        rewritten |= _writes(role)
-    return {f: live[f] for f in SHARED_FIELDS if f in live}
+        rewritten |= shared_writes(role) | shared_resets(role)
+    return {f: live[f] for f in SHARED_NAMES if f in live}
 
 
 @dataclass(frozen=True)
@@ -117,20 +106,11 @@ def boundary_specs(cfg: ModelConfig, plan: tuple[LayerRole, ...], boundary: int,
     `local_len` positions of each: tokens stay whole (the next stage hashes Engram n-grams over the
     whole sequence), the compressed KV / index-K are the gathered whole, the rest is local."""
     S, L = seq_len, local_len or seq_len
-    specs = [FieldSpec("tokens", (b, S), torch.long), FieldSpec("token_types", (b, S), torch.long),
-             FieldSpec("h", (b, L, cfg.hc_mult, cfg.dim), torch.float32),
-             FieldSpec("pre_mix", (b, L, cfg.hc_mult), torch.float32)]
+    specs = [FieldSpec("tokens", (b, S), torch.long), FieldSpec("token_types", (b, S), torch.long)]
+    specs += [FieldSpec(f.name, f.shape(cfg, b, L, 0), f.dtype) for f in BLOCK_FIELDS]
     for name, writer in live_shared_fields(plan, boundary).items():
-        n = S // plan[writer.kv_source].compress_ratio
-        if name == "kv":
-            specs.append(FieldSpec(name, (b, n, cfg.head_dim), torch.float32))
-        elif name == "index_k":
-            specs.append(FieldSpec(name, (b, n, cfg.index_head_dim), torch.float32))
-        elif name == "topk":
-            specs.append(FieldSpec(name, (b, L, min(cfg.index_topk, n)), torch.long))
-        else:
-            specs.append(FieldSpec(name, (b, L, min(cfg.candidate_topk_blocks, -(-n // cfg.candidate_block_size))),
-                                   torch.int32))
+        f, n = FIELDS[name], S // plan[writer.kv_source].compress_ratio
+        specs.append(FieldSpec(name, f.shape(cfg, b, L, n), f.dtype))
     return specs
 
 
@@ -254,7 +234,7 @@ class StageModule(nn.Module):
             images = [self.images[i] for i in f["rows"].tolist()] if any(self.images) else None
             carry = model.embed_inputs(tokens, types, images)
         else:
-            carry = Carry(f["h"], f["pre_mix"], SharedKV(**{k: f.get(k) for k in SHARED_FIELDS}))
+            carry = Carry(f["h"], f["pre_mix"], SharedKV(**{k: f.get(k) for k in SHARED_NAMES}))
         ctx = model.context(tokens, types, StepStats(), self.aux_grad_scale)
         if self.routes is not None:
             ctx.routes = self.routes[self.microbatch]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from flashtrain.parallel.experts import is_expert_param
+from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +39,10 @@ def test_local_experts_by_hand(tiny_cfg):
 
     want = torch.stack([0.7 * expert(3, x[0]) + 0.3 * expert(5, x[0]), 0.4 * expert(5, x[1]) + 0.6 * expert(0, x[1])])
     torch.testing.assert_close(ex(x, wts, idx), want, rtol=1e-5, atol=1e-6)
-    assert is_expert_param("layers.3.ffn.experts.w2") and not is_expert_param("layers.3.ffn.shared_experts.w2.weight")
+    from flashtrain.model.moe import MoE
+
+    kinds = parameter_kinds(MoE(tiny_cfg, 3))  # a routed expert by its module, not its name
+    assert kinds["experts.w2"] is ParamKind.ROUTED_EXPERT and kinds["shared_experts.w2.weight"] is ParamKind.MATRIX
 
 
 def _moe_step(cfg, x, image_mask, grad):

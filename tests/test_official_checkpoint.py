@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from flashtrain.model.param_kinds import parameter_kinds
 from flashtrain.parallel.construct import model_template
 from flashtrain.train.checkpoint import _blob, load_checkpoint
 from flashtrain.train.config import compose, model_config
@@ -107,7 +108,8 @@ def test_export_import_gives_every_tensor_back(exported, dtype):
     stored = _stored(d / f"off_{dtype}")
     assert set(got) == set(state)
     formats = {}
-    for t in official_tensors({k: tuple(v.shape) for k, v in state.items()}, dtype == "fp8"):
+    kinds = parameter_kinds(model_template(cfg))
+    for t in official_tensors({k: tuple(v.shape) for k, v in state.items()}, kinds, dtype == "fp8"):
         want = state[t.source] if t.expert is None else state[t.source][t.expert]
         back = got[t.source] if t.expert is None else got[t.source][t.expert]
         formats[t.fmt] = formats.get(t.fmt, 0) + 1

@@ -216,15 +216,16 @@ def test_cost_model_matches_the_measured_block_activations(tiny_template, mode, 
 
 def test_state_shares_under_zero1_and_engram_sharding():
     """Per-parameter state bytes (parameter + gradient + optimizer values), by hand: fp32, dp=64, ep=8."""
+    from flashtrain.model.param_kinds import ParamKind
     from flashtrain.parallel.partition import PartitionCosts
 
     c = PartitionCosts(bytes_per_value=4, ep=8, dp=64, zero=True, engram_shard=True)
-    assert c.param_state_bytes("layers.3.attn.wq_a.weight", 6400, 1) == 6400 * 4 * (2 + 1 / 64)
-    assert c.param_state_bytes("layers.3.attn_norm.weight", 6400, 2) == 6400 * 4 * (2 + 2 / 64)
+    assert c.param_state_bytes(ParamKind.MATRIX, 6400, 1) == 6400 * 4 * (2 + 1 / 64)
+    assert c.param_state_bytes(ParamKind.VECTOR, 6400, 2) == 6400 * 4 * (2 + 2 / 64)
     # routed experts: 1/8 of them here, their state shared by the 64 / 8 replicas of the shard
-    assert c.param_state_bytes("layers.3.ffn.experts.w1", 6400, 1) == 800 * 4 * (2 + 1 / 8)
+    assert c.param_state_bytes(ParamKind.ROUTED_EXPERT, 6400, 1) == 800 * 4 * (2 + 1 / 8)
     # a row-sharded Engram table: parameter, gradient and state all 1/64
-    assert c.param_state_bytes("layers.1.engram.embed.weight", 6400, 1) == 100 * 4 * 3
+    assert c.param_state_bytes(ParamKind.ENGRAM_TABLE, 6400, 1) == 100 * 4 * 3
     plain = PartitionCosts(bytes_per_value=4, ep=8, dp=64)
-    assert plain.param_state_bytes("layers.1.engram.embed.weight", 6400, 1) == 6400 * 4 * 3
-    assert plain.param_state_bytes("layers.3.ffn.experts.w1", 6400, 1) == 800 * 4 * 3
+    assert plain.param_state_bytes(ParamKind.ENGRAM_TABLE, 6400, 1) == 6400 * 4 * 3
+    assert plain.param_state_bytes(ParamKind.ROUTED_EXPERT, 6400, 1) == 800 * 4 * 3

@@ -17,7 +17,8 @@ from host_syncs import HostSyncs  # noqa: E402
 from parity_batch import IGNORE, batch, tiny_model  # noqa: E402
 
 from flashtrain.model.aux import StepStats  # noqa: E402
-from flashtrain.parallel.experts import is_expert_param, shard_experts  # noqa: E402
+from flashtrain.model.param_kinds import ParamKind, parameter_kinds  # noqa: E402
+from flashtrain.parallel.experts import shard_experts  # noqa: E402
 from flashtrain.train.balancing import global_loads, update_biases  # noqa: E402
 
 
@@ -26,11 +27,11 @@ def step(model, tokens, types, labels, images):
     logits = model(tokens, types, images, stats)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
     loss.backward()
-    grads = {}
+    grads, kinds = {}, parameter_kinds(model)
     for n, p in model.named_parameters():
         g = p.grad.clone()
         dist.all_reduce(g)  # ep=2 with dp=2: the expert replicas group has one rank, the sum is over everyone
-        grads[n] = g / 2 if not is_expert_param(n) or model.layers[0].ffn.experts.dispatcher is None else p.grad / 2
+        grads[n] = g / 2 if kinds[n] is not ParamKind.ROUTED_EXPERT or model.layers[0].ffn.experts.dispatcher is None else p.grad / 2
     loads = global_loads(stats.expert_load, model.cfg.n_layers, model.cfg.n_routed_experts)
     update_biases(model, loads, 1e-3)
     return loss.detach(), grads, loads
@@ -58,9 +59,10 @@ def main() -> None:
     assert ep.layers[3].ffn.experts.w1.shape[0] == 4
     loss, grads, loads = step(ep, *args)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    kinds = parameter_kinds(ep)
     for n, g in grads.items():
         want = ref_grads[n]
-        if is_expert_param(n):
+        if kinds[n] is ParamKind.ROUTED_EXPERT:
             want = want[4 * r:4 * r + 4]
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"rank {r} {n}: {m}")
     assert loads.keys() == ref_loads.keys() and all(torch.equal(loads[k], ref_loads[k]) for k in loads)

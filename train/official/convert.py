@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from flashtrain.config.errors import FlashtrainError
 from flashtrain.config.typed import typed_config
 from flashtrain.model.config import ModelConfig
+from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 from flashtrain.model.quant import (
     fp4_block_dequant,
     fp4_block_quant,
@@ -56,7 +56,6 @@ from flashtrain.train.official.layout import (
 from flashtrain.train.official.safetensors import SafeFile, ShardedWriter, read_index
 
 GiB = 1 << 30
-_ENGRAM_TABLE = re.compile(r"^layers\.(\d+)\.engram\.embed\.weight$")
 
 
 def peak_rss_gib() -> float:
@@ -79,12 +78,18 @@ class OfficialCheckpointError(FlashtrainError, ValueError):
 
 def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the model's state dict (parameters and persistent buffers) and its shape, in order."""
-    return {k: tuple(v.shape) for k, v in model_template(cfg).state_dict().items()}
+    return model_layout(cfg)[0]
 
 
-def engram_rows(shapes: dict[str, tuple[int, ...]]) -> list[int]:
-    rows = sorted((int(m.group(1)), s[0]) for k, s in shapes.items() if (m := _ENGRAM_TABLE.match(k)))
-    return [r for _, r in rows]
+def model_layout(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, ParamKind]]:
+    """`model_shapes`, and each parameter's kind (model/param_kinds.py), from one meta-device template."""
+    template = model_template(cfg)
+    return {k: tuple(v.shape) for k, v in template.state_dict().items()}, parameter_kinds(template)
+
+
+def engram_rows(shapes: dict[str, tuple[int, ...]], kinds: dict[str, ParamKind]) -> list[int]:
+    """Each Engram table's row count, in layer order (the state dict's)."""
+    return [s[0] for k, s in shapes.items() if kinds.get(k) is ParamKind.ENGRAM_TABLE]
 
 
 # -------------------------------------------------------------------------------------------- formats
@@ -178,8 +183,8 @@ def import_official(src: str | Path, out: str | Path, cfg: ModelConfig, run_conf
     src, out = Path(src), Path(out)
     found = _read_config(src)
     quantised = quantised_from_config(found)
-    shapes = model_shapes(cfg)
-    expected = official_config(cfg, engram_rows(shapes), quantised)
+    shapes, kinds = model_layout(cfg)
+    expected = official_config(cfg, engram_rows(shapes, kinds), quantised)
     diff = config_differences(found, expected)
     if diff:
         raise OfficialCheckpointError(f"{src}/config.json does not match the model config:\n  " + "\n  ".join(diff)
@@ -190,7 +195,7 @@ def import_official(src: str | Path, out: str | Path, cfg: ModelConfig, run_conf
                             f"{found.get('engram_compressed_vocab_size')}, "
                             f"the model config takes it from the token map; set model.engram_compressed_vocab_size="
                             f"{found.get('engram_compressed_vocab_size')} to have it checked at start")
-    tensors = official_tensors(shapes, quantised)
+    tensors = official_tensors(shapes, kinds, quantised)
     where, report.unused = _locate(src, tensors)
     _check_stored(src, tensors, where)
 
@@ -289,7 +294,7 @@ def export_official(ckpt: str | Path, out: str | Path, quantised: bool = True, s
     ckpt, out = Path(ckpt), Path(out)
     meta, md = _checkpoint_meta(ckpt)
     cfg = typed_config(ModelConfig, meta["config"]["model"], "model")
-    shapes = model_shapes(cfg)
+    shapes, kinds = model_layout(cfg)
     missing = [k for k in shapes if f"model.{k}" not in md]
     if missing:
         raise OfficialCheckpointError(f"{ckpt} lacks model tensor(s) {missing[:8]}: was it written by this model?")
@@ -298,11 +303,11 @@ def export_official(ckpt: str | Path, out: str | Path, quantised: bool = True, s
         raise OfficialCheckpointError(
             f"{ckpt}: model.engram_compressed_vocab_size is null and the checkpoint does not record the size the "
             f"token map gave (written before it did); the public code derives its Engram hashes from it")
-    tensors = official_tensors(shapes, quantised)
+    tensors = official_tensors(shapes, kinds, quantised)
     if quantised:
         check_quantisable(tensors)
     out.mkdir(parents=True, exist_ok=True)
-    config = official_config(cfg, engram_rows(shapes), quantised, vocab)
+    config = official_config(cfg, engram_rows(shapes, kinds), quantised, vocab)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     writer = ShardedWriter(out, shard_bytes, metadata={"format": "pt", "exported_by": "flashtrain",
                                                        "step": str(meta.get("step", 0))})

@@ -31,14 +31,13 @@ from dataclasses import dataclass
 import torch
 
 from flashtrain.model.config import ModelConfig
+from flashtrain.model.param_kinds import ParamKind
 
 BLOCK = 32  # the release's fp8 tile / fp4 and Engram scale block (inference/model.py: fp8_block_size, fp4_block_size)
 FORMATS = ("bf16", "fp32", "fp8", "fp4", "fp8_rows")
 
 _FP8 = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
                   r"|engram\.wkv)\.weight$")
-_EXPERTS = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(w[123])$")
-_ENGRAM_TABLE = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")
 _FP32 = re.compile(r"^layers\.\d+\.(attn\.attn_sink|ffn\.gate\.bias|ffn\.gate\.bias_vl"
                    r"|hc_(attn|ffn)_(fn|base|scale))$")
 
@@ -78,30 +77,31 @@ class OfficialTensor:
         return [Stored(self.name, "F32" if self.fmt == "fp32" else "BF16", self.shape)]
 
 
-def storage_format(key: str, quantised: bool) -> str:
-    """The release's format of flashtrain state-dict tensor `key` (`quantised`: the default FP8/FP4 variant)."""
+def storage_format(key: str, kind: ParamKind | None, quantised: bool) -> str:
+    """The release's format of flashtrain state-dict tensor `key` of `kind` (model/param_kinds.py; None for a
+    buffer) (`quantised`: the default FP8/FP4 variant)."""
     if _FP32.match(key):
         return "fp32"
     if not quantised:
         return "bf16"
     if _FP8.match(key):
         return "fp8"
-    if _EXPERTS.match(key):
+    if kind is ParamKind.ROUTED_EXPERT:
         return "fp4"
-    if _ENGRAM_TABLE.match(key):
+    if kind is ParamKind.ENGRAM_TABLE:
         return "fp8_rows"
     return "bf16"
 
 
-def official_tensors(shapes: dict[str, tuple[int, ...]], quantised: bool) -> list[OfficialTensor]:
+def official_tensors(shapes: dict[str, tuple[int, ...]], kinds: dict[str, ParamKind],
+                     quantised: bool) -> list[OfficialTensor]:
     """The released tensors for a flashtrain state dict with these shapes (name -> shape, in state-dict
-    order); the stacked experts become one tensor per expert."""
+    order) and parameter kinds (model/param_kinds.py); the stacked experts become one tensor per expert."""
     out = []
     for key, shape in shapes.items():
-        fmt = storage_format(key, quantised)
-        m = _EXPERTS.match(key)
-        if m:
-            prefix, w = m.groups()
+        fmt = storage_format(key, kinds.get(key), quantised)
+        if kinds.get(key) is ParamKind.ROUTED_EXPERT:
+            prefix, w = key.rsplit(".", 1)
             out += [OfficialTensor(f"{prefix}.{j}.{w}.weight", tuple(shape[1:]), fmt, key, j) for j in range(shape[0])]
         else:
             out.append(OfficialTensor(key, tuple(shape), fmt, key))

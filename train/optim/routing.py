@@ -1,16 +1,17 @@
 """Parameter routing for the three-optimizer split (V41_SPEC §7), and the optimizer set built from it.
 
-Every parameter is assigned by name (and checked by shape) by the first matching rule:
+Every parameter is assigned (and checked by shape) by its kind (model/param_kinds.py) where the kind
+decides, else by name, by the first matching rule:
 
 | rule | parameters | optimizer |
 |---|---|---|
-| sinkhorn        | `embed.weight`, `head.weight` | SinkhornBalanced |
-| sinkhorn_engram | `layers.*.engram.embed.weight` | SinkhornBalanced, lr x `engram_lr_mult` |
+| sinkhorn        | kinds EMBEDDING and HEAD (`embed.weight`, `head.weight`) | SinkhornBalanced |
+| sinkhorn_engram | kind ENGRAM_TABLE (`layers.*.engram.embed.weight`) | SinkhornBalanced, lr x `engram_lr_mult` |
 | adamw_norm      | RMSNorm weights (`*norm.weight`, `norm1/norm2`, `q_norm`, `kv_norm`, `k_norm`, ...) | AdamW, weight decay |
 | muon_q_heads    | `layers.*.attn.wq_b.weight` | head-wise Muon, `n_heads` heads |
 | muon_index_heads| `layers.*.attn.indexer.wq_b.weight` | head-wise Muon, `index_n_heads` heads |
 | adamw           | biases, `attn_sink`, mHC `hc_*_base` / `hc_*_scale`, Engram `q_weight` / `k_weight`, image START / NEWLINE / END vectors | AdamW, no weight decay |
-| muon            | every other `.weight` matrix, stacked experts `experts.w1/w2/w3` [E, out, in], mHC `hc_*_fn` | Muon |
+| muon            | kind ROUTED_EXPERT (stacked `experts.w1/w2/w3` [E, out, in]); every other `.weight` matrix, mHC `hc_*_fn` | Muon |
 
 Key weights: the report names "query and key weights" for head-wise Muon, but in V4.1 every key
 projection produces a single head -- the attention key is the one shared 512-d latent (`attn.wkv`,
@@ -36,21 +37,22 @@ from torch import nn
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.model.config import ModelConfig
+from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 from flashtrain.model.vision import is_vision_body
 from flashtrain.train.optim.adamw import ShardedAdamW
 from flashtrain.train.optim.config import OptimConfig
 from flashtrain.train.optim.muon import Muon, _as_matrices
 from flashtrain.train.optim.sinkhorn import SinkhornBalanced
 
-RULES: tuple[tuple[str, str], ...] = (
-    ("sinkhorn", r"^(embed|head)\.weight$"),
-    ("sinkhorn_engram", r"\.engram\.embed\.weight$"),
+KIND_RULES: dict[ParamKind, str] = {ParamKind.EMBEDDING: "sinkhorn", ParamKind.HEAD: "sinkhorn",
+                                    ParamKind.ENGRAM_TABLE: "sinkhorn_engram", ParamKind.ROUTED_EXPERT: "muon"}
+RULES: tuple[tuple[str, str], ...] = (  # the matrices and vectors, by name
     ("adamw_norm", r"(^|\.)(\w*norm\d?)\.weight$"),
     ("muon_q_heads", r"^layers\.\d+\.attn\.wq_b\.weight$"),
     ("muon_index_heads", r"^layers\.\d+\.attn\.indexer\.wq_b\.weight$"),
     ("adamw", r"(\.bias|(^|\.)attn_sink|\.hc_(attn|ffn)_(base|scale)|\.engram\.[qk]_weight"
               r"|^image_(start|newline|end))$"),
-    ("muon", r"(\.weight|\.experts\.w[123]|\.hc_(attn|ffn)_fn)$"),
+    ("muon", r"(\.weight|\.hc_(attn|ffn)_fn)$"),
 )
 OPTIMIZER_OF = {"sinkhorn": "sinkhorn", "sinkhorn_engram": "sinkhorn", "adamw_norm": "adamw", "adamw": "adamw",
                 "muon": "muon", "muon_q_heads": "muon", "muon_index_heads": "muon"}
@@ -60,18 +62,19 @@ class RoutingError(ConfigError):
     """A parameter that no routing rule places (or that a rule cannot take)."""
 
 
-def route_name(name: str, shape: torch.Size) -> str:
-    for rule, pattern in RULES:
-        if re.search(pattern, name):
-            if OPTIMIZER_OF[rule] != "adamw" and len(shape) not in (2, 3):
-                raise RoutingError(f"parameter {name!r} matches rule {rule!r} but has shape {tuple(shape)}; "
-                                   f"{OPTIMIZER_OF[rule]} takes matrices")
-            if OPTIMIZER_OF[rule] == "sinkhorn" and len(shape) != 2:
-                raise RoutingError(f"parameter {name!r}: the Sinkhorn update takes [rows, features], "
-                                   f"got {tuple(shape)}")
-            return rule
-    raise RoutingError(f"parameter {name!r} (shape {tuple(shape)}) matches no optimizer routing rule; add it to "
-                       f"train/optim/routing.py RULES")
+def route_name(name: str, shape: torch.Size, kind: ParamKind) -> str:
+    """The rule of a parameter: its kind's where KIND_RULES has one, else the first RULES pattern its name
+    matches."""
+    rule = KIND_RULES.get(kind) or next((r for r, pattern in RULES if re.search(pattern, name)), None)
+    if rule is None:
+        raise RoutingError(f"parameter {name!r} (shape {tuple(shape)}) matches no optimizer routing rule; add it to "
+                           f"train/optim/routing.py RULES")
+    if OPTIMIZER_OF[rule] != "adamw" and len(shape) not in (2, 3):
+        raise RoutingError(f"parameter {name!r} matches rule {rule!r} but has shape {tuple(shape)}; "
+                           f"{OPTIMIZER_OF[rule]} takes matrices")
+    if OPTIMIZER_OF[rule] == "sinkhorn" and len(shape) != 2:
+        raise RoutingError(f"parameter {name!r}: the Sinkhorn update takes [rows, features], got {tuple(shape)}")
+    return rule
 
 
 @dataclass
@@ -88,8 +91,9 @@ def route_parameters(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimC
     """Param groups for every parameter of `model` (frozen ones included), keyed by
     (rule, lr multiplier)."""
     groups: dict[tuple[str, float], RoutedGroup] = {}
+    kinds = parameter_kinds(model)
     for name, p in model.named_parameters():
-        rule = route_name(name, p.shape)
+        rule = route_name(name, p.shape, kinds[name])
         lr_mult = optim_cfg.vision_lr_mult if is_vision_body(name) else 1.0
         if rule == "sinkhorn_engram":
             lr_mult *= optim_cfg.sinkhorn.engram_lr_mult
