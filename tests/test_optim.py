@@ -380,10 +380,20 @@ def test_optim_config_validation_names_the_field():
     assert cfg.muon.coefficients() == ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
 
 
+def test_removed_muon_distributed_key_names_what_to_set():
+    """optim.muon.distributed is gone (ZeRO-1 is the one Newton-Schulz split): the key is refused with
+    the setting that replaces it, not ignored."""
+    from flashtrain.config.errors import ConfigError
+    from flashtrain.train.config import compose, optim_config
+
+    with pytest.raises(ConfigError, match=re.escape("optim.muon.distributed=True: removed") + ".*optim.zero=true"):
+        optim_config(compose(["+exp=flash_tiny", "+optim.muon.distributed=true"]))
+
+
 def test_distributed_muon_and_row_sharded_sinkhorn_match_single_rank():
     """Two gloo ranks split the Newton-Schulz work of flash_tiny's 1440 Muon matrices by whole matrices
-    and all-gather the results: the parameters after two steps equal single-rank Muon's. And a table
-    row-sharded over the two ranks gets the whole table's Sinkhorn update."""
+    (ZeRO-1 ownership, each piece broadcast by its owner): the parameters after two steps equal
+    single-rank Muon's. And a table row-sharded over the two ranks gets the whole table's Sinkhorn update."""
     import subprocess
     import sys
     from pathlib import Path
