@@ -41,13 +41,6 @@ class ShardedAdamW:
     def param_groups(self) -> list[dict]:
         return (self.inner.param_groups if self.inner is not None else []) + self.extra_groups
 
-    def state_dict(self) -> dict:
-        return self.inner.state_dict() if self.inner is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.inner is not None:
-            self.inner.load_state_dict(state)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None

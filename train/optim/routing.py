@@ -123,7 +123,9 @@ def routing_summary(groups: list[RoutedGroup]) -> dict:
 
 
 class OptimizerSet:
-    """The three optimizers stepped together; one state_dict for checkpoints."""
+    """The three optimizers stepped together. Checkpoints and rollback snapshots read and restore each
+    optimizer's own pieces of state (`optimizers[name].owned_state()` / `install_state`, train/optim/base.py;
+    train/checkpoint.py, train/spike.py), not a state_dict."""
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
         self.optimizers = optimizers
@@ -144,16 +146,6 @@ class OptimizerSet:
         """Set the base learning rate: every group gets lr * its lr_mult."""
         for g in self.param_groups:
             g["lr"] = lr * g["lr_mult"]
-
-    def state_dict(self) -> dict:
-        return {k: o.state_dict() for k, o in self.optimizers.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        missing = set(self.optimizers) ^ set(state)
-        if missing:
-            raise ValueError(f"optimizer state has {sorted(state)} but this run has {sorted(self.optimizers)}")
-        for k, o in self.optimizers.items():
-            o.load_state_dict(state[k])
 
 
 def zero_inputs(groups: list[RoutedGroup]) -> tuple[dict[str, str], dict[str, tuple[int, int, int]]]:
