@@ -50,10 +50,6 @@ class ProcessedImage:
     n_llm_h: int
     n_llm_w: int
 
-    @property
-    def n_positions(self) -> int:
-        return num_image_positions(self.n_llm_h, self.n_llm_w)
-
     def token_types(self) -> torch.Tensor:
         return image_token_types(self.n_llm_h, self.n_llm_w)
 

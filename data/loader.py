@@ -332,8 +332,7 @@ def collate(rows: list[list[Piece]], spec: TokenSpec, seq_len: int) -> dict:
         images.append(row_images)
     labels = tokens[:, 1:].clone()
     labels[pad[:, 1:] | (types[:, 1:] >= 0)] = IGNORE
-    return {"tokens": tokens[:, :-1], "labels": labels, "token_types": types[:, :-1],
-            "positions": torch.arange(seq_len).expand(B, seq_len), "images": images,
+    return {"tokens": tokens[:, :-1], "labels": labels, "token_types": types[:, :-1], "images": images,
             "stream_tokens": stream_tokens, "pad_tokens": int(pad.sum())}
 
 

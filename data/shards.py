@@ -42,14 +42,6 @@ class Document:
 
     segments: list = field(default_factory=list)
 
-    @property
-    def n_text_tokens(self) -> int:
-        return sum(len(s[1]) for s in self.segments if s[0] == "text")
-
-    @property
-    def n_images(self) -> int:
-        return sum(1 for s in self.segments if s[0] == "image")
-
 
 @dataclass
 class ReadStats:

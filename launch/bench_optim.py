@@ -18,9 +18,10 @@ rounds; each ratio is the median of the per-round ratios, printed with its min-m
 range (the JSON's `comparisons`), since one block per side let the ratio drift with the machine.
 
 Distributed Muon (`torchrun --nproc_per_node=2 launch/bench_optim.py --distributed-muon`): on every rank
-the flash_small Muon step with every rank orthogonalising every matrix (what one rank does) against the
-same step with the Newton-Schulz work split over the ranks and all-gathered (train/optim/muon.py),
-alternated round by round between barriers; a round's time is the slowest rank's.
+the flash_small Muon step with every rank orthogonalising every matrix (what one rank does, `optim.zero=false`)
+against the ZeRO-1 step, whose owners split the Newton-Schulz work by whole matrices and broadcast their
+pieces (train/optim/muon.py, parallel/zero.py), alternated round by round between barriers; a round's
+time is the slowest rank's.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ import torch  # noqa: E402
 from bench_util import alternate, format_ratio, ratio_summary, take_int  # noqa: E402
 
 from flashtrain.model import Transformer  # noqa: E402
+from flashtrain.parallel.zero import Ownership, balance_muon  # noqa: E402
 from flashtrain.train.config import compose, model_config, optim_config  # noqa: E402
 from flashtrain.train.optim import Muon, SinkhornBalanced, route_parameters  # noqa: E402
 from flashtrain.train.optim.memory import PeakTensorBytes  # noqa: E402
+from flashtrain.train.optim.muon import _as_matrices  # noqa: E402
 
 
 def _fresh(params: list[torch.Tensor]) -> list[torch.nn.Parameter]:
@@ -75,9 +78,16 @@ def distributed_muon(overrides: list[str], rounds: int) -> int:
     mcfg, ocfg = model_config(conf), optim_config(conf)
     torch.manual_seed(0)
     groups = [g for g in route_parameters(Transformer(mcfg), mcfg, ocfg) if g.optimizer == "muon"]
-    opts = {name: Muon([{"params": _fresh(g.params), **g.options} for g in groups], lr=1e-3,
-                       ns_coefficients=ocfg.muon.coefficients(), shard_group_of=shard)
-            for name, shard in (("one_rank", None), ("split", lambda p: dist.group.WORLD))}
+    world, rank = dist.get_world_size(), dist.get_rank()
+    zero_groups = [{"params": _fresh(g.params), **g.options} for g in groups]
+    params = [(p, g.get("num_heads")) for g in zero_groups for p in g["params"]]
+    # the ZeRO-1 ownership ParallelDims.zero_plan gives these matrices: whole matrices, balanced by NS cost
+    pieces = balance_muon([(i, *_as_matrices(p, heads).shape) for i, (p, heads) in enumerate(params)], world)
+    own = {id(p): Ownership(pieces[i], rank, dist.group.WORLD) for i, (p, _) in enumerate(params)}
+    coefficients = ocfg.muon.coefficients()
+    opts = {"one_rank": Muon([{"params": _fresh(g.params), **g.options} for g in groups], lr=1e-3,
+                             ns_coefficients=coefficients),
+            "split": Muon(zero_groups, lr=1e-3, ns_coefficients=coefficients, zero_of=lambda p: own[id(p)])}
     # warm-up round (allocations, first collective), then alternated rounds between barriers
     times = alternate({name: opt.step for name, opt in opts.items()}, rounds, warmup=1, sync=dist.barrier)
     t = torch.tensor([times["one_rank"], times["split"]], dtype=torch.float64)

@@ -56,13 +56,9 @@ from flashtrain.model.sequence_split import SequenceSplit
 from flashtrain.model.sparse_attention import sparse_attention_lean
 
 
-def visible_compressed(seq_len: int, ratio: int, device=None) -> torch.Tensor:
-    """n_vis[t] = number of compressed groups visible to query t: group j is visible once t >= (j+1)m - 1."""
-    return visible_compressed_at(torch.arange(seq_len, device=device), ratio)
-
-
 def visible_compressed_at(positions: torch.Tensor, ratio: int) -> torch.Tensor:
-    """n_vis at the (global) positions of this rank's queries."""
+    """n_vis[t] = number of compressed groups visible to the query at (global) position t: group j is
+    visible once t >= (j+1)m - 1."""
     return (positions + 1) // ratio
 
 

@@ -11,9 +11,7 @@ Choices the report leaves open are fields too (documented where they are used):
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from flashtrain.config.errors import ConfigError
 
@@ -122,10 +120,6 @@ class ModelConfig:
     use_triton: bool | None = None
     # quantisation-aware training of the KV / indexer formats of the public inference kernels (off by default)
     qat: QATConfig = field(default_factory=QATConfig)
-
-    # ------------------------------------------------------------------ construction
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:

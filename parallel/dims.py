@@ -12,8 +12,13 @@ nothing is exchanged over it). It owns
   (model/sequence_split.py), the dp ranks distinct batches;
 - the bucketed, backward-overlapped gradient reduction (parallel/grad_reduce.py);
 - clipping by the norm over every stage and shard (parallel/clipping.py);
-- ZeRO-1 ownership of optimizer state (parallel/zero.py) and Muon's Newton-Schulz split;
+- ZeRO-1 ownership of optimizer state (parallel/zero.py): which rank of a replica group updates which
+  piece of each parameter (for Muon whole matrices, so this plan is also its Newton-Schulz split);
 - the global shape and offset of every parameter for sharded checkpoints (parallel/sharded_state.py).
+The optimizers' own exchanges are not here: over the groups this object names, each optimizer step
+runs its collectives itself (train/optim/: Muon and SinkhornBalanced broadcast every ZeRO piece from
+its owner, ShardedAdamW all-gathers its chunks, SinkhornBalanced all-reduces the column statistics of
+a row-sharded table).
 """
 
 from __future__ import annotations
@@ -158,14 +163,6 @@ class ParallelDims:
         return clip_grad_norm_(named, max_norm, device, self.shard_group_of(model), self.pp_group)
 
     # --- optimizer state ---------------------------------------------------------------------
-    def muon_split_group_of(self, model: nn.Module):
-        """Without ZeRO: the group over which each Muon parameter's Newton-Schulz work is split."""
-        if self.dp_cp == 1:
-            return None
-        kinds = parameter_kinds(model)
-        group_of = {id(p): self.replica_group(kinds[n]) for n, p in model.named_parameters()}
-        return lambda p: group_of[id(p)]
-
     def zero_plan(self, model: nn.Module, kind_of: dict[str, str], matrices: dict[str, tuple[int, int, int]]):
         """ZeRO-1 ownership of every parameter: {id(param): Ownership}. kind_of[name] is its optimizer
         (muon / sinkhorn / adamw), matrices[name] = (n, rows, cols) for Muon parameters."""

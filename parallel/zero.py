@@ -103,14 +103,3 @@ def balance_muon(params: list[tuple[str, int, int, int]], size: int) -> dict[str
     for cost, order, name, i0, i1, r, c in sorted(runs, key=lambda x: (x[1], x[3])):
         out[name].append(Piece(i0 * r * c, i1 * r * c, owners[(name, i0)]))
     return out
-
-
-def muon_loads(plan: dict[str, list[Piece]], matrices: dict[str, tuple[int, int, int]], size: int) -> list[float]:
-    """Newton-Schulz cost per owner under `plan` (what the balancing minimises the maximum of)."""
-    load = [0.0] * size
-    for name, pieces in plan.items():
-        _, r, c = matrices[name]
-        for p in pieces:
-            load[p.owner] += ns_cost(p.numel // (r * c), r, c)
-    return load
-

@@ -218,7 +218,7 @@ def test_indexer_selects_the_literal_top_k_of_visible_entries(tiny_cfg):
     q = RoPE(wq_b(q_norm(wq_a(x)))), w = weights_proj(x) / sqrt(H d), k_j = RoPE_{2j}(k_norm(wk(latent_j)));
     queries that see fewer than k groups get exactly that many -1 slots. The inputs are checked to
     tell the formula from plausible variants (no ReLU, unweighted heads, one group of look-ahead)."""
-    from flashtrain.model.attention import visible_compressed
+    from flashtrain.model.attention import visible_compressed_at
     from flashtrain.model.rope import apply_rope, rope_angles
 
     k_sel = 5
@@ -246,7 +246,7 @@ def test_indexer_selects_the_literal_top_k_of_visible_entries(tiny_cfg):
     dots = torch.einsum("thd,jd->thj", q.double(), keys.double())
     scores = (dots.clamp_min(0) * w.double().unsqueeze(-1)).sum(1).tolist()
     n_vis = [(t + 1) // 2 for t in range(S)]  # group j complete at t >= 2j + 1
-    assert visible_compressed(S, 2).tolist() == n_vis
+    assert visible_compressed_at(torch.arange(S), 2).tolist() == n_vis
     topk = shared.topk[0]
     assert topk.shape == (S, k_sel)
     for t in range(S):

@@ -36,7 +36,7 @@ def _png(w=60, h=30, color=(10, 200, 30)):
 
 
 def _batches_equal(a, b):
-    for k in ("tokens", "labels", "token_types", "positions", "stream_tokens"):
+    for k in ("tokens", "labels", "token_types", "stream_tokens"):
         if not torch.equal(a[k], b[k]):
             return False
     return a["pad_tokens"] == b["pad_tokens"] and all(

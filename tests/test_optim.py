@@ -244,9 +244,13 @@ def test_sinkhorn_rejects_even_step_counts():
 
 @pytest.mark.parametrize("make", ["muon", "sinkhorn", "adamw"])
 def test_state_dict_round_trip(make):
+    """The state the checkpoint and the rollback snapshots save and restore (`owned_state` /
+    `install_state`, train/checkpoint.py) continues the run exactly."""
+    from flashtrain.train.optim.adamw import ShardedAdamW
+
     torch.manual_seed(0)
     build = {"muon": lambda ps: Muon(ps, lr=0.01), "sinkhorn": lambda ps: SinkhornBalanced(ps, lr=0.01),
-             "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.9, 0.95), eps=1e-20)}[make]
+             "adamw": lambda ps: ShardedAdamW([{"params": ps}], lr=0.01, betas=(0.9, 0.95), eps=1e-20)}[make]
     W0 = torch.randn(16, 12)
     grads = [torch.randn(16, 12) for _ in range(3)]
     a = torch.nn.Parameter(W0.clone())
@@ -255,12 +259,13 @@ def test_state_dict_round_trip(make):
         a.grad = g.clone()
         opt_a.step()
     buf = io.BytesIO()  # through serialisation, as a checkpoint would
-    torch.save(opt_a.state_dict(), buf)
+    torch.save([(k, v) for _, k, v, _ in opt_a.owned_state()], buf)
     buf.seek(0)
     saved = torch.load(buf)
     b = torch.nn.Parameter(a.detach().clone())
     opt_b = build([b])
-    opt_b.load_state_dict(saved)
+    for k, v in saved:
+        opt_b.install_state(b, k, v if torch.is_tensor(v) else torch.tensor(v))
     a.grad, b.grad = grads[2].clone(), grads[2].clone()
     opt_a.step()
     opt_b.step()
@@ -311,8 +316,9 @@ def test_routing_rejects_an_unknown_parameter(tiny_cfg, tiny_model):
         route_parameters(tiny_model, tiny_cfg, optim_config(compose(["+exp=flash_tiny"])))
 
 
-def test_optimizer_set_trains_flash_tiny_and_round_trips(tiny_cfg):
+def test_optimizer_set_trains_flash_tiny_and_round_trips(tiny_cfg, tmp_path):
     from flashtrain.model import Transformer
+    from flashtrain.train.checkpoint import CheckpointWriter, load_checkpoint
     from flashtrain.train.config import compose, optim_config
     from flashtrain.train.optim import build_optimizers
 
@@ -334,14 +340,11 @@ def test_optimizer_set_trains_flash_tiny_and_round_trips(tiny_cfg):
 
     losses = [step(model, opt) for _ in range(4)]
     assert losses[-1] < losses[0] - 0.05, losses  # memorising one batch
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf)
+    # through a checkpoint on disk, as the trainer writes and resumes it (train/checkpoint.py)
+    saved = CheckpointWriter(tmp_path, keep=1).save(4, model, opt.optimizers, {"step": 4}, {})
     twin = Transformer(tiny_cfg)
-    twin.load_state_dict(saved["model"])
     twin_opt = build_optimizers(twin, tiny_cfg, ocfg, lr=3e-3)
-    twin_opt.load_state_dict(saved["optim"])
+    load_checkpoint(saved, twin, twin_opt.optimizers, 0, 1)
     for _ in range(2):
         assert step(model, opt) == step(twin, twin_opt)
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
@@ -380,10 +383,20 @@ def test_optim_config_validation_names_the_field():
     assert cfg.muon.coefficients() == ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
 
 
+def test_removed_muon_distributed_key_names_what_to_set():
+    """optim.muon.distributed is gone (ZeRO-1 is the one Newton-Schulz split): the key is refused with
+    the setting that replaces it, not ignored."""
+    from flashtrain.config.errors import ConfigError
+    from flashtrain.train.config import compose, optim_config
+
+    with pytest.raises(ConfigError, match=re.escape("optim.muon.distributed=True: removed") + ".*optim.zero=true"):
+        optim_config(compose(["+exp=flash_tiny", "+optim.muon.distributed=true"]))
+
+
 def test_distributed_muon_and_row_sharded_sinkhorn_match_single_rank():
     """Two gloo ranks split the Newton-Schulz work of flash_tiny's 1440 Muon matrices by whole matrices
-    and all-gather the results: the parameters after two steps equal single-rank Muon's. And a table
-    row-sharded over the two ranks gets the whole table's Sinkhorn update."""
+    (ZeRO-1 ownership, each piece broadcast by its owner): the parameters after two steps equal
+    single-rank Muon's. And a table row-sharded over the two ranks gets the whole table's Sinkhorn update."""
     import subprocess
     import sys
     from pathlib import Path

@@ -14,6 +14,7 @@ from flashtrain.data.images import (
     ImageProcessorConfig,
     image_token_types,
     load_image,
+    num_image_positions,
     plan_image_size,
 )
 from flashtrain.model.vision import (
@@ -38,7 +39,7 @@ def test_1302_square_is_31x31_tokens_in_994_positions():
     img = load_image(_png(1302, 1302), FLASH)
     assert (img.n_vit_h, img.n_vit_w) == (93, 93)
     assert (img.n_llm_h, img.n_llm_w) == (31, 31)
-    assert img.n_positions == 31 * 32 + 2 == 994
+    assert num_image_positions(img.n_llm_h, img.n_llm_w) == 31 * 32 + 2 == 994
     assert img.pixels.shape == (3, 1302, 1302)
     types = img.token_types()
     assert types.numel() == 994 and int((types == 1).sum()) == 31 * 31 and int((types == 2).sum()) == 31
@@ -145,7 +146,7 @@ def test_images_do_not_attend_to_each_other(tiny_cfg, tiny_model):
 def test_text_after_an_image_sees_it_text_before_does_not(tiny_cfg, tiny_model):
     img = random_image(tiny_cfg, 84, 84, seed=1)
     tokens, types, images = vl_sample(tiny_cfg, [20, img, 20])
-    span = slice(20, 20 + img.n_positions)
+    span = slice(20, 20 + num_image_positions(img.n_llm_h, img.n_llm_w))
     with torch.no_grad():
         base = tiny_model(tokens[None], types[None], [images])
         other = tiny_model(tokens[None], types[None], [[images[0] + torch.randn_like(images[0])]])

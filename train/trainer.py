@@ -286,7 +286,6 @@ class Trainer:
             kinds, matrices = zero_inputs(route_parameters(self.model, self.model_cfg, self.optim_cfg))
             self.zero_plan = self.dims.zero_plan(self.model, kinds, matrices)
             self.optim = build_optimizers(self.model, self.model_cfg, self.optim_cfg,
-                                          None if self.dims.zero else self.dims.muon_split_group_of(self.model),
                                           (lambda p: self.zero_plan[id(p)]) if self.dims.zero else None,
                                           self._sinkhorn_row_group_of(), lr=self.schedule.lr(self.step))
             self.reducer = self.dims.grad_reducer(self.model)

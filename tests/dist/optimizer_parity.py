@@ -1,7 +1,8 @@
 """Run under torchrun (gloo, 2 processes):
-- distributed Muon (Newton-Schulz split over the ranks by whole matrices, results all-gathered) against
-  single-rank Muon on every rank, on flash_tiny's Muon parameters (2-D weights, head-wise query
-  weights, stacked experts) with the same gradients: the same parameters after two steps;
+- distributed Muon (ZeRO-1: the Newton-Schulz work split over the ranks by whole matrices, each piece
+  updated by its owner and broadcast) against single-rank Muon on every rank, on flash_tiny's Muon
+  parameters (2-D weights, head-wise query weights, stacked experts) with the same gradients: the same
+  parameters after two steps;
 - SinkhornBalanced on a row-sharded table (each rank holds half the rows; rho's mean and the column
   statistics all-reduced) against the whole table on one rank: the same rows after two steps.
 Exits non-zero on a mismatch."""
@@ -16,28 +17,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' share
 
 from parity_batch import tiny_cfg, tiny_model  # noqa: E402
 
+from flashtrain.parallel.dims import ParallelDims  # noqa: E402
 from flashtrain.train.config import compose, optim_config  # noqa: E402
-from flashtrain.train.optim import SinkhornBalanced, build_optimizers  # noqa: E402
+from flashtrain.train.optim import SinkhornBalanced, build_optimizers, route_parameters  # noqa: E402
+from flashtrain.train.optim.routing import zero_inputs  # noqa: E402
 
 
-def run(shard_group_of):
-    model = tiny_model()
-    opt = build_optimizers(model, tiny_cfg(), optim_config(compose(["+exp=flash_tiny"])), shard_group_of,
-                           lr=2.6e-4).optimizers["muon"]
+def run(zero: bool):
+    model, mcfg, ocfg = tiny_model(), tiny_cfg(), optim_config(compose(["+exp=flash_tiny"]))
+    zero_of = None
+    if zero:
+        dims = ParallelDims.build(dist.get_world_size(), dist.get_rank(), 1, 1, mcfg.n_layers, mcfg.n_routed_experts,
+                                  zero=True)
+        plan = dims.zero_plan(model, *zero_inputs(route_parameters(model, mcfg, ocfg)))
+        zero_of = lambda p: plan[id(p)]  # noqa: E731
+    opt = build_optimizers(model, mcfg, ocfg, zero_of, lr=2.6e-4).optimizers["muon"]
     params = [p for g in opt.param_groups for p in g["params"]]
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
-    return {id_: p.detach().clone() for id_, p in enumerate(params)}, opt
+    owned = sum(len(zero_of(p).mine()) for p in params) if zero else None
+    return {id_: p.detach().clone() for id_, p in enumerate(params)}, opt, owned
 
 
 def main() -> None:
     dist.init_process_group("gloo")
-    single, _ = run(None)
-    shared, opt = run(lambda p: dist.group.WORLD)
+    single, _, _ = run(False)
+    shared, opt, owned = run(True)
     n_mats = sum(p.shape[0] if p.dim() == 3 else 1 for g in opt.param_groups for p in g["params"])
+    counts = torch.tensor([owned])
+    dist.all_reduce(counts)
+    assert 0 < owned < counts.item(), (owned, counts.item())  # each rank owns (and orthogonalises) a part
     for i, p in single.items():
         torch.testing.assert_close(shared[i], p, rtol=1e-6, atol=1e-7)
     print(f"rank {dist.get_rank()}: distributed Muon matches single-rank Muon on {n_mats} matrices", flush=True)

@@ -16,7 +16,7 @@ import triton.language as tl
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_kernels.py"
 
-from flashtrain.model.attention import Attention, SharedKV, index_scores, index_select, visible_compressed  # noqa: E402
+from flashtrain.model.attention import Attention, SharedKV, index_scores, index_select, visible_compressed_at  # noqa: E402
 from flashtrain.model.kernels.index_topk import _pack, _unpack, index_topk_triton  # noqa: E402
 from flashtrain.model.layer_plan import Role, layer_plan  # noqa: E402
 from flashtrain.model.rope import rope_angles  # noqa: E402
@@ -82,7 +82,7 @@ def _check(q, w, k, n_vis, topk, candidates=None, block=4, source=0, chunk=16):
 def test_matches_reference_causal(B, S, H, d, N, topk, ratio, ahead, exact):
     """n_vis[t] = (t + 1) // ratio (+ `ahead` entries, a context-parallel rank's later queries)."""
     q, w, k = _inputs(B, S, H, d, N, seed=S, exact=exact)
-    _check(q, w, k, visible_compressed(S, ratio) + ahead, topk)
+    _check(q, w, k, visible_compressed_at(torch.arange(S), ratio) + ahead, topk)
 
 
 def test_ties_go_to_the_lower_index():
@@ -117,7 +117,7 @@ def test_candidate_source(block, source):
     a tile widened to one block (32 entries), wider than the top-k buffer (16)."""
     B, S, H, d, N, topk = 2, 33, 2, 16, 37, 12
     q, w, k = _inputs(B, S, H, d, N, seed=block * source)
-    n_vis = visible_compressed(S, 1)
+    n_vis = visible_compressed_at(torch.arange(S), 1)
     n_vis[4] = 0
     _, _, cands = _check(q, w, k, n_vis, topk, block=block, source=source)
     assert cands.shape[-1] == min(source, -(-N // block)) and (cands[:, 4] == -1).all()
@@ -139,7 +139,7 @@ def test_candidate_restriction(block, topk):
     nb = -(-N // block)
     cands = _pool(B, S, nb, min(7, nb), seed=block)
     cands[0, 3] = -1  # an empty pool
-    n_vis = visible_compressed(S, 1) + 10
+    n_vis = visible_compressed_at(torch.arange(S), 1) + 10
     idx, _, _ = _check(q, w, k, n_vis, topk, candidates=cands, block=block)
     assert (idx[0, 3] == -1).all()
     listed = torch.zeros(B, S, nb + 1, dtype=torch.bool)
@@ -150,7 +150,8 @@ def test_candidate_restriction(block, topk):
 def test_candidate_source_and_restriction_together():
     B, S, H, d, N, block = 1, 22, 3, 16, 30, 4
     q, w, k = _inputs(B, S, H, d, N, seed=7)
-    _check(q, w, k, visible_compressed(S, 1), 10, candidates=_pool(B, S, 8, 5, seed=7), block=block, source=3)
+    _check(q, w, k, visible_compressed_at(torch.arange(S), 1), 10, candidates=_pool(B, S, 8, 5, seed=7), block=block,
+           source=3)
 
 
 @pytest.mark.parametrize("short_pool", [False, True])
@@ -168,7 +169,7 @@ def test_attention_select_kernel_path_matches_reference(tiny_cfg, short_pool):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, S, tiny_cfg.dim, generator=g)
     index_k = torch.randn(1, S, tiny_cfg.index_head_dim, generator=g)
-    n_vis = visible_compressed(S, 1)
+    n_vis = visible_compressed_at(torch.arange(S), 1)
     got = {}
     for flag in (False, True):
         cfg = dataclasses.replace(tiny_cfg, use_triton=flag)

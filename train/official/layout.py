@@ -34,7 +34,6 @@ from flashtrain.model.config import ModelConfig
 from flashtrain.model.param_kinds import ParamKind
 
 BLOCK = 32  # the release's fp8 tile / fp4 and Engram scale block (inference/model.py: fp8_block_size, fp4_block_size)
-FORMATS = ("bf16", "fp32", "fp8", "fp4", "fp8_rows")
 
 _FP8 = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
                   r"|engram\.wkv)\.weight$")

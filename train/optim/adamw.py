@@ -3,10 +3,10 @@ V41_SPEC §7 for the hyper-parameters).
 
 Each parameter's flattened elements are cut into equal chunks, one per rank of its replica group; this
 rank runs torch's AdamW on views of its chunks (the update lands in the parameter itself, the moments
-exist for the chunk only), then one all-gather per replica group assembles every updated parameter on
-every rank. A parameter without a gradient this step (on every rank alike: parallel/grad_reduce.py)
-is skipped, as torch's AdamW skips it. Without ZeRO (`zero_of` None) each rank owns every element and
-nothing is gathered: exactly torch's AdamW.
+exist for the chunk only), then one all-gather per replica group, run by this optimizer itself,
+assembles every updated parameter on every rank. A parameter without a gradient this step (on every
+rank alike: parallel/grad_reduce.py) is skipped, as torch's AdamW skips it. Without ZeRO (`zero_of`
+None) each rank owns every element and nothing is gathered: exactly torch's AdamW.
 """
 
 from __future__ import annotations
@@ -40,13 +40,6 @@ class ShardedAdamW:
     @property
     def param_groups(self) -> list[dict]:
         return (self.inner.param_groups if self.inner is not None else []) + self.extra_groups
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict() if self.inner is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.inner is not None:
-            self.inner.load_state_dict(state)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

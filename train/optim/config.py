@@ -17,7 +17,10 @@ class MuonConfig:
     ns_schedule: list = field(default_factory=lambda: [[8, [3.4445, -4.7750, 2.0315]], [2, [2.0, -1.5, 0.5]]])
     ns_eps: float = 1e-7
     ns_dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU; or "float32" / "bfloat16"
-    distributed: bool = True  # split the Newton-Schulz work over the data-parallel ranks (train/optim/muon.py)
+
+    removed_fields = {"distributed": "removed, ZeRO-1 is the one path that splits the Newton-Schulz work over "
+                                     "the data-parallel ranks: set optim.zero=true (the default) for it, "
+                                     "optim.zero=false to run the whole step on every rank"}
 
     def torch_ns_dtype(self):
         import torch

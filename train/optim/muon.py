@@ -13,18 +13,15 @@ All matrices of one shape within a step are orthogonalised as one batch (in slic
 `ns_batch_elems` elements, which bounds the Newton-Schulz temporaries). NS runs in fp32 on CPU and in
 bf16 on CUDA unless `ns_dtype` says otherwise.
 
-Distributed (DESIGN.md "Parallelism"): with `shard_group_of(param)` returning the process group over
-which that parameter is replicated (the data-parallel group; for routed experts under EP the replicas
-of the expert shard), each same-shape batch is split by whole matrices into contiguous slices, one per
-rank of the group; every rank orthogonalises its slice and one all-gather returns all results to all
-ranks. The momentum and the update itself stay local (they are elementwise), so each matrix goes
-through exactly the single-rank computation.
-
-ZeRO-1 (`zero_of(param)` returns its `parallel.zero.Ownership`): the parameter's matrices are cut into
-pieces of whole matrices, each owned by one rank of its replica group (balanced by Newton-Schulz cost,
-parallel/zero.py). The owner alone keeps the momentum of its pieces (a flat buffer over them, in piece
-order), orthogonalises them and applies the update; then every piece is broadcast from its owner, so
-all replicas end with the same parameter as the replicated step gives.
+Data parallel (DESIGN.md "Parallelism"): ZeRO-1 is the one path that splits the Newton-Schulz work
+over the ranks. `zero_of(param)` returns the parameter's `parallel.zero.Ownership`: its matrices are
+cut into pieces of whole matrices, each owned by one rank of its replica group (the data-parallel
+group; for routed experts under EP the replicas of the expert shard), balanced by Newton-Schulz cost
+(parallel/zero.py). The owner alone keeps the momentum of its pieces (a flat buffer over them, in
+piece order), orthogonalises them and applies the update; then the optimizer itself broadcasts every
+piece from its owner over the replica group (these broadcasts are not `ParallelDims`' collectives), so
+all replicas end with the parameter the replicated step gives. Without ZeRO (`optim.zero=false`, or no
+replicas) every rank runs the whole step on every matrix it holds and nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -55,7 +52,7 @@ class Muon(GroupwiseOptimizer):
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, weight_decay: float = 0.1,
                  nesterov: bool = True, rms_scale: float = 0.18, ns_coefficients=V41_NS_SCHEDULE,
                  ns_eps: float = 1e-7, ns_dtype: torch.dtype | None = None, use_triton: bool | None = None,
-                 ns_batch_elems: int = 1 << 22, shard_group_of=None, zero_of=None):
+                 ns_batch_elems: int = 1 << 22, zero_of=None):
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0:
             raise ValueError(f"Muon: invalid lr={lr}, momentum={momentum} or weight_decay={weight_decay}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
@@ -64,7 +61,6 @@ class Muon(GroupwiseOptimizer):
         self.ns_coefficients = tuple(tuple(c) for c in ns_coefficients)
         self.ns_eps, self.ns_dtype, self.use_triton = ns_eps, ns_dtype, use_triton
         self.ns_batch_elems = ns_batch_elems
-        self.shard_group_of = shard_group_of
         self.zero_of = zero_of
 
     def _step_group(self, group: dict) -> None:
@@ -84,19 +80,16 @@ class Muon(GroupwiseOptimizer):
             updates.append((p, _as_matrices(ghat, heads)))
         if not updates:
             return
-        pgs = [self.shard_group_of(p) if self.shard_group_of else None for p, _ in updates]
-        self._apply(updates, self._orthogonalized(updates, pgs, group["rms_scale"]), group["lr"],
-                    group["weight_decay"])
+        self._apply(updates, self._orthogonalized(updates, group["rms_scale"]), group["lr"], group["weight_decay"])
 
-    def _orthogonalized(self, updates, pgs, rms_scale: float) -> list[torch.Tensor]:
-        """Scaled NS of every update's matrices: all matrices of one shape (and one split group `pgs[i]`,
-        None: this rank alone) as one batch."""
+    def _orthogonalized(self, updates, rms_scale: float) -> list[torch.Tensor]:
+        """Scaled NS of every update's matrices: all matrices of one shape as one batch."""
         by_shape: dict[tuple, list[int]] = defaultdict(list)
-        for i, ((_, mats), pg) in enumerate(zip(updates, pgs)):
-            by_shape[(tuple(mats.shape[1:]), pg)].append(i)
+        for i, (_, mats) in enumerate(updates):
+            by_shape[tuple(mats.shape[1:])].append(i)
         ortho: list[torch.Tensor | None] = [None] * len(updates)
-        for ((rows, cols), pg), idx in by_shape.items():
-            out = self._orthogonalize(torch.cat([updates[i][1] for i in idx]), pg)
+        for (rows, cols), idx in by_shape.items():
+            out = self._ns(torch.cat([updates[i][1] for i in idx]))
             out = out * (rms_scale * math.sqrt(max(rows, cols)))
             for i, part in zip(idx, out.split([updates[i][1].shape[0] for i in idx])):
                 ortho[i] = part
@@ -127,7 +120,7 @@ class Muon(GroupwiseOptimizer):
                 m.lerp_(g, 1 - beta)
                 ghat = g.lerp(m, beta) if group["nesterov"] else m
                 updates.append((p.view(-1)[piece.start:piece.end], ghat.view(-1, rows, cols)))
-        ortho = self._orthogonalized(updates, [None] * len(updates), group["rms_scale"])  # owned: NS here
+        ortho = self._orthogonalized(updates, group["rms_scale"])  # the owned pieces only
         self._apply(updates, ortho, group["lr"], group["weight_decay"])
         works = []
         for p in live:
@@ -146,25 +139,6 @@ class Muon(GroupwiseOptimizer):
         per_chunk = max(1, self.ns_batch_elems // (rows * cols))  # bounds the NS temporaries
         return torch.cat([newton_schulz(part, self.ns_coefficients, self.ns_eps, self.ns_dtype, self.use_triton)
                           for part in batch.split(per_chunk)])
-
-    def _orthogonalize(self, batch: torch.Tensor, pg) -> torch.Tensor:
-        """NS of a [n, rows, cols] batch; over `pg`, each rank computes a contiguous slice of whole
-        matrices and an all-gather assembles the batch in order."""
-        import torch.distributed as dist
-
-        world = 1 if pg is None else dist.get_world_size(pg)
-        if world == 1:
-            return self._ns(batch)
-        n = batch.shape[0]
-        per = -(-n // world)
-        rank = dist.get_rank(pg)
-        mine = batch[rank * per:(rank + 1) * per]
-        out = batch.new_zeros((per,) + tuple(batch.shape[1:]))
-        if mine.shape[0]:
-            out[:mine.shape[0]] = self._ns(mine).to(batch.dtype)
-        gathered = batch.new_empty((world * per,) + tuple(batch.shape[1:]))
-        dist.all_gather_single(gathered, out, group=pg)
-        return gathered[:n]
 
     @staticmethod
     def _apply(updates, ortho, lr: float, wd: float) -> None:

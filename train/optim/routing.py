@@ -127,7 +127,9 @@ def routing_summary(groups: list[RoutedGroup]) -> dict:
 
 
 class OptimizerSet:
-    """The three optimizers stepped together; one state_dict for checkpoints."""
+    """The three optimizers stepped together. Checkpoints and rollback snapshots read and restore each
+    optimizer's own pieces of state (`optimizers[name].owned_state()` / `install_state`, train/optim/base.py;
+    train/checkpoint.py, train/spike.py), not a state_dict."""
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
         self.optimizers = optimizers
@@ -149,16 +151,6 @@ class OptimizerSet:
         for g in self.param_groups:
             g["lr"] = lr * g["lr_mult"]
 
-    def state_dict(self) -> dict:
-        return {k: o.state_dict() for k, o in self.optimizers.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        missing = set(self.optimizers) ^ set(state)
-        if missing:
-            raise ValueError(f"optimizer state has {sorted(state)} but this run has {sorted(self.optimizers)}")
-        for k, o in self.optimizers.items():
-            o.load_state_dict(state[k])
-
 
 def zero_inputs(groups: list[RoutedGroup]) -> tuple[dict[str, str], dict[str, tuple[int, int, int]]]:
     """What ZeRO-1 ownership needs (parallel/zero.py): each parameter's optimizer, and for Muon
@@ -173,12 +165,11 @@ def zero_inputs(groups: list[RoutedGroup]) -> tuple[dict[str, str], dict[str, tu
 
 
 def build_optimizers(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig,
-                     shard_group_of=None, zero_of=None, row_group_of=None, *, lr: float) -> OptimizerSet:
+                     zero_of=None, row_group_of=None, *, lr: float) -> OptimizerSet:
     """`lr`: the base learning rate to start from; the LR schedule is its only source (the trainer passes
     the schedule's value at the current step and sets it again before every step, `set_lr`).
-    shard_group_of(param) -> the process group a parameter is replicated over, for distributed Muon
-    without ZeRO (None: every rank orthogonalises everything itself); zero_of(param) -> its ZeRO-1
-    Ownership (None: optimizer state replicated); row_group_of(param) -> the group a row-sharded table
+    zero_of(param) -> its ZeRO-1 Ownership (None: optimizer state replicated, every rank updates every
+    parameter it holds, Newton-Schulz included); row_group_of(param) -> the group a row-sharded table
     is split over."""
     groups = route_parameters(model, model_cfg, optim_cfg)
 
@@ -194,7 +185,7 @@ def build_optimizers(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimC
         opts["muon"] = Muon(by_opt["muon"], lr=lr, momentum=m.momentum, weight_decay=m.weight_decay,
                             nesterov=m.nesterov, rms_scale=m.rms_scale, ns_coefficients=m.coefficients(),
                             ns_eps=m.ns_eps, ns_dtype=m.torch_ns_dtype(), use_triton=optim_cfg.use_triton,
-                            shard_group_of=shard_group_of if m.distributed else None, zero_of=zero_of)
+                            zero_of=zero_of)
     if by_opt["sinkhorn"]:
         opts["sinkhorn"] = SinkhornBalanced(by_opt["sinkhorn"], lr=lr, momentum=s.momentum, num_steps=s.num_steps,
                                             tau=s.tau, eps=s.eps, gamma=s.gamma, use_triton=optim_cfg.use_triton,

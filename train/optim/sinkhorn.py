@@ -18,7 +18,9 @@ applying).
 Row-sharded tables (`row_group`: the process group over which a table's rows are split, each rank
 holding a slice): the row statistics are per row and stay local; the mean of rho and the column
 statistics t are all-reduced over the group (one tiny all-reduce per column step), so every shard sees
-the whole table's column scales -- the same update as on the unsharded table.
+the whole table's column scales -- the same update as on the unsharded table. Under ZeRO-1 each rank
+updates its row block that way and the optimizer then broadcasts every block from its owner; these
+exchanges are the optimizer's own, over the groups it is given (train/optim/__init__.py).
 
 `sinkhorn_update_reference` is the plain-PyTorch path (rows in chunks, so its workspace is
 chunk x n, never m x n); `sinkhorn_update_triton` fuses each pass into one kernel.
