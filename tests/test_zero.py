@@ -249,7 +249,7 @@ def test_pipeline_sends_each_micro_batchs_engram_ids_during_the_previous_forward
         assert n >= 3 and sim.pipe.modules[0].range.start == 0
         with fake:
             sim.prime_optimizer_state()
-            sim.compute_step()
+            sim.forward_backward_update()
     finally:
         dist.destroy_process_group()
     engram_layers = 2  # layers 1 and 14, both on the first stage

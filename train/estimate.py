@@ -1,6 +1,6 @@
 """Per-GPU memory of a real training step, simulated on the CPU (launch/estimate.py; DESIGN.md "Memory").
 
-One chosen rank of a `world`-rank layout runs the trainer's own step (`Trainer.compute_step`: every
+One chosen rank of a `world`-rank layout runs the trainer's own step (`Trainer.forward_backward_update`: every
 micro-batch's forward and backward through the configured pipeline schedule and expert all-to-alls,
 gradient reduction, clipping, the optimizer step, the MoE bias update) with
 - fake tensors (`FakeTensorMode`): shapes, dtypes and storage sizes, no data, no arithmetic;
@@ -32,6 +32,7 @@ from omegaconf import DictConfig, open_dict
 
 from flashtrain.model.vision import set_vision_body_trainable
 from flashtrain.parallel.construct import model_template
+from flashtrain.train.step_runner import StepBatches
 from flashtrain.train.trainer import Trainer
 
 
@@ -126,6 +127,7 @@ class SimulatedTrainer(Trainer):
             self.pipe.schedule._warmup_p2p = _static_stages  # the library's vote reads a tensor on the host
         with fake_mode:
             self.loader = SyntheticBatches(self.data_cfg.batch_size, self.data_cfg.seq_len, m.vocab_size)
+        self.batches = StepBatches(self.loader, self.layout.accumulation)
 
     def prime_optimizer_state(self) -> None:
         """Create every optimizer state tensor as a first step would (zero gradients, one optimizer
@@ -223,7 +225,7 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
             optims = [getattr(o, "inner", o) for o in sim.optim.optimizers.values()]
             tracker.track_external(sim.model, *[o for o in optims if o is not None])
             with tracker:
-                sim.compute_step()
+                sim.forward_backward_update()
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
         return RankEstimate(rank=rank, stages=sim.stages(), peak_bytes=_bytes(peak, "Total"),
                             params_bytes=_bytes(peak, "Parameter"), grads_bytes=_bytes(peak, "Gradient"),
