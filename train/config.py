@@ -2,11 +2,13 @@
 
 `compose(overrides)` gives the resolved DictConfig for command-line style overrides
 (`["+exp=flash_tiny", "model.dim=128"]`); `model_config(cfg)` turns its `model` group into a validated
-`ModelConfig`, `optim_config(cfg)` its `optim` group into an `OptimConfig`. Code below `launch/` only
-ever sees the typed objects.
+`ModelConfig`, `optim_config(cfg)` its `optim` group into an `OptimConfig`; `TrainConfig` is the `train`
+group. Code below `launch/` only ever sees the typed objects.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -15,7 +17,37 @@ from flashtrain.config.typed import typed_config
 from flashtrain.data.config import DataConfig, TokenSpec
 from flashtrain.data.images import ImageProcessorConfig
 from flashtrain.model.config import ModelConfig
+from flashtrain.train.anticipatory import AnticipatoryRoutingConfig
+from flashtrain.train.flops import PeakTflops
 from flashtrain.train.optim.config import OptimConfig
+from flashtrain.train.profile import ProfileConfig
+from flashtrain.train.spike import SpikeConfig
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 50
+    keep: int = 3
+    async_save: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """The `train` group (conf/train/default.yaml documents every key)."""
+
+    global_batch_tokens: float = 100.6e6
+    max_steps: int | None = None  # stop after this many optimizer steps (the schedule is unchanged)
+    seed: int = 0
+    grad_clip: float = 1.0
+    loss_tile_tokens: int = 2048  # head + cross-entropy over tiles of this many positions (train/loss.py)
+    recompute: str = "none"  # activation recomputation per block: none | selective | full (model/recompute.py)
+    balance_rate: float = 1e-3
+    resume_from: str | None = None
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peak_tflops: PeakTflops = field(default_factory=PeakTflops)  # MFU peak per device type (train/flops.py)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # traces / memory snapshots (train/profile.py)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike detection and rollback (train/spike.py)
+    anticipatory_routing: AnticipatoryRoutingConfig = field(default_factory=AnticipatoryRoutingConfig)
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:

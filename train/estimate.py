@@ -32,8 +32,10 @@ from omegaconf import DictConfig, open_dict
 
 from flashtrain.model.vision import set_vision_body_trainable
 from flashtrain.parallel.construct import model_template
+from flashtrain.train.balancing import global_loads, update_biases
+from flashtrain.train.build import build_dims, build_rank, read_configs, run_layout
+from flashtrain.train.collectives import Operation
 from flashtrain.train.step_runner import StepBatches
-from flashtrain.train.trainer import Trainer
 
 
 @dataclass
@@ -104,37 +106,53 @@ def _static_stages(stages, has_backward, p2p_done) -> None:
         stage._inference_mode = InferenceMode.STATIC
 
 
-class SimulatedTrainer(Trainer):
-    """The trainer of rank `rank` of `world`, on fake tensors and a fake process group (which the caller
-    has initialised)."""
+class SimulatedRank:
+    """Rank `rank` of a `world`-rank layout, built by the trainer's own construction functions
+    (train/build.py) on fake tensors and a fake process group (which the caller has initialised)."""
 
     def __init__(self, cfg: DictConfig, world: int, rank: int, device_type: str, fake_mode):
         cfg = cfg.copy()
         with open_dict(cfg):
             cfg.pop("hydra", None)
             cfg.run_name = "simulated"  # the default interpolates the Hydra runtime, which is not running
-        self._configure(cfg, "simulated", world)
-        self.full_accumulation = self.layout.accumulation
+        self.cfg = c = read_configs(cfg)
+        self.schedule, self.step = c.schedule, 0
+        layout = run_layout(c, world)
+        self.full_accumulation = layout.accumulation
         self.rank, self.device = rank, torch.device("cpu")
-        self._setup_groups(world)
-        self.layout = replace(self.layout, **_peak_preserving_microbatches(self.layout, self.parallel.pipeline_schedule,
-                                                                           self.pp_rank))
+        self.dims = build_dims(c, layout, rank, self.device.type)
+        self.layout = replace(layout, **_peak_preserving_microbatches(layout, c.parallel.pipeline_schedule,
+                                                                      self.dims.pp_rank))
         self.mixed_precision = device_type == "cuda"
-        m = self.model_cfg
-        self.tensor_mode = fake_mode
-        self._build(model_template(m, _any_token_map(m)))  # pruned on meta, then materialised as fake tensors
+        m = c.model
+        parts = build_rank(c, self.layout, self.dims, self.device, model_template(m, _any_token_map(m)),
+                           self.mixed_precision, Operation(), self.schedule.lr(self.step), tensor_mode=fake_mode)
+        self.model, self.pipe, self.optim, self.runner = parts.model, parts.pipe, parts.optim, parts.runner
         if self.pipe is not None:
             self.pipe.schedule._warmup_p2p = _static_stages  # the library's vote reads a tensor on the host
         with fake_mode:
-            self.loader = SyntheticBatches(self.data_cfg.batch_size, self.data_cfg.seq_len, m.vocab_size)
+            self.loader = SyntheticBatches(c.data.batch_size, c.data.seq_len, m.vocab_size)
         self.batches = StepBatches(self.loader, self.layout.accumulation)
+
+    def run_step(self) -> None:
+        """The trainer's step (`Trainer.forward_backward_update`) as far as memory goes: the step runner's
+        forward/backward of every micro-batch with the gradient reduction, clipping, the optimizer step,
+        the MoE bias update, the step values' all-reduce. Not simulated: the stability guard (its verdict
+        reads values on the host), the LR and the loader's counters (no tensors)."""
+        c = self.cfg
+        sums, loads = self.runner.run(next(self.batches))
+        self.dims.clip(self.model, c.train.grad_clip, self.device)
+        self.optim.step()
+        loads = global_loads(loads, c.model.n_layers, c.model.n_routed_experts, device=self.device)
+        update_biases(self.model, loads, c.train.balance_rate)
+        sums.all_reduce()
 
     def prime_optimizer_state(self) -> None:
         """Create every optimizer state tensor as a first step would (zero gradients, one optimizer
         step), so the measured step is the steady state without simulating a whole extra step. The
         step simulated is the first with the ViT unfrozen (every parameter trains: the largest state)."""
         self.step = self.schedule.vit_unfreeze_step
-        if self.model_cfg.vision_n_layers:
+        if self.cfg.model.vision_n_layers:
             set_vision_body_trainable(self.model, True)
         for p in self.model.parameters():
             if p.requires_grad:
@@ -217,7 +235,7 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        sim = SimulatedTrainer(cfg, world, rank, device_type, fake_mode)
+        sim = SimulatedRank(cfg, world, rank, device_type, fake_mode)
         with fake_mode:
             sim.prime_optimizer_state()
             tracker = _step_tracker()
@@ -225,7 +243,7 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
             optims = [getattr(o, "inner", o) for o in sim.optim.optimizers.values()]
             tracker.track_external(sim.model, *[o for o in optims if o is not None])
             with tracker:
-                sim.forward_backward_update()
+                sim.run_step()
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
         return RankEstimate(rank=rank, stages=sim.stages(), peak_bytes=_bytes(peak, "Total"),
                             params_bytes=_bytes(peak, "Parameter"), grads_bytes=_bytes(peak, "Gradient"),
