@@ -362,7 +362,7 @@ MUTANTS = [
            'digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()',
            'digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()',
            ['tests/test_construction.py']),
-    Mutant('nearest batch rounds down only', 'train/build.py',
+    Mutant('nearest batch rounds down only', 'train/config.py',
            'nearest = sorted({max(unit, g // unit * unit), (g // unit + 1) * unit}, key=lambda n: (abs(n - g), n))',
            'nearest = [max(unit, g // unit * unit)]',
            ['tests/test_construction.py']),

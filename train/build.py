@@ -2,7 +2,8 @@
 composed by the trainer (train/trainer.py) and the memory estimator (train/estimate.py) alike:
 
     read_configs(cfg)              every typed config of the run, validated (train/config.py)
-    plan_layout(...)               the fixed batch and the process layout, checked before anything exists
+    plan_layout(...)               the degrees (ParallelDims.plan) and the batch arithmetic (BatchPlan),
+                                   checked before anything exists
     init_distributed(timeout_s)    the process group (gloo on CPU, NCCL on CUDA) and this rank's device
     build_dims(...)                the parallel dimensions: mesh, groups, this rank's coordinates
     build_rank(...)                this rank's model, pipeline stages, optimizers, gradient reducer and
@@ -38,14 +39,15 @@ from flashtrain.parallel.config import ParallelConfig
 from flashtrain.parallel.construct import build_rank_model
 from flashtrain.parallel.context import ContextComm
 from flashtrain.parallel.dims import ParallelDims
-from flashtrain.parallel.mesh import mesh_shape
 from flashtrain.parallel.pipeline import Pipeline, build_pipeline, local_stage_ranges
 from flashtrain.train.collectives import Operation
 from flashtrain.train.config import (
+    BatchPlan,
     TrainConfig,
     data_config,
     model_config,
     optim_config,
+    plan_batches,
     schedule,
     token_spec,
 )
@@ -85,62 +87,35 @@ def read_configs(cfg: DictConfig) -> RunConfigs:
                       token_spec(model))
 
 
-@dataclass
-class Layout:
-    world: int
-    dp: int
-    micro_batch: int
-    accumulation: int  # micro-batches per optimizer step on each dp rank
-    global_sequences: int
-    pp: int = 1
-    round_microbatches: int = 1  # pipeline: micro-batches per schedule step
-    ep: int = 1
-    cp: int = 1  # context parallel: ranks sharing each sequence
-
-    @property
-    def rounds(self) -> int:
-        return self.accumulation // self.round_microbatches
-
-
 def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: ParallelConfig, world: int,
-                n_layers: int = 40, n_routed_experts: int = 1) -> Layout:
-    """Validate the process layout and the fixed batch before anything is built."""
+                n_layers: int = 40, n_routed_experts: int = 1) -> BatchPlan:
+    """Validate the process layout and the fixed batch before anything is built: the run's degrees
+    (`plan.dims`, not yet connected) and its batch arithmetic."""
     if parallel.world is not None and parallel.world != world:
         raise ConfigError(f"parallel.world={parallel.world} but this run has {world} process(es): the layout "
                           f"(pp={parallel.pp}, cp={parallel.cp}, ep={parallel.ep}) is for {parallel.world}; launch "
                           f"that many, or set parallel.world=null and degrees that divide {world}")
-    dp = mesh_shape(world, parallel.pp, parallel.ep, n_layers, n_routed_experts, parallel.cp).dp
+    dims = ParallelDims.plan(world, parallel.pp, parallel.ep, n_layers, n_routed_experts, parallel.cp)
     if parallel.stage_layers is not None and (len(parallel.stage_layers) != parallel.n_stages
                                               or sum(parallel.stage_layers) != n_layers
                                               or min(parallel.stage_layers) < 1):
         raise ConfigError(f"parallel.stage_layers={parallel.stage_layers}: needs {parallel.n_stages} positive layer "
                           f"counts (pp={parallel.pp} x {parallel.stages_per_rank} stage(s) per rank for "
                           f"{parallel.pipeline_schedule}) summing to {n_layers}")
-    g = max(1, round(train.global_batch_tokens / seq_len))
-    unit = dp * micro_batch
-    if g % unit:
-        nearest = sorted({max(unit, g // unit * unit), (g // unit + 1) * unit}, key=lambda n: (abs(n - g), n))
-        raise ConfigError(
-            f"train.global_batch_tokens={train.global_batch_tokens:g} is {g} sequences of data.seq_len={seq_len}, "
-            f"which {dp} data-parallel rank(s) x data.batch_size={micro_batch} do not divide; use a global batch of "
-            f"a multiple of {unit * seq_len} tokens -- the nearest is train.global_batch_tokens={nearest[0] * seq_len} "
-            f"({nearest[0]} sequences)" + (f" or {nearest[1] * seq_len}" if len(nearest) > 1 else "") +
-            " -- or change data.batch_size / the number of processes")
+    plan = plan_batches(train, seq_len, micro_batch, dims, parallel)
     validate_recompute(train.recompute)
     if train.loss_tile_tokens <= 0:
         raise ConfigError(f"train.loss_tile_tokens={train.loss_tile_tokens}: must be a positive number of positions")
     if train.checkpoint.interval <= 0 or train.checkpoint.keep <= 0:
         raise ConfigError("train.checkpoint.interval and train.checkpoint.keep must be positive")
-    accumulation = g // (dp * micro_batch)
     if parallel.cp > 1:
         from flashtrain.model.sequence_split import chunk_ranges
 
         chunk_ranges(seq_len, parallel.cp, parallel.cp_balance)  # a sequence too short for the split fails here
-    return Layout(world, dp, micro_batch, accumulation, g, parallel.pp, parallel.round_microbatches(accumulation),
-                  parallel.ep, parallel.cp)
+    return plan
 
 
-def run_layout(c: RunConfigs, world: int) -> Layout:
+def run_plan(c: RunConfigs, world: int) -> BatchPlan:
     return plan_layout(c.train, c.data.seq_len, c.data.batch_size, c.parallel, world, c.model.n_layers,
                        c.model.n_routed_experts)
 
@@ -159,12 +134,12 @@ def init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
     return rank, world, torch.device("cpu")
 
 
-def build_dims(c: RunConfigs, layout: Layout, rank: int, device_type: str) -> ParallelDims:
-    """The parallel dimensions (mesh, groups, this rank's coordinates; after the process group)."""
-    return ParallelDims.build(layout.world, rank, layout.pp, layout.ep, c.model.n_layers, c.model.n_routed_experts,
-                              device_type, zero=c.optim.zero,
-                              engram_shard=c.parallel.shard_engram(c.model, layout.dp * layout.cp),
-                              bucket_bytes=int(c.parallel.grad_bucket_mb * (1 << 20)), cp=layout.cp)
+def build_dims(c: RunConfigs, plan: BatchPlan, rank: int, device_type: str) -> ParallelDims:
+    """The run's parallel dimensions (`plan.dims`) connected: mesh, groups, this rank's coordinates (after
+    the process group)."""
+    dims = plan.dims
+    return dims.connect(rank, device_type, zero=c.optim.zero, engram_shard=c.parallel.shard_engram(c.model, dims.dp_cp),
+                        bucket_bytes=int(c.parallel.grad_bucket_mb * (1 << 20)))
 
 
 @dataclass
@@ -183,7 +158,7 @@ def counts_data(dims: ParallelDims) -> bool:
     return dims.cp_rank == 0
 
 
-def build_rank(c: RunConfigs, layout: Layout, dims: ParallelDims, device: torch.device, template,
+def build_rank(c: RunConfigs, plan: BatchPlan, dims: ParallelDims, device: torch.device, template,
                mixed_precision: bool, op: Operation, lr: float, log_pipeline: bool = False,
                tensor_mode=None) -> RankParts:
     """This rank's model, pipeline stages and optimizers from the whole model's meta-device template
@@ -191,28 +166,28 @@ def build_rank(c: RunConfigs, layout: Layout, dims: ParallelDims, device: torch.
     (parallel/construct.py), so no rank allocates what it does not own and every layout starts from
     the same weights. `tensor_mode`: the estimator's seam (module docstring)."""
     model, stages, bounds = template, None, None
-    if layout.pp > 1:  # the cost-balanced partition (train/stages.py, as launch/plan.py shows)
+    if dims.pp > 1:  # the cost-balanced partition (train/stages.py, as launch/plan.py shows)
         units = stage_units(model, c.model, c.optim, c.parallel, c.data.seq_len, c.data.batch_size, c.train.recompute,
-                            mixed_precision, layout.dp * layout.cp, layout.cp)
+                            mixed_precision, dims.dp_cp, dims.cp)
         bounds = plan_stages(units, c.parallel)
         stages = local_stage_ranges(c.parallel, bounds, dims.pp_rank)
     engram_group = dims.dp_cp_group if dims.engram_shard else None
-    build_rank_model(model, device, c.train.seed, stages, layout.ep, dims.ep_rank, dims.ep_group, tensor_mode,
+    build_rank_model(model, device, c.train.seed, stages, dims.ep, dims.ep_rank, dims.ep_group, tensor_mode,
                      engram_group, dist.get_rank(engram_group) if engram_group is not None else 0, dims.dp_cp)
     model.set_recompute(c.train.recompute)
-    if layout.cp > 1:
-        model.set_context_parallel(layout.cp, dims.cp_rank, c.parallel.cp_balance, ContextComm(dims.cp_group))
+    if dims.cp > 1:
+        model.set_context_parallel(dims.cp, dims.cp_rank, c.parallel.cp_balance, ContextComm(dims.cp_group))
     with tensor_mode or contextlib.nullcontext():
         pipe = None
-        if layout.pp > 1:
-            loss_fn = pipeline_loss(model, c.train.loss_tile_tokens, layout.accumulation, c.data.seq_len)
+        if dims.pp > 1:
+            loss_fn = pipeline_loss(model, c.train.loss_tile_tokens, plan.accumulation, c.data.seq_len)
             pipe = build_pipeline(model, c.parallel, stages, dims.pp_group, device, c.data.batch_size,
-                                  c.data.seq_len, layout.round_microbatches, loss_fn)
+                                  c.data.seq_len, plan.round_microbatches, loss_fn)
             if log_pipeline:
-                log.info(f"pipeline: {c.parallel.pipeline_schedule}, pp={layout.pp} x "
+                log.info(f"pipeline: {c.parallel.pipeline_schedule}, pp={dims.pp} x "
                          f"{c.parallel.stages_per_rank} stage(s) per rank, layers per stage "
-                         f"{[b - a for a, b in bounds]}, {layout.round_microbatches} micro-batches per round x "
-                         f"{layout.rounds} round(s)")
+                         f"{[b - a for a, b in bounds]}, {plan.round_microbatches} micro-batches per round x "
+                         f"{plan.rounds} round(s)")
         kinds, matrices = zero_inputs(route_parameters(model, c.model, c.optim))
         zero_plan = dims.zero_plan(model, kinds, matrices)
         optim = build_optimizers(model, c.model, c.optim,
@@ -223,9 +198,9 @@ def build_rank(c: RunConfigs, layout: Layout, dims: ParallelDims, device: torch.
     common = dict(device=device, loss_tile_tokens=c.train.loss_tile_tokens, mixed_precision=mixed_precision,
                   counts_data=counts_data(dims), op=op)
     if pipe is None:
-        runner = LocalRunner(model, reducer, layout.accumulation, **common)
+        runner = LocalRunner(model, reducer, plan.accumulation, **common)
     else:
-        runner = PipelineRunner(model, pipe, reducer, layout.accumulation, layout.round_microbatches,
+        runner = PipelineRunner(model, pipe, reducer, plan.accumulation, plan.round_microbatches,
                                 pp_rank=dims.pp_rank, **common)
     return RankParts(model, pipe, optim, reducer, runner)
 
@@ -238,8 +213,8 @@ def _sinkhorn_row_group_of(model, dims: ParallelDims):
     return lambda p: dims.dp_cp_group if id(p) in tables else None
 
 
-def build_loader(c: RunConfigs, text, mm, dims: ParallelDims, layout: Layout) -> PackedLoader:
-    return PackedLoader(c.data, c.spec, text, mm, dims.dp_rank, layout.dp)
+def build_loader(c: RunConfigs, text, mm, dims: ParallelDims) -> PackedLoader:
+    return PackedLoader(c.data, c.spec, text, mm, dims.dp_rank, dims.dp)
 
 
 def check_start(c: RunConfigs) -> None:

@@ -33,8 +33,9 @@ from omegaconf import DictConfig, open_dict
 from flashtrain.model.vision import set_vision_body_trainable
 from flashtrain.parallel.construct import model_template
 from flashtrain.train.balancing import global_loads, update_biases
-from flashtrain.train.build import build_dims, build_rank, read_configs, run_layout
+from flashtrain.train.build import build_dims, build_rank, read_configs, run_plan
 from flashtrain.train.collectives import Operation
+from flashtrain.train.config import BatchPlan
 from flashtrain.train.step_runner import StepBatches
 
 
@@ -78,7 +79,7 @@ def _any_token_map(m) -> list[int] | None:
     return [i % vocab for i in range(m.vocab_size)]
 
 
-def _peak_preserving_microbatches(layout, schedule: str, pp_rank: int) -> dict:
+def _peak_preserving_microbatches(layout: BatchPlan, schedule: str, pp_rank: int) -> dict:
     """Fewer micro-batches with the same peak, to keep the simulation short. Without a pipeline the
     peak is reached in the second micro-batch (the first one's gradients held while the second's
     activations build up), and every later one repeats it. With 1F1B, stage s warms up with
@@ -87,11 +88,12 @@ def _peak_preserving_microbatches(layout, schedule: str, pp_rank: int) -> dict:
     least pp: min(M, max(pp, pp - s + 1)). The pipeline stages hold receive buffers only for
     micro-batches in use (parallel/lean_stage.py), so nothing else scales with M. Other schedules are
     simulated in full."""
-    if layout.pp == 1:
+    pp = layout.dims.pp
+    if pp == 1:
         m = min(layout.accumulation, 2)
         return {"accumulation": m, "round_microbatches": 1}
     if schedule == "1f1b" and layout.rounds == 1:
-        m = min(layout.round_microbatches, max(layout.pp, layout.pp - pp_rank + 1))
+        m = min(layout.round_microbatches, max(pp, pp - pp_rank + 1))
         return {"accumulation": m, "round_microbatches": m}
     return {}
 
@@ -117,12 +119,13 @@ class SimulatedRank:
             cfg.run_name = "simulated"  # the default interpolates the Hydra runtime, which is not running
         self.cfg = c = read_configs(cfg)
         self.schedule, self.step = c.schedule, 0
-        layout = run_layout(c, world)
-        self.full_accumulation = layout.accumulation
+        plan = run_plan(c, world)
+        self.full_accumulation = plan.accumulation
         self.rank, self.device = rank, torch.device("cpu")
-        self.dims = build_dims(c, layout, rank, self.device.type)
-        self.layout = replace(layout, **_peak_preserving_microbatches(layout, c.parallel.pipeline_schedule,
-                                                                      self.dims.pp_rank))
+        self.dims = build_dims(c, plan, rank, self.device.type)
+        # the batch plan simulated (fewer micro-batches, the same peak)
+        self.layout = replace(plan, **_peak_preserving_microbatches(plan, c.parallel.pipeline_schedule,
+                                                                    self.dims.pp_rank))
         self.mixed_precision = device_type == "cuda"
         m = c.model
         parts = build_rank(c, self.layout, self.dims, self.device, model_template(m, _any_token_map(m)),

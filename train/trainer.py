@@ -47,7 +47,7 @@ from flashtrain.train.build import (
     counts_data,
     init_distributed,
     read_configs,
-    run_layout,
+    run_plan,
 )
 from flashtrain.train.checkpoint import CheckpointWriter, load_checkpoint
 from flashtrain.train.collectives import CollectiveError, Operation, all_reduce, barrier, collective_error
@@ -87,7 +87,7 @@ class Trainer:
         faults.validate_environment()
         self.run_dir, self.cfg = Path(run_dir), read_configs(cfg)  # validated before anything exists
         c, self.schedule = self.cfg, self.cfg.schedule
-        self.layout = run_layout(c, world)
+        self.plan = run_plan(c, world)
         self.max_steps = c.train.max_steps or self.schedule.total_steps
         self.step, self.tokens_seen, self._stop, self.op = 0, 0, False, Operation()
         if int(os.environ.get("RANK", "0")) == 0:  # one job per run directory (held until this process ends)
@@ -97,10 +97,10 @@ class Trainer:
         self.rank, world, self.device = init_distributed(c.parallel.timeout_s)
         self.is_main = self.rank == 0
         self.mixed_precision = self.device.type == "cuda"
-        self.dims = build_dims(c, self.layout, self.rank, self.device.type)
+        self.dims = build_dims(c, self.plan, self.rank, self.device.type)
         if self.is_main:
-            log.info(f"run directory {self.run_dir}: {world} process(es) on {self.device.type}, pp={self.layout.pp} "
-                     f"dp={self.layout.dp} ep={self.layout.ep} cp={self.layout.cp}, {self.max_steps} steps")
+            log.info(f"run directory {self.run_dir}: {world} process(es) on {self.device.type}, pp={self.dims.pp} "
+                     f"dp={self.dims.dp} ep={self.dims.ep} cp={self.dims.cp}, {self.max_steps} steps")
         torch.manual_seed(c.train.seed)
         random.seed(c.train.seed)
         np.random.seed(c.train.seed)
@@ -110,14 +110,14 @@ class Trainer:
                 text, mm, tok = data_sources(c.data, c.spec)
                 token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
             barrier()
-        parts = build_rank(c, self.layout, self.dims, self.device, model_template(c.model, token_map),
+        parts = build_rank(c, self.plan, self.dims, self.device, model_template(c.model, token_map),
                            self.mixed_precision, self.op, self.schedule.lr(self.step), log_pipeline=self.is_main)
         self.model, self.optim, self.reducer, self.runner = parts.model, parts.optim, parts.reducer, parts.runner
         self.counts_data = counts_data(self.dims)
         self.guard = StabilityGuard(c.train.spike, c.train.anticipatory_routing, self.model, self.optim.optimizers,
                                     self.device, self.op, self.is_main)
-        self.loader = build_loader(c, text, mm, self.dims, self.layout)
-        self.batches = StepBatches(self.loader, self.layout.accumulation)
+        self.loader = build_loader(c, text, mm, self.dims)
+        self.batches = StepBatches(self.loader, self.plan.accumulation)
         self.checkpoints = CheckpointWriter(self.run_dir, c.train.checkpoint.keep, c.train.checkpoint.async_save)
         self._resume()
 
@@ -125,7 +125,7 @@ class Trainer:
         path = resume_path(self.cfg.train.resume_from, self.run_dir, self.is_main)
         if path is None:
             return
-        meta, mine = load_checkpoint(path, self.model, self.optim.optimizers, self.dims.dp_rank, self.layout.dp,
+        meta, mine = load_checkpoint(path, self.model, self.optim.optimizers, self.dims.dp_rank, self.dims.dp,
                                      self.dims.global_layout(self.model))
         check_model_config(meta["config"]["model"], self.cfg.cfg_dict["model"], path)
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
@@ -165,7 +165,7 @@ class Trainer:
         t0 = time.perf_counter()
         lr = self.schedule.lr(self.step)
         out = self.forward_backward_update()
-        n_micro = self.layout.accumulation * self.layout.dp
+        n_micro = self.plan.global_microbatches
         self.step += 1
         self.tokens_seen += self.schedule.tokens_per_step
         dt = time.perf_counter() - t0
@@ -186,7 +186,7 @@ class Trainer:
             # / (peak per device * world), null without a known peak (train/flops.py; train.peak_tflops)
             "flops_per_token": (fpt := flops_per_token(self.cfg.model, self.cfg.data.seq_len)),
             "mfu": mfu(fpt, self.schedule.tokens_per_step / dt,
-                       peak_flops(self.device, self.cfg.train.peak_tflops, self.is_main)[0], self.layout.world),
+                       peak_flops(self.device, self.cfg.train.peak_tflops, self.is_main)[0], self.dims.world),
         }
         return record, out.loads
 
@@ -206,7 +206,7 @@ class Trainer:
             sums, loads = self.runner.run(batches, routes)
         self.op.name = "the gradient-norm all-reduce (clipping)"
         grad_norm = self.dims.clip(self.model, self.cfg.train.grad_clip, self.device)
-        spike = self.guard.verdict(sums, grad_norm, self.layout.accumulation * self.layout.dp)
+        spike = self.guard.verdict(sums, grad_norm, self.plan.global_microbatches)
         if spike is None:
             self.op.name = "the optimizer step"
             self.optim.step()
