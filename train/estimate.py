@@ -1,8 +1,10 @@
 """Per-GPU memory of a real training step, simulated on the CPU (launch/estimate.py; DESIGN.md "Memory").
 
-One chosen rank of a `world`-rank layout runs the trainer's own step (`Trainer.forward_backward_update`: every
-micro-batch's forward and backward through the configured pipeline schedule and expert all-to-alls,
-gradient reduction, clipping, the optimizer step, the MoE bias update) with
+One chosen rank of a `world`-rank layout, built by the trainer's own construction functions
+(train/build.py), runs the trainer's step (`SimulatedRank.run_step`, the parts of
+`Trainer.forward_backward_update` that hold memory: every micro-batch's forward and backward through the
+step runner -- the configured pipeline schedule and expert all-to-alls --, gradient reduction, clipping,
+the optimizer step, the MoE bias update) with
 - fake tensors (`FakeTensorMode`): shapes, dtypes and storage sizes, no data, no arithmetic;
 - a fake process group (torch's `fake` backend): every collective and point-to-point "succeeds";
 - torch's `MemTracker` (torch.distributed._tools.mem_tracker) counting every tensor's storage by kind
@@ -15,6 +17,11 @@ optimizer step on zero gradients, as the first real step creates it), as in ever
 It runs as many micro-batches as the peak needs (`_peak_preserving_microbatches`: 2 without a pipeline,
 pp + 1 on stage 0 and pp elsewhere with 1F1B; later micro-batches repeat the same state), not the whole
 accumulation.
+
+Estimator-only behaviour sits at one seam: `build_rank(tensor_mode=...)` builds the rank under the
+FakeTensorMode; `_static_stages` stands in for the pipeline schedule's warm-up vote (torch's private
+`_warmup_p2p`, which reads a tensor on the host); and the code paths that read tensor values on the host
+ask `flashtrain.model.simulation.simulated` (which lists them) for the shape-only path.
 
 What a simulation cannot know, it assumes: routing is balanced (each expert receives its even share
 of the (token, expert) pairs -- what the bias update steers towards); `device='cuda'` simulates bf16
