@@ -41,13 +41,13 @@ def real_step(overrides: list[str], run_dir: str) -> dict:
         raise SystemExit("error: bench_estimate.py measures a CUDA step; this machine has no GPU")
     trainer = Trainer(compose(overrides), run_dir)
     trainer.step = trainer.schedule.vit_unfreeze_step  # the estimator's step: every parameter trains
-    trainer.compute_step()  # creates the optimizer state
+    trainer.forward_backward_update()  # creates the optimizer state
     trainer.optim.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
-    trainer.compute_step()
+    trainer.forward_backward_update()
     torch.cuda.synchronize()
     out = {"peak_bytes": torch.cuda.max_memory_allocated(), "base_bytes": base,
            "step_s": time.perf_counter() - t0, "reserved_bytes": torch.cuda.max_memory_reserved()}

@@ -46,14 +46,14 @@ def default_ranks(overrides: list[str], world: int) -> list[int]:
 
     from flashtrain.config.errors import ConfigError
     from flashtrain.parallel.config import ParallelConfig
-    from flashtrain.parallel.mesh import mesh_shape
+    from flashtrain.parallel.dims import ParallelDims
     from flashtrain.train.config import compose, model_config
 
     conf = compose(overrides)
     cfg = model_config(conf)
     parallel = typed_config(ParallelConfig, OmegaConf.to_container(conf.parallel, resolve=True), "parallel")
     try:
-        shape = mesh_shape(world, parallel.pp, parallel.ep, cfg.n_layers, cfg.n_routed_experts, parallel.cp)
+        shape = ParallelDims.plan(world, parallel.pp, parallel.ep, cfg.n_layers, cfg.n_routed_experts, parallel.cp)
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
     return [p * (world // shape.pp) for p in range(shape.pp)]

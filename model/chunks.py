@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+
+from flashtrain.model.simulation import simulated
 
 SIMULATE_EVERY_CHUNK = False
 
@@ -22,7 +23,7 @@ def query_chunks(S: int, chunk: int, like: torch.Tensor, window: int = 0, offset
     a sliding `window`, its key band [max(0, t0 + offset - window + 1), t1 + offset) (keys `offset`
     rows ahead of the queries: a context-parallel halo); on fake tensors (`like`) only the first chunk
     of each shape is yielded."""
-    skip = is_fake(like) and not SIMULATE_EVERY_CHUNK
+    skip = simulated(like) and not SIMULATE_EVERY_CHUNK
     seen = set()
     for t0 in range(0, S, chunk):
         t1 = min(S, t0 + chunk)

@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from flashtrain.model.aux import StepStats, attach_aux_loss
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.sequence_split import SequenceSplit
+from flashtrain.model.simulation import simulated
 
 
 def balanced_split(total: int, parts: int) -> list[int]:
@@ -43,7 +43,7 @@ def host_sizes(sizes: torch.Tensor, total: int) -> list[int]:
     """The per-expert row counts of `total` rows as Python ints: a host synchronisation, taken by the
     looped reference path only. A fake tensor (the memory estimator, train/estimate.py) has no values:
     it gets the balanced split that the bias update steers routing towards."""
-    if is_fake(sizes):
+    if simulated(sizes):
         return balanced_split(total, sizes.shape[0])
     return sizes.tolist()
 
@@ -59,7 +59,7 @@ def grouped_mm_supported(x: torch.Tensor, dtype: torch.dtype, *widths: int) -> b
     and on fake tensors (its shape function's rule), every row stride a multiple of 16 bytes."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if is_fake(x):
+    if simulated(x):
         ok = dtype == torch.bfloat16
     elif x.is_cuda:
         ok = dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)

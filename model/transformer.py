@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from flashtrain.model.attention import Attention
 from flashtrain.model.aux import StepStats
@@ -43,6 +42,7 @@ from flashtrain.model.moe import MoE
 from flashtrain.model.norm import RMSNorm
 from flashtrain.model.recompute import recompute_block, validate_recompute
 from flashtrain.model.sequence_split import SequenceSplit
+from flashtrain.model.simulation import simulated
 from flashtrain.model.vision import Aligner, ViT, aligner_rows, encode_images, merge_images
 
 
@@ -201,7 +201,7 @@ class Transformer(nn.Module):
                              self.image_start, self.image_newline, self.image_end,
                              None if split is None else split.positions(tokens.device))
         else:
-            if token_types is not None and not is_fake(token_types) and bool((token_types >= 0).any()):
+            if token_types is not None and not simulated(token_types) and bool((token_types >= 0).any()):
                 raise ValueError("token_types marks image positions but the batch carries no images")
             e = self.embed(tokens if split is None else split.local(tokens))
         h = e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()

@@ -2,7 +2,8 @@
 "Parallelism"; torchtitan's ParallelDims is the model).
 
 `ParallelDims` always exists: degree 1 where a dimension is unused (its group is then None and
-nothing is exchanged over it). It owns
+nothing is exchanged over it). It is the one source of the run's degrees (world, pp, dp, ep, cp:
+`ParallelDims.plan`, checked before anything is built) and owns
 - the ("pp", "dp_rep", "ep") DeviceMesh and the cp groups (parallel/mesh.py) and this rank's coordinates;
 - which group each parameter's gradient is reduced over (`replica_group`) and which group holds other
   pieces of it (`shard_group`), by the parameter's kind (model/param_kinds.py): routed experts are
@@ -29,10 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flashtrain.config.errors import ConfigError
 from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 from flashtrain.parallel.clipping import clip_grad_norm_
 from flashtrain.parallel.grad_reduce import GradReducer
-from flashtrain.parallel.mesh import ProcessMesh, build_mesh, mesh_shape
+from flashtrain.parallel.mesh import ProcessMesh, build_mesh
 from flashtrain.parallel.zero import Ownership, balance_muon, flat_pieces, row_pieces, whole
 
 
@@ -62,13 +64,42 @@ class ParallelDims:
     cp: int = 1
 
     @classmethod
+    def plan(cls, world: int, pp: int, ep: int, n_layers: int, n_routed_experts: int, cp: int = 1) -> "ParallelDims":
+        """The degrees, checked against the world size and the model before anything is built (dp = world /
+        (pp x cp) is derived); no groups yet (`connect`)."""
+        if world < 1:
+            raise ConfigError(f"world size {world}: must be >= 1")
+        if pp < 1 or world % pp:
+            raise ConfigError(f"parallel.pp={pp} does not divide the world size {world}; use a pp that divides the "
+                              f"number of processes (--nproc_per_node x nodes)")
+        if pp > n_layers:
+            raise ConfigError(f"parallel.pp={pp} exceeds the {n_layers} layers: every stage needs a block")
+        if cp < 1 or (world // pp) % cp:
+            raise ConfigError(f"parallel.cp={cp} does not divide the {world // pp} ranks of a pipeline stage (world "
+                              f"{world} / pp {pp}); use a cp that divides it")
+        dp = world // (pp * cp)
+        if ep < 1 or (dp * cp) % ep:
+            raise ConfigError(f"parallel.ep={ep} does not divide the dp x cp = {dp * cp} ranks of a stage (= world "
+                              f"{world} / pp {pp})")
+        if n_routed_experts % ep:
+            raise ConfigError(f"parallel.ep={ep} does not divide model.n_routed_experts={n_routed_experts}")
+        return cls(world, pp, dp, ep, cp=cp)
+
+    def connect(self, rank: int, device_type: str = "cpu", zero: bool = False, engram_shard: bool = False,
+                bucket_bytes: int = 25 << 20) -> "ParallelDims":
+        """This rank's mesh and groups, once the process group exists (none for one process), and what is
+        exchanged over them; in place."""
+        self.rank, self.bucket_bytes = rank, bucket_bytes
+        self.mesh = build_mesh(self, device_type) if self.world > 1 and dist.is_initialized() else None
+        self.zero, self.engram_shard = zero and self.dp_cp > 1, engram_shard and self.dp_cp > 1
+        return self
+
+    @classmethod
     def build(cls, world: int, rank: int, pp: int, ep: int, n_layers: int, n_routed_experts: int,
               device_type: str = "cpu", zero: bool = False, engram_shard: bool = False,
               bucket_bytes: int = 25 << 20, cp: int = 1) -> "ParallelDims":
-        shape = mesh_shape(world, pp, ep, n_layers, n_routed_experts, cp)
-        mesh = build_mesh(shape, device_type) if world > 1 and dist.is_initialized() else None
-        return cls(world, pp, shape.dp, ep, rank, mesh, zero and shape.dp_cp > 1, engram_shard and shape.dp_cp > 1,
-                   bucket_bytes, cp)
+        return cls.plan(world, pp, ep, n_layers, n_routed_experts, cp).connect(rank, device_type, zero, engram_shard,
+                                                                             bucket_bytes)
 
     @property
     def dp_cp(self) -> int:

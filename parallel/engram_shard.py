@@ -37,11 +37,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
 from flashtrain.model.engram import Engram
 from flashtrain.model.moe import balanced_split
+from flashtrain.model.simulation import simulated
 from flashtrain.parallel.zero import row_pieces
 
 
@@ -86,7 +86,7 @@ class ShardedRows:
     def request_round(self, ids: list[torch.Tensor]) -> list[RowRequest]:
         """Steps 1-2 for the micro-batches `ids` (one tensor each): distinct ids, and the per-owner
         counts of all of them exchanged in one all-to-all (one host sync). Step 3 is `launch`."""
-        if is_fake(ids[0]):
+        if simulated(ids[0]):
             sends = [balanced_split(t.numel(), self.size) for t in ids]
             return [RowRequest(t.reshape(-1), None, send, send, self.group) for t, send in zip(ids, sends)]
         uniques = [torch.unique(t.reshape(-1), sorted=True, return_inverse=True) for t in ids]

@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
 from flashtrain.model.moe import RoutedExperts, balanced_split, expert_sizes
+from flashtrain.model.simulation import simulated
 
 
 def _chunks(xs: list[int], n: int) -> list[list[int]]:
@@ -53,7 +53,7 @@ class AllToAllDispatch:
         synchronisation of the layer: a single `tolist` of both lists. Fake tensors (train/estimate.py)
         carry no values: every rank then sends and receives the balanced split, without exchanging counts."""
         ep = self.ep
-        if is_fake(flat):
+        if simulated(flat):
             splits = [sum(part) for part in _chunks(balanced_split(flat.numel(), E), e_local)]
             n = sum(splits)
             sizes = torch.tensor(balanced_split(n, e_local), dtype=torch.int32, device=flat.device)

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import is_fake
+
+from flashtrain.model.simulation import simulated
 
 
 @dataclass
@@ -130,7 +131,7 @@ class GradReducer:
         b, i = self.bucket_of[id(p)]
         slot = self._view(b, i)
         # autograd replaced the view instead of adding into it
-        if not is_fake(slot) and p.grad.data_ptr() != slot.data_ptr():
+        if not simulated(slot) and p.grad.data_ptr() != slot.data_ptr():
             slot.copy_(p.grad)
             p.grad = slot
         if id(p) in b.final:
@@ -173,7 +174,7 @@ class GradReducer:
                                  device=buckets[0].buffer.device)
             if buckets[0].group is not None:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=buckets[0].group)
-            if is_fake(flags):  # the memory estimator: no values, every gradient is assumed to exist
+            if simulated(flags):  # the memory estimator: no values, every gradient is assumed to exist
                 continue
             for p, got in zip(params, flags.tolist()):
                 if not got:

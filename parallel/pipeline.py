@@ -60,6 +60,7 @@ from flashtrain.model.config import ModelConfig
 from flashtrain.model.layer_plan import LayerRole
 from flashtrain.model.transformer import Transformer
 from flashtrain.parallel.config import SCHEDULES, ParallelConfig
+from flashtrain.parallel.grad_reduce import GradReducer
 from flashtrain.parallel.lean_stage import LeanPipelineStage
 
 FIRST_INPUTS = ("tokens", "token_types", "rows")
@@ -294,26 +295,30 @@ class Pipeline:
     stages: list = field(default_factory=list)
     n_microbatches: int = 1  # per round
 
-    def set_before_last_backward(self, fn) -> None:
-        """fn(stage) runs before each local stage's last backward of the round (None: nothing)."""
-        for stage in self.stages:
-            stage.before_last_backward = fn
-
     def set_aux_grad_scale(self, scale: float) -> None:
         for m in self.modules:
             m.aux_grad_scale = scale
 
-    def run_round(self, tokens, token_types, labels, images, routes: list[dict] | None = None) -> list[torch.Tensor]:
+    def run_round(self, tokens, token_types, labels, images, routes: list[dict] | None = None,
+                  reducer: GradReducer | None = None) -> list[torch.Tensor]:
         """One schedule step over a round's [M x b, S] batch; returns the last stage's per-micro-batch
         losses (empty elsewhere). `routes`: per micro-batch, cached routing indices of this rank's MoE
-        layers to follow (Anticipatory Routing; None: each layer's own top-k)."""
+        layers to follow (Anticipatory Routing; None: each layer's own top-k). `reducer`: given for the
+        optimizer step's last round, whose backwards complete the gradients: each local stage marks its
+        parameters final in it before its last backward of the round, so buckets are reduced as that
+        backward completes them (parallel/grad_reduce.py; None: nothing is marked)."""
         for m in self.modules:
             m.routes = routes
+        for stage in self.stages:
+            stage.before_last_backward = None if reducer is None else (
+                lambda s: reducer.mark_final(s.submod.parameters()))
         try:
             return self._round(self.schedule.step, tokens, token_types, labels, images)
         finally:
             for m in self.modules:
                 m.routes = None
+            for stage in self.stages:
+                stage.before_last_backward = None
 
     def record_round(self, tokens, token_types, labels, images) -> list[dict]:
         """A forward-only pass of the round (no gradients, no statistics kept) that records the routing
@@ -351,14 +356,12 @@ class Pipeline:
         return losses
 
 
-def build_pipeline(model: Transformer, parallel: ParallelConfig, bounds: list[tuple[int, int]], pp_rank: int,
-                   group: dist.ProcessGroup, device: torch.device, micro_batch: int, seq_len: int,
-                   n_microbatches: int, loss_fn: Callable) -> Pipeline:
-    """Prune `model` to this rank's stages (in place; a no-op when already pruned) and wrap them in
-    PipelineStages and the configured schedule. `bounds`: [start, end) blocks of every stage
-    (parallel.n_stages of them)."""
-    mine = local_stage_ranges(parallel, bounds, pp_rank)
-    prune_to_stages(model, mine)
+def build_pipeline(model: Transformer, parallel: ParallelConfig, mine: list[StageRange], group: dist.ProcessGroup,
+                   device: torch.device, micro_batch: int, seq_len: int, n_microbatches: int,
+                   loss_fn: Callable) -> Pipeline:
+    """Wrap this rank's stages `mine` (`local_stage_ranges`) of `model`, already pruned to them
+    (`prune_to_stages`, parallel/construct.py), in PipelineStages and the configured schedule. The
+    schedule calls `loss_fn(hidden, labels)` on the last stage (train/step_runner.py `pipeline_loss`)."""
     cfg, plan = model.cfg, model.plan
     split = model.sequence_split(seq_len)
     local_len = seq_len if split is None else split.length

@@ -49,7 +49,7 @@ class Spy:
 
     def __init__(self, t, monkeypatch):
         self.params, self.batches, self.used = [], [], []
-        original_gate, original_step, original_next = Gate.forward, t.train_step, t.ar.next_step
+        original_gate, original_step, original_run = Gate.forward, t.train_step, t.runner.run
 
         def gate(module, x, image_mask, indices=None):
             out = original_gate(module, x, image_mask, indices)
@@ -62,14 +62,13 @@ class Spy:
             self.used.append([])
             return original_step()
 
-        def next_step(step, fetch, record):
-            batches, routes = original_next(step, fetch, record)
+        def run(batches, routes=None):
             self.batches.append(batches)
-            return batches, routes
+            return original_run(batches, routes)
 
         monkeypatch.setattr(Gate, "forward", gate)
         monkeypatch.setattr(t, "train_step", train_step)
-        monkeypatch.setattr(t.ar, "next_step", next_step)
+        monkeypatch.setattr(t.runner, "run", run)
 
     def recomputed(self, model, step, params_step):
         """The indices the parameters at the start of `params_step` pick for `step`'s micro-batches."""
@@ -90,7 +89,7 @@ def same(a, b):
 def test_delta_zero_is_normal_training(tmp_path, corpus):
     finish(trainer(tmp_path / "normal", corpus))
     t = trainer(tmp_path / "ar0", corpus, "train.anticipatory_routing.delta_steps=0")
-    t.ar.activate(0)
+    t.guard.routing.activate(0)
     finish(t)
     records = [json.loads(line) for line in (tmp_path / "ar0" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["anticipatory_routing"] for r in records)
@@ -100,7 +99,7 @@ def test_delta_zero_is_normal_training(tmp_path, corpus):
 def test_indices_come_from_the_parameters_delta_steps_earlier(tmp_path, corpus, monkeypatch):
     t = trainer(tmp_path / "ar2", corpus, "train.anticipatory_routing.delta_steps=2",
                 "train.anticipatory_routing.active_steps=4", steps=5)
-    t.ar.activate(0)
+    t.guard.routing.activate(0)
     spy = Spy(t, monkeypatch)
     model = t.model
     t.fit()
@@ -137,14 +136,15 @@ def test_a_checkpoint_in_the_active_phase_resumes_exactly(tmp_path, corpus):
     resumed run trains steps 4-6 on the same batches with the same routing as the uninterrupted one."""
     ar = ["train.anticipatory_routing.delta_steps=2", "train.anticipatory_routing.active_steps=10"]
     straight = trainer(tmp_path / "straight", corpus, *ar, steps=6)
-    straight.ar.activate(0)
+    straight.guard.routing.activate(0)
     finish(straight)
     first = trainer(tmp_path / "split", corpus, *ar, steps=3)
-    first.ar.activate(0)
+    first.guard.routing.activate(0)
     finish(first)
     ckpt = tmp_path / "split" / "checkpoints" / "step_00000003"
     assert (ckpt / "__0_0.distcp").is_file()
     resumed = trainer(tmp_path / "split", corpus, *ar, steps=6)
-    assert resumed.step == 3 and len(resumed.ar.ahead) == 2 and all(r is not None for _, r in resumed.ar.ahead)
+    ahead = resumed.guard.routing.ahead
+    assert resumed.step == 3 and len(ahead) == 2 and all(r is not None for _, r in ahead)
     finish(resumed)
     assert losses(tmp_path / "split") == losses(tmp_path / "straight")

@@ -100,8 +100,8 @@ def test_a_rank_allocates_only_what_it_owns(tiny_cfg, whole):
 def test_flash_fixed_batch_fits_common_layouts():
     """exp=flash: 1536 sequences of 64K (the published 100.6M tokens, rounded); 1024 GPUs with pp=16,
     ep=64 give dp=64 and 24 one-sequence micro-batches per pipeline, enough for 1F1B."""
-    from flashtrain.train.config import compose, data_config
-    from flashtrain.train.trainer import TrainConfig, plan_layout
+    from flashtrain.train.build import plan_layout
+    from flashtrain.train.config import TrainConfig, compose, data_config
 
     cfg = compose(["+exp=flash"])
     train, data = typed_config(TrainConfig, cfg["train"], "train"), data_config(cfg)
@@ -114,7 +114,8 @@ def test_flash_fixed_batch_fits_common_layouts():
 
 def test_bad_global_batch_names_the_nearest_valid_one():
     from flashtrain.config.errors import ConfigError
-    from flashtrain.train.trainer import TrainConfig, plan_layout
+    from flashtrain.train.build import plan_layout
+    from flashtrain.train.config import TrainConfig
 
     train = TrainConfig(global_batch_tokens=1535 * 65536)
     with pytest.raises(ConfigError) as e:
@@ -136,8 +137,8 @@ def test_a_layout_for_another_world_size_is_refused_and_the_tools_default_to_it(
     from pathlib import Path
 
     from flashtrain.config.errors import ConfigError
-    from flashtrain.train.config import compose
-    from flashtrain.train.trainer import TrainConfig, plan_layout
+    from flashtrain.train.build import plan_layout
+    from flashtrain.train.config import TrainConfig, compose
 
     ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,13 +14,13 @@ def test_middle_stage_holds_only_the_boundary_tensors_in_use():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from flashtrain.train.estimate import SimulatedTrainer
+    from flashtrain.train.estimate import SimulatedRank
 
     cfg = compose(["+exp=flash_tiny", "parallel.pp=3", "data.batch_size=1"])
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=3)
     try:
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        sim = SimulatedTrainer(cfg, 3, 1, "cpu", fake)
+        sim = SimulatedRank(cfg, 3, 1, "cpu", fake)
         stage = sim.pipe.schedule._stage
         assert not stage.is_first and not stage.is_last
         n_micro = sim.layout.round_microbatches
@@ -55,7 +55,7 @@ def test_middle_stage_holds_only_the_boundary_tensors_in_use():
         watch("get_fwd_send_ops", check_released)
         with fake:
             sim.prime_optimizer_state()
-            sim.compute_step()
+            sim.run_step()
         # at most one micro-batch's input buffer and one's output-gradient buffer exist at a time
         # (torch's PipelineStage allocates all n_micro of each when the schedule starts and keeps them)
         assert held and max(f for f, _ in held) == 1 and max(g for _, g in held) == 1, held
@@ -85,7 +85,7 @@ def test_last_stage_frees_each_micro_batch_after_its_backward(monkeypatch):
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        sim = estimate.SimulatedTrainer(cfg, 2, 1, "cpu", fake)
+        sim = estimate.SimulatedRank(cfg, 2, 1, "cpu", fake)
         stage = sim.pipe.schedule._stage
         assert stage.is_last and sim.layout.round_microbatches >= 4
         inputs, done, stale = {}, set(), []
@@ -106,7 +106,7 @@ def test_last_stage_frees_each_micro_batch_after_its_backward(monkeypatch):
         stage.forward_one_chunk, stage.backward_one_chunk = watched_forward, watched_backward
         with fake:
             sim.prime_optimizer_state()
-            sim.compute_step()
+            sim.run_step()
         assert len(stale) == sim.layout.round_microbatches * sim.layout.rounds
         assert max(stale) <= 1, stale
     finally:

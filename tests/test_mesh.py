@@ -1,4 +1,5 @@
-"""Mesh degrees (parallel/mesh.py): validated against world size and model, and a real 2-process mesh."""
+"""Mesh degrees (parallel/dims.py `ParallelDims.plan`): validated against world size and model, and a real 2-process
+mesh (parallel/mesh.py)."""
 
 import os
 import subprocess
@@ -8,32 +9,33 @@ from pathlib import Path
 import pytest
 
 from flashtrain.config.errors import ConfigError
-from flashtrain.parallel.mesh import mesh_shape
+from flashtrain.parallel.dims import ParallelDims
 
 
 def test_degrees_by_hand():
-    s = mesh_shape(world=8, pp=2, ep=2, n_layers=40, n_routed_experts=384)
+    s = ParallelDims.plan(world=8, pp=2, ep=2, n_layers=40, n_routed_experts=384)
     assert (s.pp, s.dp, s.ep, s.cp) == (2, 4, 2, 1)
-    s = mesh_shape(world=16, pp=2, ep=8, n_layers=40, n_routed_experts=384, cp=4)  # ep folds over dp x cp
+    s = ParallelDims.plan(world=16, pp=2, ep=8, n_layers=40, n_routed_experts=384, cp=4)  # ep folds over dp x cp
     assert (s.pp, s.dp, s.ep, s.cp, s.dp_cp) == (2, 2, 8, 4, 8)
     for kw, msg in ((dict(world=6, pp=4, ep=1), "parallel.pp=4 does not divide the world size 6"),
                     (dict(world=8, pp=2, ep=3), r"parallel.ep=3 does not divide the dp x cp = 4 ranks"),
                     (dict(world=8, pp=2, ep=1, cp=3), r"parallel.cp=3 does not divide the 4 ranks of a pipeline stage"),
                     (dict(world=64, pp=64, ep=1), "parallel.pp=64 exceeds the 40 layers")):
         with pytest.raises(ConfigError, match=msg):
-            mesh_shape(n_layers=40, n_routed_experts=384, **kw)
+            ParallelDims.plan(n_layers=40, n_routed_experts=384, **kw)
     with pytest.raises(ConfigError, match="n_routed_experts=384"):
-        mesh_shape(world=10, pp=1, ep=5, n_layers=40, n_routed_experts=384)
+        ParallelDims.plan(world=10, pp=1, ep=5, n_layers=40, n_routed_experts=384)
 
 
 def test_two_process_mesh():
     script = r'''
 import torch.distributed as dist
-from flashtrain.parallel.mesh import build_mesh, mesh_shape
+from flashtrain.parallel.dims import ParallelDims
+from flashtrain.parallel.mesh import build_mesh
 dist.init_process_group("gloo")
 r = dist.get_rank()
 for pp, ep, cp in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 2, 2)):
-    mesh = build_mesh(mesh_shape(dist.get_world_size(), pp, ep, 40, 8, cp))
+    mesh = build_mesh(ParallelDims.plan(dist.get_world_size(), pp, ep, 40, 8, cp))
     dm = mesh.device_mesh
     assert dm.mesh_dim_names == ("pp", "dp_rep", "ep") and tuple(dm.mesh.shape) == (pp, 2 // pp // ep, ep), dm
     assert mesh.dp_cp_mesh.size() == 2 // pp and dm["pp"].size() == pp and dm["ep"].size() == ep

@@ -92,7 +92,7 @@ def test_mfu_and_peaks():
 
 
 def test_profile_config():
-    from flashtrain.train.trainer import TrainConfig
+    from flashtrain.train.config import TrainConfig
 
     t = typed_config(TrainConfig, {"profile": {"steps": [2, 3], "memory_snapshot": True}, "peak_tflops": {"cuda": 900}},
                      "train")

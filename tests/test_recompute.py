@@ -104,7 +104,8 @@ def test_selective_sends_no_second_all_to_all(runs):
 def test_unknown_mode_is_refused_with_the_choices():
     from flashtrain.config.errors import ConfigError
     from flashtrain.parallel.config import ParallelConfig
-    from flashtrain.train.trainer import TrainConfig, plan_layout
+    from flashtrain.train.build import plan_layout
+    from flashtrain.train.config import TrainConfig
 
     with pytest.raises(ConfigError, match=r"train.recompute='sometimes': must be one of none, selective, full"):
         plan_layout(TrainConfig(global_batch_tokens=256, recompute="sometimes"), 128, 1, ParallelConfig(), 1)

@@ -7,7 +7,7 @@ import pytest
 from flashtrain.config.errors import CheckpointError, ConfigError, DataError, FlashtrainError
 from flashtrain.config.typed import typed_config
 from flashtrain.data.config import DataConfigError
-from flashtrain.train.trainer import TrainConfig
+from flashtrain.train.config import TrainConfig
 
 
 @dataclass

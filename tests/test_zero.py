@@ -247,12 +247,12 @@ def test_pipeline_sends_each_micro_batchs_engram_ids_during_the_previous_forward
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        sim = estimate.SimulatedTrainer(cfg, 4, 0, "cpu", fake)
+        sim = estimate.SimulatedRank(cfg, 4, 0, "cpu", fake)
         n = sim.layout.round_microbatches
         assert n >= 3 and sim.pipe.modules[0].range.start == 0
         with fake:
             sim.prime_optimizer_state()
-            sim.compute_step()
+            sim.run_step()
     finally:
         dist.destroy_process_group()
     engram_layers = 2  # layers 1 and 14, both on the first stage

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
+
+from flashtrain.model.simulation import simulated
 
 
 def accumulate_loads(total: dict[int, torch.Tensor], step_loads: dict[int, torch.Tensor]) -> None:
@@ -44,7 +45,7 @@ def global_loads(loads: dict[int, torch.Tensor], n_layers: int, n_experts: int, 
         dense[layer, -1] = 1
     dist.all_reduce(dense, group=group)
     dense = dense.cpu()  # the one device-to-host copy of the step's loads
-    present = range(n_layers) if is_fake(dense) else [l for l in range(n_layers) if dense[l, -1]]  # fake: no values
+    present = range(n_layers) if simulated(dense) else [l for l in range(n_layers) if dense[l, -1]]  # fake: no values
     return {l: dense[l, :-1].reshape(2, n_experts) for l in present}
 
 
@@ -60,7 +61,7 @@ def update_biases(model: nn.Module, loads: dict[int, torch.Tensor], rate: float)
         gate = ffn.gate
         for bias, counts in ((gate.bias, load[0]), (gate.bias_vl, load[1])):
             counts = counts.to(bias.device, torch.float32)
-            if not is_fake(counts) and counts.sum() == 0:
+            if not simulated(counts) and counts.sum() == 0:
                 continue  # this modality was absent from the step (the rule would change nothing either)
             bias += rate * torch.sign(counts.mean() - counts)
             changed += 1

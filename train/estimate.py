@@ -1,8 +1,10 @@
 """Per-GPU memory of a real training step, simulated on the CPU (launch/estimate.py; DESIGN.md "Memory").
 
-One chosen rank of a `world`-rank layout runs the trainer's own step (`Trainer.compute_step`: every
-micro-batch's forward and backward through the configured pipeline schedule and expert all-to-alls,
-gradient reduction, clipping, the optimizer step, the MoE bias update) with
+One chosen rank of a `world`-rank layout, built by the trainer's own construction functions
+(train/build.py), runs the trainer's step (`SimulatedRank.run_step`, the parts of
+`Trainer.forward_backward_update` that hold memory: every micro-batch's forward and backward through the
+step runner -- the configured pipeline schedule and expert all-to-alls --, gradient reduction, clipping,
+the optimizer step, the MoE bias update) with
 - fake tensors (`FakeTensorMode`): shapes, dtypes and storage sizes, no data, no arithmetic;
 - a fake process group (torch's `fake` backend): every collective and point-to-point "succeeds";
 - torch's `MemTracker` (torch.distributed._tools.mem_tracker) counting every tensor's storage by kind
@@ -15,6 +17,11 @@ optimizer step on zero gradients, as the first real step creates it), as in ever
 It runs as many micro-batches as the peak needs (`_peak_preserving_microbatches`: 2 without a pipeline,
 pp + 1 on stage 0 and pp elsewhere with 1F1B; later micro-batches repeat the same state), not the whole
 accumulation.
+
+Estimator-only behaviour sits at one seam: `build_rank(tensor_mode=...)` builds the rank under the
+FakeTensorMode; `_static_stages` stands in for the pipeline schedule's warm-up vote (torch's private
+`_warmup_p2p`, which reads a tensor on the host); and the code paths that read tensor values on the host
+ask `flashtrain.model.simulation.simulated` (which lists them) for the shape-only path.
 
 What a simulation cannot know, it assumes: routing is balanced (each expert receives its even share
 of the (token, expert) pairs -- what the bias update steers towards); `device='cuda'` simulates bf16
@@ -32,7 +39,11 @@ from omegaconf import DictConfig, open_dict
 
 from flashtrain.model.vision import set_vision_body_trainable
 from flashtrain.parallel.construct import model_template
-from flashtrain.train.trainer import Trainer
+from flashtrain.train.balancing import global_loads, update_biases
+from flashtrain.train.build import build_dims, build_rank, read_configs, run_plan
+from flashtrain.train.collectives import Operation
+from flashtrain.train.config import BatchPlan
+from flashtrain.train.step_runner import StepBatches
 
 
 @dataclass
@@ -75,7 +86,7 @@ def _any_token_map(m) -> list[int] | None:
     return [i % vocab for i in range(m.vocab_size)]
 
 
-def _peak_preserving_microbatches(layout, schedule: str, pp_rank: int) -> dict:
+def _peak_preserving_microbatches(layout: BatchPlan, schedule: str, pp_rank: int) -> dict:
     """Fewer micro-batches with the same peak, to keep the simulation short. Without a pipeline the
     peak is reached in the second micro-batch (the first one's gradients held while the second's
     activations build up), and every later one repeats it. With 1F1B, stage s warms up with
@@ -84,11 +95,12 @@ def _peak_preserving_microbatches(layout, schedule: str, pp_rank: int) -> dict:
     least pp: min(M, max(pp, pp - s + 1)). The pipeline stages hold receive buffers only for
     micro-batches in use (parallel/lean_stage.py), so nothing else scales with M. Other schedules are
     simulated in full."""
-    if layout.pp == 1:
+    pp = layout.dims.pp
+    if pp == 1:
         m = min(layout.accumulation, 2)
         return {"accumulation": m, "round_microbatches": 1}
     if schedule == "1f1b" and layout.rounds == 1:
-        m = min(layout.round_microbatches, max(layout.pp, layout.pp - pp_rank + 1))
+        m = min(layout.round_microbatches, max(pp, pp - pp_rank + 1))
         return {"accumulation": m, "round_microbatches": m}
     return {}
 
@@ -103,36 +115,54 @@ def _static_stages(stages, has_backward, p2p_done) -> None:
         stage._inference_mode = InferenceMode.STATIC
 
 
-class SimulatedTrainer(Trainer):
-    """The trainer of rank `rank` of `world`, on fake tensors and a fake process group (which the caller
-    has initialised)."""
+class SimulatedRank:
+    """Rank `rank` of a `world`-rank layout, built by the trainer's own construction functions
+    (train/build.py) on fake tensors and a fake process group (which the caller has initialised)."""
 
     def __init__(self, cfg: DictConfig, world: int, rank: int, device_type: str, fake_mode):
         cfg = cfg.copy()
         with open_dict(cfg):
             cfg.pop("hydra", None)
             cfg.run_name = "simulated"  # the default interpolates the Hydra runtime, which is not running
-        self._configure(cfg, "simulated", world)
-        self.full_accumulation = self.layout.accumulation
+        self.cfg = c = read_configs(cfg)
+        self.schedule, self.step = c.schedule, 0
+        plan = run_plan(c, world)
+        self.full_accumulation = plan.accumulation
         self.rank, self.device = rank, torch.device("cpu")
-        self._setup_groups(world)
-        self.layout = replace(self.layout, **_peak_preserving_microbatches(self.layout, self.parallel.pipeline_schedule,
-                                                                           self.pp_rank))
+        self.dims = build_dims(c, plan, rank, self.device.type)
+        # the batch plan simulated (fewer micro-batches, the same peak)
+        self.layout = replace(plan, **_peak_preserving_microbatches(plan, c.parallel.pipeline_schedule,
+                                                                    self.dims.pp_rank))
         self.mixed_precision = device_type == "cuda"
-        m = self.model_cfg
-        self.tensor_mode = fake_mode
-        self._build(model_template(m, _any_token_map(m)))  # pruned on meta, then materialised as fake tensors
+        m = c.model
+        parts = build_rank(c, self.layout, self.dims, self.device, model_template(m, _any_token_map(m)),
+                           self.mixed_precision, Operation(), self.schedule.lr(self.step), tensor_mode=fake_mode)
+        self.model, self.pipe, self.optim, self.runner = parts.model, parts.pipe, parts.optim, parts.runner
         if self.pipe is not None:
             self.pipe.schedule._warmup_p2p = _static_stages  # the library's vote reads a tensor on the host
         with fake_mode:
-            self.loader = SyntheticBatches(self.data_cfg.batch_size, self.data_cfg.seq_len, m.vocab_size)
+            self.loader = SyntheticBatches(c.data.batch_size, c.data.seq_len, m.vocab_size)
+        self.batches = StepBatches(self.loader, self.layout.accumulation)
+
+    def run_step(self) -> None:
+        """The trainer's step (`Trainer.forward_backward_update`) as far as memory goes: the step runner's
+        forward/backward of every micro-batch with the gradient reduction, clipping, the optimizer step,
+        the MoE bias update, the step values' all-reduce. Not simulated: the stability guard (its verdict
+        reads values on the host), the LR and the loader's counters (no tensors)."""
+        c = self.cfg
+        sums, loads = self.runner.run(next(self.batches))
+        self.dims.clip(self.model, c.train.grad_clip, self.device)
+        self.optim.step()
+        loads = global_loads(loads, c.model.n_layers, c.model.n_routed_experts, device=self.device)
+        update_biases(self.model, loads, c.train.balance_rate)
+        sums.all_reduce()
 
     def prime_optimizer_state(self) -> None:
         """Create every optimizer state tensor as a first step would (zero gradients, one optimizer
         step), so the measured step is the steady state without simulating a whole extra step. The
         step simulated is the first with the ViT unfrozen (every parameter trains: the largest state)."""
         self.step = self.schedule.vit_unfreeze_step
-        if self.model_cfg.vision_n_layers:
+        if self.cfg.model.vision_n_layers:
             set_vision_body_trainable(self.model, True)
         for p in self.model.parameters():
             if p.requires_grad:
@@ -215,7 +245,7 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        sim = SimulatedTrainer(cfg, world, rank, device_type, fake_mode)
+        sim = SimulatedRank(cfg, world, rank, device_type, fake_mode)
         with fake_mode:
             sim.prime_optimizer_state()
             tracker = _step_tracker()
@@ -223,7 +253,7 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
             optims = [getattr(o, "inner", o) for o in sim.optim.optimizers.values()]
             tracker.track_external(sim.model, *[o for o in optims if o is not None])
             with tracker:
-                sim.compute_step()
+                sim.run_step()
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
         return RankEstimate(rank=rank, stages=sim.stages(), peak_bytes=_bytes(peak, "Total"),
                             params_bytes=_bytes(peak, "Parameter"), grads_bytes=_bytes(peak, "Gradient"),

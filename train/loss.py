@@ -22,9 +22,9 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from flashtrain.data.loader import IGNORE
+from flashtrain.model.simulation import simulated
 
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -53,10 +53,10 @@ def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, t
         labels = split.local(labels)
     # fake labels (the memory estimator, train/estimate.py) have no values: every position counts
     if split is not None:
-        n_valid = split.seq_len * labels.shape[0] if is_fake(labels) else max(
+        n_valid = split.seq_len * labels.shape[0] if simulated(labels) else max(
             1, int(split.sum((labels != IGNORE).sum())))
     else:
-        n_valid = labels.numel() if is_fake(labels) else max(1, int((labels != IGNORE).sum()))
+        n_valid = labels.numel() if simulated(labels) else max(1, int((labels != IGNORE).sum()))
     tiles = max(1, math.ceil(labels.numel() / tile_tokens))
 
     def tile_loss(head: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

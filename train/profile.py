@@ -97,8 +97,8 @@ class StepProfiler:
         """The trainer's profiler, made on first use (the first step this process runs) and kept on it."""
         prof = trainer.__dict__.get("_step_profiler")
         if prof is None:
-            prof = trainer._step_profiler = cls(trainer.train_cfg.profile, trainer.run_dir, trainer.device,
-                                                trainer.model, trainer.rank, trainer.layout.world,
+            prof = trainer._step_profiler = cls(trainer.cfg.train.profile, trainer.run_dir, trainer.device,
+                                                trainer.model, trainer.rank, trainer.dims.world,
                                                 trainer.step + 1, trainer.max_steps)
         return prof
 

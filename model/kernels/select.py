@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+
+from flashtrain.model.simulation import simulated
 
 try:  # triton is optional on CPU-only machines; the reference paths need nothing from it
     import triton  # noqa: F401
@@ -29,7 +30,7 @@ def use_triton(t: torch.Tensor, requested: bool | None) -> bool:
     """requested=None: Triton on CUDA (or under the interpreter), the reference elsewhere. Fake tensors
     (the memory estimator, train/estimate.py) always take the reference: a kernel has no values to run on,
     and the kernels keep the same saved tensors as the references they sit beside."""
-    if is_fake(t):
+    if simulated(t):
         return False
     if requested is False or not HAS_TRITON:
         if requested:

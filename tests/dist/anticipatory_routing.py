@@ -34,7 +34,7 @@ def run(out: Path, corpus: str, layout: str) -> None:
                    "data.batch_size=1", "logging.wandb.mode=disabled", "logging.progress=false", "run_name=ar",
                    f"train.max_steps={STEPS}", "train.anticipatory_routing.delta_steps=1", *LAYOUTS[layout]])
     t = Trainer(cfg, out / f"run_{layout}")
-    t.ar.activate(0)
+    t.guard.routing.activate(0)
     used: list[list[torch.Tensor]] = []
     params, batches, losses = [], [], []
     original = Gate.forward
@@ -49,16 +49,15 @@ def run(out: Path, corpus: str, layout: str) -> None:
     for _ in range(STEPS):
         params.append(copy.deepcopy(t.model.state_dict()))
         used.append([])
-        fetch = t.ar.next_step
+        run_batches = t.runner.run
 
-        def spy(step, f, r, fetch=fetch):
-            b, routes = fetch(step, f, r)
+        def spy(b, routes=None, run_batches=run_batches):
             batches.append(b)
-            return b, routes
+            return run_batches(b, routes)
 
-        t.ar.next_step = spy
+        t.runner.run = spy
         record, _ = t.train_step()
-        t.ar.next_step = fetch
+        t.runner.run = run_batches
         losses.append(record["loss"])
     Gate.forward = original
     same_earlier, same_own, calls = [], [], []
@@ -66,7 +65,7 @@ def run(out: Path, corpus: str, layout: str) -> None:
         flat = []
         for src in (max(s - 1, 1), s):  # parameters of step t - 1 (activation: step 1's own), then step t's
             t.model.load_state_dict(params[src - 1])
-            flat.append([d[k] for d in t._record_routes(batches[s - 1]) for k in sorted(d)])
+            flat.append([d[k] for d in t.runner.record_routes(batches[s - 1]) for k in sorted(d)])
         calls.append(len(used[s - 1]))
         same_earlier.append(len(flat[0]) == len(used[s - 1]) > 0 and
                             all(torch.equal(a, b) for a, b in zip(flat[0], used[s - 1])))

@@ -25,7 +25,7 @@ from flashtrain.model.aux import StepStats  # noqa: E402
 from flashtrain.parallel.config import ParallelConfig  # noqa: E402
 from flashtrain.parallel.context import ContextComm  # noqa: E402
 from flashtrain.parallel.partition import bounds_from_counts  # noqa: E402
-from flashtrain.parallel.pipeline import build_pipeline  # noqa: E402
+from flashtrain.parallel.pipeline import build_pipeline, local_stage_ranges, prune_to_stages  # noqa: E402
 from flashtrain.train.balancing import update_biases  # noqa: E402
 from flashtrain.train.loss import tiled_lm_loss  # noqa: E402
 
@@ -98,8 +98,10 @@ def main(pp: int, cp: int, balances: list[str]) -> None:
             bal, idx = float(stats.total("balance_loss")), float(stats.total("indexer_loss"))
         else:
             counts = [17, 23]
-            pipe = build_pipeline(model, ParallelConfig(pp=pp, stage_layers=counts), bounds_from_counts(counts),
-                                  pp_rank, pp_group, torch.device("cpu"), 1, SEQ_LEN, n_micro,
+            parallel = ParallelConfig(pp=pp, stage_layers=counts)
+            mine = local_stage_ranges(parallel, bounds_from_counts(counts), pp_rank)
+            prune_to_stages(model, mine)
+            pipe = build_pipeline(model, parallel, mine, pp_group, torch.device("cpu"), 1, SEQ_LEN, n_micro,
                                   lambda h, y: tiled_lm_loss(h, model.head, y, TILE, 1.0 / n_micro, split=split))
             pipe.set_aux_grad_scale(1.0 / n_micro)
             losses = pipe.run_round(tokens, types, labels, images)

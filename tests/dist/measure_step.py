@@ -30,11 +30,11 @@ def main() -> None:
     cfg = compose(sys.argv[1:])
     trainer = Trainer(cfg, os.environ["MEASURE_OUT"])
     trainer.step = trainer.schedule.vit_unfreeze_step  # the estimator's step: every parameter trains
-    trainer.compute_step()
+    trainer.forward_backward_update()
     trainer.optim.zero_grad(set_to_none=True)
     base = live_bytes(trainer)
     with PeakTensorBytes() as mem:
-        trainer.compute_step()
+        trainer.forward_backward_update()
     Path(os.environ["MEASURE_OUT"], f"rank{trainer.rank}.json").write_text(
         json.dumps({"peak_bytes": base + mem.peak, "base_bytes": base}))
     torch.distributed.destroy_process_group()

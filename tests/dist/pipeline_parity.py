@@ -18,7 +18,7 @@ from parity_batch import MICROBATCHES, batch, tiny_model  # noqa: E402
 
 from flashtrain.parallel.config import ParallelConfig  # noqa: E402
 from flashtrain.parallel.partition import bounds_from_counts  # noqa: E402
-from flashtrain.parallel.pipeline import build_pipeline  # noqa: E402
+from flashtrain.parallel.pipeline import build_pipeline, local_stage_ranges, prune_to_stages  # noqa: E402
 from flashtrain.train.loss import tiled_lm_loss  # noqa: E402
 
 LOSS_TILE_TOKENS = 48  # 128-token micro-batches: 3 tiles, the last one shorter
@@ -41,7 +41,9 @@ def main(out: Path, specs: list[str]) -> None:
         def loss_fn(hidden, target, model=model):  # the last stage hands over hidden states: head + CE tiled
             return tiled_lm_loss(hidden, model.head, target, LOSS_TILE_TOKENS, 1.0 / M)
 
-        pipe = build_pipeline(model, parallel, bounds, rank, dist.group.WORLD, torch.device("cpu"),
+        mine = local_stage_ranges(parallel, bounds, rank)
+        prune_to_stages(model, mine)
+        pipe = build_pipeline(model, parallel, mine, dist.group.WORLD, torch.device("cpu"),
                               micro_batch=tokens.shape[0] // M, seq_len=tokens.shape[1], n_microbatches=M,
                               loss_fn=loss_fn)
         pipe.set_aux_grad_scale(1.0 / M)

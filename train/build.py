@@ -1,0 +1,228 @@
+"""Construction of a training run as plain functions (DESIGN.md "Training", "Construction at scale"),
+composed by the trainer (train/trainer.py) and the memory estimator (train/estimate.py) alike:
+
+    read_configs(cfg)              every typed config of the run, validated (train/config.py)
+    plan_layout(...)               the degrees (ParallelDims.plan) and the batch arithmetic (BatchPlan),
+                                   checked before anything exists
+    init_distributed(timeout_s)    the process group (gloo on CPU, NCCL on CUDA) and this rank's device
+    build_dims(...)                the parallel dimensions: mesh, groups, this rank's coordinates
+    build_rank(...)                this rank's model, pipeline stages, optimizers, gradient reducer and
+                                   step runner, from the whole model's meta-device template
+    build_loader(...)              the packed data loader of this rank's dp slice
+
+The estimator's one seam is `build_rank`'s `tensor_mode`: the memory estimator passes its
+FakeTensorMode, under which the model is materialised and the pipeline, optimizers and reducer are
+built (the pruning stays on plain meta tensors); the trainer passes nothing. What else differs when
+simulating (values that do not exist on fake tensors) is listed in train/estimate.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from flashtrain.config.errors import ConfigError
+from flashtrain.config.typed import typed_config
+from flashtrain.data.config import DataConfig, TokenSpec
+from flashtrain.data.loader import PackedLoader
+from flashtrain.model.config import ModelConfig
+from flashtrain.model.param_kinds import ParamKind, parameter_kinds
+from flashtrain.model.recompute import validate_recompute
+from flashtrain.parallel.config import ParallelConfig
+from flashtrain.parallel.construct import build_rank_model
+from flashtrain.parallel.context import ContextComm
+from flashtrain.parallel.dims import ParallelDims
+from flashtrain.parallel.pipeline import Pipeline, build_pipeline, local_stage_ranges
+from flashtrain.train.collectives import Operation
+from flashtrain.train.config import (
+    BatchPlan,
+    TrainConfig,
+    data_config,
+    model_config,
+    optim_config,
+    plan_batches,
+    schedule,
+    token_spec,
+)
+from flashtrain.train.metrics import LoggingConfig
+from flashtrain.train.optim import build_optimizers
+from flashtrain.train.optim.config import OptimConfig
+from flashtrain.train.optim.routing import route_parameters, zero_inputs
+from flashtrain.train.schedule import Schedule
+from flashtrain.train.stages import plan_stages, stage_units
+from flashtrain.train.step_runner import LocalRunner, PipelineRunner, StepRunner, pipeline_loss
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunConfigs:
+    """Every typed config of a run, and the resolved mapping they came from (saved with checkpoints)."""
+
+    cfg_dict: dict
+    model: ModelConfig
+    optim: OptimConfig
+    data: DataConfig
+    train: TrainConfig
+    logging: LoggingConfig
+    parallel: ParallelConfig
+    schedule: Schedule
+    spec: TokenSpec
+
+
+def read_configs(cfg: DictConfig) -> RunConfigs:
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    model = model_config(cfg)
+    return RunConfigs(cfg_dict, model, optim_config(cfg), data_config(cfg),
+                      typed_config(TrainConfig, cfg_dict["train"], "train"),
+                      typed_config(LoggingConfig, cfg_dict.get("logging"), "logging"),
+                      typed_config(ParallelConfig, cfg_dict.get("parallel"), "parallel"), schedule(cfg),
+                      token_spec(model))
+
+
+def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: ParallelConfig, world: int,
+                n_layers: int = 40, n_routed_experts: int = 1) -> BatchPlan:
+    """Validate the process layout and the fixed batch before anything is built: the run's degrees
+    (`plan.dims`, not yet connected) and its batch arithmetic."""
+    if parallel.world is not None and parallel.world != world:
+        raise ConfigError(f"parallel.world={parallel.world} but this run has {world} process(es): the layout "
+                          f"(pp={parallel.pp}, cp={parallel.cp}, ep={parallel.ep}) is for {parallel.world}; launch "
+                          f"that many, or set parallel.world=null and degrees that divide {world}")
+    dims = ParallelDims.plan(world, parallel.pp, parallel.ep, n_layers, n_routed_experts, parallel.cp)
+    if parallel.stage_layers is not None and (len(parallel.stage_layers) != parallel.n_stages
+                                              or sum(parallel.stage_layers) != n_layers
+                                              or min(parallel.stage_layers) < 1):
+        raise ConfigError(f"parallel.stage_layers={parallel.stage_layers}: needs {parallel.n_stages} positive layer "
+                          f"counts (pp={parallel.pp} x {parallel.stages_per_rank} stage(s) per rank for "
+                          f"{parallel.pipeline_schedule}) summing to {n_layers}")
+    plan = plan_batches(train, seq_len, micro_batch, dims, parallel)
+    validate_recompute(train.recompute)
+    if train.loss_tile_tokens <= 0:
+        raise ConfigError(f"train.loss_tile_tokens={train.loss_tile_tokens}: must be a positive number of positions")
+    if train.checkpoint.interval <= 0 or train.checkpoint.keep <= 0:
+        raise ConfigError("train.checkpoint.interval and train.checkpoint.keep must be positive")
+    if parallel.cp > 1:
+        from flashtrain.model.sequence_split import chunk_ranges
+
+        chunk_ranges(seq_len, parallel.cp, parallel.cp_balance)  # a sequence too short for the split fails here
+    return plan
+
+
+def run_plan(c: RunConfigs, world: int) -> BatchPlan:
+    return plan_layout(c.train, c.data.seq_len, c.data.batch_size, c.parallel, world, c.model.n_layers,
+                       c.model.n_routed_experts)
+
+
+def init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
+    """(rank, world, device): the process group of a torchrun launch (none for one process)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def build_dims(c: RunConfigs, plan: BatchPlan, rank: int, device_type: str) -> ParallelDims:
+    """The run's parallel dimensions (`plan.dims`) connected: mesh, groups, this rank's coordinates (after
+    the process group)."""
+    dims = plan.dims
+    return dims.connect(rank, device_type, zero=c.optim.zero, engram_shard=c.parallel.shard_engram(c.model, dims.dp_cp),
+                        bucket_bytes=int(c.parallel.grad_bucket_mb * (1 << 20)))
+
+
+@dataclass
+class RankParts:
+    """What `build_rank` makes: this rank's share of the model and everything that trains it."""
+
+    model: torch.nn.Module
+    pipe: Pipeline | None
+    optim: object  # OptimizerSet (train/optim)
+    reducer: object  # GradReducer (parallel/grad_reduce.py)
+    runner: StepRunner
+
+
+def counts_data(dims: ParallelDims) -> bool:
+    """The cp ranks of a group read the same batches: only cp rank 0 counts them."""
+    return dims.cp_rank == 0
+
+
+def build_rank(c: RunConfigs, plan: BatchPlan, dims: ParallelDims, device: torch.device, template,
+               mixed_precision: bool, op: Operation, lr: float, log_pipeline: bool = False,
+               tensor_mode=None) -> RankParts:
+    """This rank's model, pipeline stages and optimizers from the whole model's meta-device template
+    (`model_template`): pruned to this rank's stages and expert shard, then materialised
+    (parallel/construct.py), so no rank allocates what it does not own and every layout starts from
+    the same weights. `tensor_mode`: the estimator's seam (module docstring)."""
+    model, stages, bounds = template, None, None
+    if dims.pp > 1:  # the cost-balanced partition (train/stages.py, as launch/plan.py shows)
+        units = stage_units(model, c.model, c.optim, c.parallel, c.data.seq_len, c.data.batch_size, c.train.recompute,
+                            mixed_precision, dims.dp_cp, dims.cp)
+        bounds = plan_stages(units, c.parallel)
+        stages = local_stage_ranges(c.parallel, bounds, dims.pp_rank)
+    engram_group = dims.dp_cp_group if dims.engram_shard else None
+    build_rank_model(model, device, c.train.seed, stages, dims.ep, dims.ep_rank, dims.ep_group, tensor_mode,
+                     engram_group, dist.get_rank(engram_group) if engram_group is not None else 0, dims.dp_cp)
+    model.set_recompute(c.train.recompute)
+    if dims.cp > 1:
+        model.set_context_parallel(dims.cp, dims.cp_rank, c.parallel.cp_balance, ContextComm(dims.cp_group))
+    with tensor_mode or contextlib.nullcontext():
+        pipe = None
+        if dims.pp > 1:
+            loss_fn = pipeline_loss(model, c.train.loss_tile_tokens, plan.accumulation, c.data.seq_len)
+            pipe = build_pipeline(model, c.parallel, stages, dims.pp_group, device, c.data.batch_size,
+                                  c.data.seq_len, plan.round_microbatches, loss_fn)
+            if log_pipeline:
+                log.info(f"pipeline: {c.parallel.pipeline_schedule}, pp={dims.pp} x "
+                         f"{c.parallel.stages_per_rank} stage(s) per rank, layers per stage "
+                         f"{[b - a for a, b in bounds]}, {plan.round_microbatches} micro-batches per round x "
+                         f"{plan.rounds} round(s)")
+        kinds, matrices = zero_inputs(route_parameters(model, c.model, c.optim))
+        zero_plan = dims.zero_plan(model, kinds, matrices)
+        optim = build_optimizers(model, c.model, c.optim,
+                                 (lambda p: zero_plan[id(p)]) if dims.zero else None,
+                                 _sinkhorn_row_group_of(model, dims), lr=lr)
+        reducer = dims.grad_reducer(model)
+    common = dict(device=device, loss_tile_tokens=c.train.loss_tile_tokens, mixed_precision=mixed_precision,
+                  counts_data=counts_data(dims), op=op)
+    if pipe is None:
+        runner = LocalRunner(model, reducer, plan.accumulation, **common)
+    else:
+        runner = PipelineRunner(model, pipe, reducer, plan.accumulation, plan.round_microbatches,
+                                pp_rank=dims.pp_rank, **common)
+    return RankParts(model, pipe, optim, reducer, runner)
+
+
+def _sinkhorn_row_group_of(model, dims: ParallelDims):
+    """Row-sharded Engram tables: the Sinkhorn update's column statistics are all-reduced over dp."""
+    if not dims.engram_shard:
+        return None
+    kinds = parameter_kinds(model)
+    tables = {id(p) for n, p in model.named_parameters() if kinds[n] is ParamKind.ENGRAM_TABLE}
+    return lambda p: dims.dp_cp_group if id(p) in tables else None
+
+
+def build_loader(c: RunConfigs, text, mm, dims: ParallelDims) -> PackedLoader:
+    return PackedLoader(c.data, c.spec, text, mm, dims.dp_rank, dims.dp)
+
+
+def check_start(c: RunConfigs) -> None:
+    """What a start needs on disk, checked before a process group exists."""
+    from flashtrain.data.config import resolve_shards
+
+    resolve_shards(c.data.text_shards, "text_shards")  # a bad shard path fails here, not mid-run
+    resolve_shards(c.data.mm_shards, "mm_shards")
+    if c.train.resume_from and not Path(c.train.resume_from).is_dir():
+        raise FileNotFoundError(f"train.resume_from={c.train.resume_from!r} does not exist")

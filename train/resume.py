@@ -1,0 +1,48 @@
+"""Where a start resumes from (DESIGN.md "Training": checkpoints): the run directory's newest complete,
+verified checkpoint, or `train.resume_from`; and whether a checkpoint's model config allows it.
+
+- `train.resume_from` must be an intact checkpoint (else `CheckpointError`, naming the problem);
+- a `train.resume_from` holding weights only (an import, launch/import_official.py) is where a run
+  starts, not a resume point: once the run directory has its own checkpoints, a restart continues from
+  those;
+- the saved model config must equal the run's, except the fields in `EXECUTION_ONLY`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from flashtrain.config.errors import CheckpointError, ConfigError
+from flashtrain.train.checkpoint import checkpoint_problem, latest_verified_checkpoint, weights_only
+
+log = logging.getLogger(__name__)
+
+# model fields that change how the step is computed, not what: a run may resume with other values (e.g. a
+# smaller attention chunk for the 1M-token extension, whose indexer scores [chunk, heads, S / m] per chunk),
+# and QAT (switched on for the last part of a run)
+EXECUTION_ONLY = frozenset({"attn_chunk_size", "use_triton", "qat"})
+
+
+def resume_path(resume_from: str | None, run_dir: Path, is_main: bool) -> str | Path | None:
+    """The checkpoint this start loads (None: a fresh start)."""
+    own = latest_verified_checkpoint(run_dir, report=log.warning if is_main else lambda _: None)
+    if not resume_from:
+        return own
+    problem = checkpoint_problem(resume_from)
+    if problem:
+        raise CheckpointError(f"train.resume_from={resume_from} is damaged ({problem}); pick another checkpoint")
+    if own is not None and weights_only(resume_from):
+        # imported weights are where a run starts, not a resume point: a restart continues the run's own
+        if is_main:
+            log.info(f"train.resume_from={resume_from} holds weights only (an import); the run directory has its "
+                     f"own checkpoints: resuming from {own}")
+        return own
+    return resume_from
+
+
+def check_model_config(saved: dict, current: dict, path) -> None:
+    diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k) and k not in EXECUTION_ONLY)
+    if diff:
+        raise ConfigError(f"checkpoint {path} was written for a different model config (fields {diff} differ); "
+                          f"use a new run directory, or the model config it was trained with")

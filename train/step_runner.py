@@ -1,0 +1,190 @@
+"""Step runners (DESIGN.md "Training"): the forward and backward of one optimizer step's micro-batches.
+
+Two runners, one interface:
+- `run(batches, routes) -> (StepValues, loads)`: zero the gradients, run every micro-batch's forward
+  and backward, and finish the data-parallel gradient reduction (parallel/grad_reduce.py); returns the
+  step's summed values on this rank (train/step_values.py: CE, aux losses, padding counts) and this
+  rank's per-layer expert loads (not yet reduced). `routes`: per micro-batch, the routing indices to
+  follow (Anticipatory Routing, train/anticipatory.py), or None.
+- `record_routes(batches) -> routes`: one forward without gradients over the micro-batches, recording
+  the routing indices every local MoE layer picks.
+
+The loss of a micro-batch is the head + cross-entropy tiled over the sequence (train/loss.py),
+scaled by 1 / accumulation (the mean over micro-batches); the aux losses (balance, indexer KL) ride on
+the backward with the same scale (model/aux.py). The gradient reduction starts buckets while the
+step's last backward completes them: the local runner marks it before that backward, the pipeline
+runner hands the reducer to the step's last round (parallel/pipeline.py `Pipeline.run_round`), where
+each stage's last backward marks its own parameters.
+
+- `LocalRunner`: micro-batches one after another through the whole model (no pipeline).
+- `PipelineRunner`: the micro-batches through the configured schedule in rounds of
+  `round_microbatches`; every rank of a pipeline reads the same batches (its dp rank's), the last
+  stage's losses give the CE, each stage reports the aux values and loads of its own layers, and the
+  data counters are taken on pp rank 0 only.
+Under context parallelism the cp ranks of a group read the same batches: only cp rank 0 counts
+the padding (`counts_data`), so every all-reduce counts each quantity once per dp rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtrain.model.aux import StepStats
+from flashtrain.parallel.grad_reduce import GradReducer
+from flashtrain.parallel.pipeline import Pipeline
+from flashtrain.train.balancing import accumulate_loads
+from flashtrain.train.collectives import Operation
+from flashtrain.train.loss import tiled_lm_loss
+from flashtrain.train.step_values import StepValues
+
+
+def pipeline_loss(model, loss_tile_tokens: int, accumulation: int, seq_len: int):
+    """The pipeline schedule's loss function: the last stage returns the final hidden states, not
+    logits; head + cross-entropy tiled, scaled by 1 / accumulation (as `LocalRunner`'s)."""
+    split = model.sequence_split(seq_len)
+
+    def loss_fn(hidden, labels):
+        return tiled_lm_loss(hidden, model.head, labels, loss_tile_tokens, 1.0 / accumulation, split)
+
+    return loss_fn
+
+
+class StepBatches:
+    """The step's micro-batches from the loader, `accumulation` of them per `next` (every rank of a
+    pipeline reads the same ones: its dp rank's)."""
+
+    def __init__(self, loader, accumulation: int):
+        self.loader, self.accumulation = loader, accumulation
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[dict]:
+        return [next(self.loader) for _ in range(self.accumulation)]
+
+
+def _on(device, batch: dict):
+    return (batch["tokens"].to(device), batch["token_types"].to(device),
+            [[img.to(device) for img in row] for row in batch["images"]])
+
+
+class StepRunner:
+    """What both runners share: the model, the gradient reducer, the micro-batch count, autocast."""
+
+    def __init__(self, model, reducer: GradReducer, accumulation: int, device: torch.device, loss_tile_tokens: int,
+                 mixed_precision: bool, counts_data: bool, op: Operation):
+        self.model, self.reducer, self.accumulation, self.device = model, reducer, accumulation, device
+        self.loss_tile_tokens = loss_tile_tokens
+        self.mixed_precision = mixed_precision
+        self.counts_data = counts_data  # the cp ranks of a group read the same batches: count them once
+        self.op = op
+
+    def autocast(self):
+        """bf16 autocast on CUDA (and when simulating it, train/estimate.py); fp32 on the CPU."""
+        if self.mixed_precision:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(self.device.type, enabled=False)
+
+    def run(self, batches: list[dict], routes: list[dict] | None = None) -> tuple[StepValues, dict]:
+        """Forward/backward of every micro-batch of the step and the finished gradient reduction."""
+        self.reducer.zero_grad()
+        self.op.name = "the forward/backward passes (pipeline transfers, expert all-to-all, gradient buckets)"
+        with self.autocast():
+            sums, loads = self._passes(batches, routes)
+        self.op.name = "the gradient reduction"
+        self.reducer.finish()
+        return sums, loads
+
+    def record_routes(self, batches: list[dict]) -> list[dict]:
+        """Anticipatory Routing's extra forward (no gradients) over a step's micro-batches with the current
+        parameters: per micro-batch, {MoE layer id: routing indices} of this rank's layers."""
+        self.op.name = "the anticipatory-routing forward (pipeline transfers, expert all-to-all)"
+        with torch.no_grad(), self.autocast():
+            return self._record(batches)
+
+    def _passes(self, batches, routes) -> tuple[StepValues, dict]:
+        raise NotImplementedError
+
+    def _record(self, batches) -> list[dict]:
+        raise NotImplementedError
+
+
+class LocalRunner(StepRunner):
+    """The micro-batches one after another through the whole local model."""
+
+    def _passes(self, batches: list[dict], routes: list[dict] | None) -> tuple[StepValues, dict]:
+        accum = self.accumulation
+        loads: dict[int, torch.Tensor] = {}
+        sums = StepValues(self.device)
+        for i, batch in enumerate(batches):
+            stats = StepStats()
+            tokens, types, images = _on(self.device, batch)
+            hidden = self.model.final_hidden(self.model.run(tokens, types, images, stats, aux_grad_scale=1.0 / accum,
+                                                            routes=None if routes is None else routes[i]))
+            loss = tiled_lm_loss(hidden, self.model.head, batch["labels"].to(self.device), self.loss_tile_tokens,
+                                 1.0 / accum, self.model.sequence_split(tokens.shape[1]))
+            if i == accum - 1:
+                self.reducer.mark_final()  # the gradients complete in this backward: reduce buckets as they do
+            loss.backward()
+            accumulate_loads(loads, stats.expert_load)  # on the device: no host sync per micro-batch
+            sums.add("ce", loss * accum)
+            sums.add("balance_loss", stats.total("balance_loss"))
+            sums.add("indexer_loss", stats.total("indexer_loss"))
+            if self.counts_data:
+                sums.add("pad_tokens", batch["pad_tokens"])
+                sums.add("positions", batch["tokens"].numel() + batch["tokens"].shape[0])
+        return sums, loads
+
+    def _record(self, batches: list[dict]) -> list[dict]:
+        out: list[dict] = []
+        for batch in batches:
+            recorded: dict = {}
+            self.model.run(*_on(self.device, batch), StepStats(), recorded=recorded)
+            out.append(recorded)
+        return out
+
+
+class PipelineRunner(StepRunner):
+    """The micro-batches through this rank's pipeline stages, `round_microbatches` per schedule round."""
+
+    def __init__(self, model, pipe: Pipeline, reducer: GradReducer, accumulation: int, round_microbatches: int,
+                 device: torch.device, loss_tile_tokens: int, mixed_precision: bool, counts_data: bool, op: Operation,
+                 pp_rank: int):
+        super().__init__(model, reducer, accumulation, device, loss_tile_tokens, mixed_precision, counts_data, op)
+        self.pipe, self.round_microbatches, self.pp_rank = pipe, round_microbatches, pp_rank
+        self.rounds = accumulation // round_microbatches
+
+    def _round_inputs(self, batches: list[dict]):
+        tokens = torch.cat([b["tokens"] for b in batches]).to(self.device)
+        types = torch.cat([b["token_types"] for b in batches]).to(self.device)
+        labels = torch.cat([b["labels"] for b in batches]).to(self.device)
+        images = [[img.to(self.device) for img in row] for b in batches for row in b["images"]]
+        return tokens, types, labels, images
+
+    def _passes(self, batches: list[dict], routes: list[dict] | None) -> tuple[StepValues, dict]:
+        accum, m = self.accumulation, self.round_microbatches
+        self.pipe.set_aux_grad_scale(1.0 / accum)
+        self.pipe.stats.reset()
+        sums = StepValues(self.device)
+        for r in range(self.rounds):
+            mine = batches[r * m:(r + 1) * m]
+            tokens, types, labels, images = self._round_inputs(mine)
+            losses = self.pipe.run_round(tokens, types, labels, images,
+                                         None if routes is None else routes[r * m:(r + 1) * m],
+                                         reducer=self.reducer if r == self.rounds - 1 else None)
+            if losses:  # the schedule's losses are CE / accum
+                sums.add("ce", torch.stack(losses) * accum)
+            if self.pp_rank == 0 and self.counts_data:
+                sums.add("pad_tokens", sum(b["pad_tokens"] for b in mine))
+                sums.add("positions", sum(b["tokens"].numel() + b["tokens"].shape[0] for b in mine))
+        sums.add("balance_loss", self.pipe.stats.balance)
+        sums.add("indexer_loss", self.pipe.stats.indexer)
+        return sums, dict(self.pipe.stats.expert_load)
+
+    def _record(self, batches: list[dict]) -> list[dict]:
+        out: list[dict] = []
+        m = self.round_microbatches
+        for r in range(self.rounds):
+            tokens, types, labels, images = self._round_inputs(batches[r * m:(r + 1) * m])
+            out += self.pipe.record_round(tokens, types, labels, images)
+        return out
