@@ -337,7 +337,8 @@ class Trainer:
         return lambda p: self.dims.dp_cp_group if id(p) in tables else None
 
     def _resume(self) -> None:
-        own = latest_verified_checkpoint(self.run_dir, report=log.warning if self.is_main else lambda _: None)
+        own = latest_verified_checkpoint(self.run_dir, report=log.warning if self.is_main else lambda _: None,
+                                         move_damaged=True)
         path = self.train_cfg.resume_from or own
         if self.train_cfg.resume_from:
             problem = checkpoint_problem(self.train_cfg.resume_from)
