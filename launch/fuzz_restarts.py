@@ -753,6 +753,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from flashtrain.config.errors import exit_on_user_error
+    from flashtrain.config.cli import exit_on_user_error
 
     sys.exit(exit_on_user_error(main))

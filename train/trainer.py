@@ -48,8 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.config.typed import typed_config
-from flashtrain.data.config import resolve_shards
-from flashtrain.data.loader import PackedLoader, data_sources
+from flashtrain.data.loader import PackedLoader, check_sources, data_sources
 from flashtrain.model.aux import StepStats
 from flashtrain.model.recompute import validate_recompute
 from flashtrain.model.vision import set_vision_body_trainable
@@ -194,8 +193,7 @@ class Trainer:
         self._configure(cfg, run_dir, world)
         if int(os.environ.get("RANK", "0")) == 0:  # one job per run directory (held until this process ends)
             self._run_lock = acquire_run_lock(self.run_dir)
-        resolve_shards(self.data_cfg.text_shards, "text_shards")  # a bad shard path fails here, not mid-run
-        resolve_shards(self.data_cfg.mm_shards, "mm_shards")
+        check_sources(self.data_cfg, self.layout.dp)  # bad shards or tokenizer fail here, before any process group
         if self.train_cfg.resume_from and not Path(self.train_cfg.resume_from).is_dir():
             raise FileNotFoundError(f"train.resume_from={self.train_cfg.resume_from!r} does not exist")
 
