@@ -260,7 +260,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_each_step_is_logged_once(tmp_path
 
     lines = strict_lines(run / "metrics.jsonl")
     assert [r["step"] for r in lines] == [1, 2, 3, 4]  # step 3 once: the re-run's record
-    assert "removed 1 step record(s) (steps 3-3) written after step 2" in out
+    assert "removed 1 step record(s) (step 3) written after step 2" in out
     files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2
     rows = [row for f in files for row in settled_history(f)[2]]

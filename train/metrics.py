@@ -263,7 +263,9 @@ def _describe_removed(removed: list[str]) -> str:
     rows = [r for line in removed if isinstance(r := _read_json(line), dict)]
     steps = [r["step"] for r in rows if "event" not in r and isinstance(r.get("step"), int)]
     events = sum(1 for r in rows if "event" in r)
-    what = f"{len(steps)} step record(s)" + (f" (steps {min(steps)}-{max(steps)})" if steps else "")
+    span = "" if not steps else f" (step {steps[0]})" if min(steps) == max(steps) else \
+        f" (steps {min(steps)}-{max(steps)})"
+    what = f"{len(steps)} step record(s){span}"
     return what + (f", {events} event(s)" if events else "") + (
         f", {len(removed) - len(rows)} unreadable line(s)" if len(removed) > len(rows) else "")
 
