@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flashtrain.config.errors import DataError
+from flashtrain.config.errors import DataError, InputNotFoundError
 from flashtrain.data.images import ImageProcessorConfig
 
 
@@ -82,7 +82,7 @@ def resolve_shards(patterns: list[str] | None, what: str) -> list[str]:
             continue
         hits = sorted(glob.glob(os.path.expanduser(pat)))
         if not hits:
-            raise FileNotFoundError(f"data.{what}: {pat!r} matches no shard file; check the path, or run "
+            raise InputNotFoundError(f"data.{what}: {pat!r} matches no shard file; check the path, or run "
                                     f"launch/prepare_data.py to write shards")
         out += hits
     return sorted(dict.fromkeys(out))

@@ -28,13 +28,16 @@ from __future__ import annotations
 import io
 import logging
 import random
+import tarfile
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from flashtrain.data.config import DataConfig, TokenSpec
+from flashtrain.config.errors import DataError, InputNotFoundError
+from flashtrain.data.config import DataConfig, TokenSpec, resolve_shards
 from flashtrain.data.images import (
     IMAGE_START,
     TEXT,
@@ -219,7 +222,9 @@ class ShardStream:
                     self._empty_epochs = self._empty_epochs + 1 if not self._read_any else 0
                     self._read_any = False
                     if self._empty_epochs >= 2:
-                        raise RuntimeError(f"no readable document in the shards {self.shards}")
+                        raise DataError(f"no readable document in the shards {self.shards} (two passes over them "
+                                        f"gave none; each was logged): point data.text_shards / data.mm_shards at "
+                                        f"webdataset tars written by launch/prepare_data.py")
                 continue
             self.skip += 1
             if doc is not None:
@@ -367,13 +372,9 @@ class PackedLoader:
         self.cfg, self.spec, self.rank, self.world = cfg, spec, rank, world
         self.text, self.mm = sorted(text_shards), sorted(mm_shards)
         if not self.text and not self.mm:
-            raise ValueError("no shards: set data.text_shards / data.mm_shards, or leave both null for the "
-                             "default corpus")
-        n = max(1, cfg.num_workers)
-        for name, shards in (("text_shards", self.text), ("mm_shards", self.mm)):
-            if shards and len(shards) < world * n:
-                raise ValueError(f"data.{name}: {len(shards)} shard(s) cannot feed {world} rank(s) x {n} worker(s) "
-                                 f"without duplicates; write more, smaller shards or use fewer workers")
+            raise DataError("no shards: set data.text_shards / data.mm_shards, or leave both null for the "
+                            "default corpus")
+        check_workers(cfg, {"text_shards": len(self.text), "mm_shards": len(self.mm)}, world)
         self.worker_states: dict[int, dict] = {}
         self.next_worker = 0
         if state is not None:
@@ -387,7 +388,7 @@ class PackedLoader:
     def load_state_dict(self, state: dict) -> None:
         n = max(1, self.cfg.num_workers)
         if (state["world"], state["num_workers"]) != (self.world, n):
-            raise ValueError(f"data loader state was saved with {state['world']} rank(s) x {state['num_workers']} "
+            raise DataError(f"data loader state was saved with {state['world']} rank(s) x {state['num_workers']} "
                              f"worker(s); this run has {self.world} x {n}. Resume with the same layout")
         self.worker_states = dict(state["worker_states"])
         self.next_worker = state["next_worker"]
@@ -420,25 +421,83 @@ class PackedLoader:
         return batch
 
 
+def check_workers(cfg: DataConfig, counts: dict[str, int], readers: int) -> None:
+    """Every shard of a stream is read by one (rank, worker): fewer shards than readers x workers would
+    leave a reader without data (or duplicate shards)."""
+    n = max(1, cfg.num_workers)
+    for name, count in counts.items():
+        if count and count < readers * n:
+            most = count // readers
+            fix = f"data.num_workers={most} or fewer" if most >= 1 else "fewer data-parallel ranks"
+            raise DataError(f"data.num_workers={cfg.num_workers}: data.{name} has {count} shard(s), which cannot feed "
+                            f"{readers} data-parallel rank(s) x {n} worker(s) without duplicates; use {fix}, or write "
+                            f"more, smaller shards")
+
+
+def _tar_problem(path: str) -> str | None:
+    """None when `path` opens as a tar (compressed or not) with at least one member; else what is wrong."""
+    try:
+        with tarfile.open(path, mode="r|*") as tar:
+            return None if next(iter(tar), None) is not None else "an empty tar"
+    except (tarfile.TarError, EOFError, OSError) as e:
+        return f"not a tar file ({type(e).__name__}: {e})"
+
+
+def _configured_shards(cfg: DataConfig) -> tuple[list[str], list[str]]:
+    text, mm = resolve_shards(cfg.text_shards, "text_shards"), resolve_shards(cfg.mm_shards, "mm_shards")
+    if not text and not mm:
+        raise DataError("data.text_shards and data.mm_shards are both empty; give shards or set both to null "
+                        "for the default corpus")
+    return text, mm
+
+
+def _configured_tokenizer(cfg: DataConfig, text: list[str], mm: list[str]) -> str:
+    if cfg.tokenizer is None and is_url((text or mm)[0]):
+        raise DataError(f"data.tokenizer is not set and the shards are URLs ({(text or mm)[0]!r}); set data.tokenizer "
+                        f"to a local copy of the tokenizer.json written by launch/prepare_data.py")
+    tokenizer = cfg.tokenizer or str(Path((text or mm)[0]).parent / "tokenizer.json")
+    if not Path(tokenizer).is_file():
+        raise InputNotFoundError(f"tokenizer {tokenizer!r} not found; set data.tokenizer to the tokenizer.json "
+                                 f"written by launch/prepare_data.py")
+    return tokenizer
+
+
+def check_sources(cfg: DataConfig, readers: int) -> None:
+    """The start-up checks of the configured data, before any process group, model or corpus exists: the
+    shard patterns match files, the lists are not both empty, a set tokenizer exists, the shards can feed
+    `readers` data-parallel ranks x `data.num_workers`, and each stream has at least one local shard that
+    opens as a tar (a broken shard among good ones is logged and skipped while reading; none readable
+    would stop the run only once it has started). The default corpus (both lists null) has
+    `data.corpus_shards` shards per stream."""
+    if cfg.tokenizer is not None and not is_url(cfg.tokenizer) and not Path(cfg.tokenizer).is_file():
+        raise InputNotFoundError(f"data.tokenizer={cfg.tokenizer!r} does not exist; set it to the tokenizer.json "
+                                 f"written by launch/prepare_data.py, or to null for the one beside the shards (or "
+                                 f"the default corpus's)")
+    if cfg.text_shards is None and cfg.mm_shards is None:
+        check_workers(cfg, {"corpus_shards": cfg.corpus_shards}, readers)
+        return
+    text, mm = _configured_shards(cfg)
+    check_workers(cfg, {"text_shards": len(text), "mm_shards": len(mm)}, readers)
+    for name, shards in (("text_shards", text), ("mm_shards", mm)):
+        if not shards or any(is_url(s) for s in shards):
+            continue  # a URL is opened (its command run) only when read
+        problems = []
+        for shard in shards:
+            if (problem := _tar_problem(shard)) is None:
+                break
+            problems.append(problem)
+        else:
+            raise DataError(f"data.{name}: none of its {len(shards)} shard(s) can be read ({shards[0]!r}: "
+                            f"{problems[0]}); point it at webdataset tars written by launch/prepare_data.py")
+    _configured_tokenizer(cfg, text, mm)
+
+
 def data_sources(cfg: DataConfig, spec: TokenSpec) -> tuple[list[str], list[str], str]:
     """(text shards, multimodal shards, tokenizer.json) for a run: the configured shards (missing paths
     are an error now, not mid-run), or the default corpus, built on first use."""
-    from pathlib import Path
-
-    from flashtrain.data.config import resolve_shards
     from flashtrain.data.corpus import corpus_shards, ensure_default_corpus
 
     if cfg.text_shards is None and cfg.mm_shards is None:
         return corpus_shards(ensure_default_corpus(cfg, spec))
-    text, mm = resolve_shards(cfg.text_shards, "text_shards"), resolve_shards(cfg.mm_shards, "mm_shards")
-    if not text and not mm:
-        raise ValueError("data.text_shards and data.mm_shards are both empty; give shards or set both to null "
-                         "for the default corpus")
-    if cfg.tokenizer is None and is_url((text or mm)[0]):
-        raise ValueError(f"data.tokenizer is not set and the shards are URLs ({(text or mm)[0]!r}); set data.tokenizer "
-                         f"to a local copy of the tokenizer.json written by launch/prepare_data.py")
-    tokenizer = cfg.tokenizer or str(Path((text or mm)[0]).parent / "tokenizer.json")
-    if not Path(tokenizer).is_file():
-        raise FileNotFoundError(f"tokenizer {tokenizer!r} not found; set data.tokenizer to the tokenizer.json "
-                                f"written by launch/prepare_data.py")
-    return text, mm, tokenizer
+    text, mm = _configured_shards(cfg)
+    return text, mm, _configured_tokenizer(cfg, text, mm)

@@ -29,6 +29,8 @@ import webdataset as wds
 from webdataset.gopen import gopen, gopen_schemes
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
+from flashtrain.config.errors import DataError
+
 log = logging.getLogger(__name__)
 
 # errors that mean "this tar (or the stream under it) cannot be read further"; anything else is a bug
@@ -104,7 +106,7 @@ def write_shards(docs: Iterable[Document], out_dir: str | Path, prefix: str, doc
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if docs_per_shard <= 0 or (max_bytes is not None and max_bytes <= 0):
-        raise ValueError(f"shard limits must be positive (docs_per_shard={docs_per_shard}, max_bytes={max_bytes})")
+        raise DataError(f"shard limits must be positive (docs_per_shard={docs_per_shard}, max_bytes={max_bytes})")
     pattern = str(out_dir / f"{prefix}-").replace("%", "%%") + "%05d.tar"
     entries: list[dict] = []
     writer = None

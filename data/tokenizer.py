@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from flashtrain.config.errors import ConfigError, DataError, InputNotFoundError
 from flashtrain.data.config import TokenSpec
 
 BOS, EOS, PAD, IMAGE_TOKEN = "<|bos|>", "<|eos|>", "<|pad|>", "<|image|>"
@@ -19,10 +20,10 @@ def train_tokenizer(texts: Iterable[str], spec: TokenSpec):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if (spec.bos_id, spec.eos_id, spec.pad_id) != (0, 1, 2):
-        raise ValueError(f"the tokenizer puts BOS/EOS/PAD at 0/1/2; the model says "
+        raise ConfigError(f"the tokenizer puts BOS/EOS/PAD at 0/1/2; the model says "
                          f"{spec.bos_id}/{spec.eos_id}/{spec.pad_id}")
     if not 3 < spec.image_token_id < spec.vocab_size:
-        raise ValueError(f"image_token_id={spec.image_token_id} must lie in (3, vocab_size={spec.vocab_size})")
+        raise ConfigError(f"model.image_token_id={spec.image_token_id} must lie in (3, vocab_size={spec.vocab_size})")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -31,7 +32,7 @@ def train_tokenizer(texts: Iterable[str], spec: TokenSpec):
     tok.train_from_iterator(texts, trainer)
     n = tok.get_vocab_size()
     if n > spec.image_token_id:
-        raise ValueError(f"trained {n} tokens, more than the {spec.image_token_id} ids below the image token")
+        raise DataError(f"trained {n} tokens, more than the {spec.image_token_id} ids below the image token")
     tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True) for i in range(n, spec.image_token_id)])
     tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True)])
     tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True)
@@ -44,7 +45,7 @@ def check_tokenizer(tok, spec: TokenSpec) -> None:
     want = {BOS: spec.bos_id, EOS: spec.eos_id, PAD: spec.pad_id, IMAGE_TOKEN: spec.image_token_id}
     got = {t: tok.token_to_id(t) for t in want}
     if got != want or tok.get_vocab_size() != spec.vocab_size:
-        raise ValueError(f"tokenizer ids {got} (size {tok.get_vocab_size()}) do not match the model's {want} "
+        raise DataError(f"tokenizer ids {got} (size {tok.get_vocab_size()}) do not match the model's {want} "
                          f"(vocab_size {spec.vocab_size}); retrain it for this model config")
 
 
@@ -53,7 +54,7 @@ def load_tokenizer(path: str | Path, spec: TokenSpec | None = None):
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer {str(path)!r} does not exist; train one with launch/prepare_data.py")
+        raise InputNotFoundError(f"tokenizer {str(path)!r} does not exist; train one with launch/prepare_data.py")
     tok = Tokenizer.from_file(str(path))
     if spec is not None:
         check_tokenizer(tok, spec)

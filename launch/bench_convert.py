@@ -87,4 +87,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from flashtrain.config.cli import exit_on_user_error
+
+    raise SystemExit(exit_on_user_error(main))

@@ -77,4 +77,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from flashtrain.config.cli import exit_on_user_error
+
+    exit_on_user_error(main, sys.argv[1:])

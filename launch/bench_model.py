@@ -213,4 +213,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from flashtrain.config.cli import exit_on_user_error
+
+    sys.exit(exit_on_user_error(main, sys.argv[1:]))

@@ -196,4 +196,6 @@ def _spread(s: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from flashtrain.config.cli import exit_on_user_error
+
+    sys.exit(exit_on_user_error(main, sys.argv[1:]))

@@ -31,6 +31,7 @@ import sys
 import torch  # noqa: E402
 from bench_util import alternate  # noqa: E402
 
+from flashtrain.config.cli import exit_on_user_error  # noqa: E402
 from flashtrain.model.attention import index_select  # noqa: E402
 from flashtrain.model.kernels.index_topk import index_topk_triton  # noqa: E402
 from flashtrain.model.kernels.select import interpreting  # noqa: E402
@@ -180,4 +181,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(exit_on_user_error(main, sys.argv[1:]))

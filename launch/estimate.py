@@ -26,6 +26,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from flashtrain.config.cli import exit_on_user_error
+from flashtrain.config.errors import EXIT_USER_ERROR, ConfigError
 from flashtrain.config.typed import typed_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +46,6 @@ def default_ranks(overrides: list[str], world: int) -> list[int]:
     """The first rank of every pipeline position (the mesh is pp-major: position p starts at p x world / pp)."""
     from omegaconf import OmegaConf
 
-    from flashtrain.config.errors import ConfigError
     from flashtrain.parallel.config import ParallelConfig
     from flashtrain.parallel.dims import ParallelDims
     from flashtrain.train.config import compose, model_config
@@ -52,10 +53,7 @@ def default_ranks(overrides: list[str], world: int) -> list[int]:
     conf = compose(overrides)
     cfg = model_config(conf)
     parallel = typed_config(ParallelConfig, OmegaConf.to_container(conf.parallel, resolve=True), "parallel")
-    try:
-        shape = ParallelDims.plan(world, parallel.pp, parallel.ep, cfg.n_layers, cfg.n_routed_experts, parallel.cp)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}")
+    shape = ParallelDims.plan(world, parallel.pp, parallel.ep, cfg.n_layers, cfg.n_routed_experts, parallel.cp)
     return [p * (world // shape.pp) for p in range(shape.pp)]
 
 
@@ -71,6 +69,8 @@ def run_in_subprocess(overrides: list[str], world: int, rank: int, device: str) 
     cmd = [sys.executable, str(Path(__file__).resolve()), *overrides, "--world", str(world), "--rank", str(rank),
            "--device", device, "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode == EXIT_USER_ERROR:  # the rank's one-line error: the same for every rank
+        raise ConfigError(out.stderr.strip().splitlines()[-1].removeprefix("error: "))
     if out.returncode != 0:
         raise SystemExit(f"error: rank {rank}'s simulation failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["ranks"][0]
@@ -100,9 +100,9 @@ def main(argv: list[str]) -> None:
     if args.world is None:
         args.world = configured_world(overrides)
         if args.world is None:
-            raise SystemExit("error: give --world N (the number of GPUs), or an exp that sets parallel.world")
+            raise ConfigError("give --world N (the number of GPUs), or an exp that sets parallel.world")
     if args.rank is not None and not 0 <= args.rank < args.world:
-        raise SystemExit(f"error: --rank {args.rank} is not a rank of --world {args.world}")
+        raise ConfigError(f"--rank {args.rank} is not a rank of --world {args.world}")
     t0 = time.time()
     if args.rank is not None:
         ranks = [run_one(overrides, args.world, args.rank, args.device)]
@@ -124,4 +124,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_on_user_error(main, sys.argv[1:])

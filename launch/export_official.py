@@ -19,7 +19,6 @@ tensor alone, a stacked expert tensor as a whole) plus at most one output shard.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -35,15 +34,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="fp8: the release's quantised formats (default); bf16: unquantised")
     ap.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB; default 5)")
     args = ap.parse_args(argv)
-    from flashtrain.train.official.convert import GiB, OfficialCheckpointError, export_official, peak_rss_gib
+    from flashtrain.train.official.convert import GiB, export_official, peak_rss_gib
 
     t0 = time.time()
-    try:
-        report = export_official(args.ckpt, args.out, args.dtype == "fp8", int(args.shard_gb * GiB),
-                                 read_bytes=int(args.shard_gb * GiB))
-    except (OfficialCheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    report = export_official(args.ckpt, args.out, args.dtype == "fp8", int(args.shard_gb * GiB),
+                             read_bytes=int(args.shard_gb * GiB))
     peak = peak_rss_gib()
     print(f"wrote {report.out}: {report.tensors} tensors, {report.bytes_written / 1e9:.3f} GB in {report.shards} "
           f"shard(s) in {time.time() - t0:.1f} s, peak RSS {peak:.2f} GiB")
@@ -51,4 +46,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from flashtrain.config.cli import exit_on_user_error
+
+    raise SystemExit(exit_on_user_error(main))

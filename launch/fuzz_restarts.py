@@ -36,9 +36,10 @@ Checked, from files and processes rather than from what the trainer prints:
   `resumed from <that directory> at step N` (nothing on a fresh start) and its first new metrics.jsonl
   record is step N + 1;
 - at the end: every tensor of the final checkpoint's model and optimizer state equals (torch.equal) that of
-  the uninterrupted run (those that differ are named), and every loss in metrics.jsonl (replayed steps
-  included) equals the uninterrupted run's loss at that step; each rank's data-loader / RNG state is
-  compared too (a difference is named in a note, or fails the run with --strict-state).
+  the uninterrupted run (those that differ are named), metrics.jsonl holds each step once (a resume
+  removes the lost start's records after the resumed step) and every loss in it equals the uninterrupted
+  run's loss at that step; each rank's data-loader / RNG state is compared too (a difference is named in
+  a note, or fails the run with --strict-state).
 One line per kill (kind, when, what the restart resumed from), a verdict; exit status 1 on any failure.
 """
 
@@ -275,16 +276,24 @@ def compare_final(a: Path, b: Path, scratch: Path) -> tuple[int, list[str], list
 
 
 # ------------------------------------------------------------------------------------------ metrics
-def read_records(path: Path, offset: int = 0) -> tuple[list[dict], list[str]]:
-    """(step records from byte `offset` on, unreadable lines). Event lines (no `step`/`loss`) are skipped;
-    a line cut short by a kill (no newline) is not a record."""
-    if not path.exists():
-        return [], []
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read()
+def metrics_lines(path: Path) -> list[bytes]:
+    """metrics.jsonl's complete lines (a line cut short by a kill, without its newline, is not one)."""
+    return path.read_bytes().split(b"\n")[:-1] if path.exists() else []
+
+
+def read_records(path: Path, before: list[bytes] | None = None) -> tuple[list[dict], list[str]]:
+    """(step records, unreadable lines) of metrics.jsonl; with `before` (its lines when a start launched),
+    only the lines that start wrote: those after the part of `before` the file still begins with (a resume
+    removes what a start that did not reach a checkpoint wrote after the resumed step, train/metrics.py).
+    Event lines (no `step`/`loss`) are skipped."""
+    lines = metrics_lines(path)
+    if before is not None:
+        same = 0
+        while same < min(len(lines), len(before)) and lines[same] == before[same]:
+            same += 1
+        lines = lines[same:]
     records, bad = [], []
-    for raw in data.split(b"\n")[:-1]:
+    for raw in lines:
         try:
             r = json.loads(raw)
         except ValueError:
@@ -306,7 +315,7 @@ class Start:
     aim: int | None = None  # the checkpoint step a targeted kill is aimed at
     rank: int | None = None
     log: Path | None = None
-    metrics_offset: int = 0
+    metrics_before: list = field(default_factory=list)  # metrics.jsonl's lines at the launch
     t_launch: float = 0.0
     t_kill: float = 0.0
     kill_note: str = ""
@@ -363,7 +372,7 @@ class Fuzzer:
             env["FLASHTRAIN_FAULT"] = start.fault
         start.log = self.logs / f"start_{start.index:02d}.log"
         metrics = run_dir / "metrics.jsonl"
-        start.metrics_offset = metrics.stat().st_size if metrics.exists() else 0
+        start.metrics_before = metrics_lines(metrics)
         start.t_launch = time.monotonic()
         with open(start.log, "w") as out:
             return subprocess.Popen(self.command(run_dir, start.async_save), cwd=ROOT, env=env, stdout=out,
@@ -373,7 +382,7 @@ class Fuzzer:
         start.seen.update(descendants(launcher.pid))
 
     def new_records(self, start: Start) -> list[dict]:
-        return read_records(self.run_dir / "metrics.jsonl", start.metrics_offset)[0]
+        return read_records(self.run_dir / "metrics.jsonl", start.metrics_before)[0]
 
     def wait_first_step(self, launcher: subprocess.Popen, start: Start) -> bool:
         """Until the start's first step is in metrics.jsonl (True) or the launcher exited (False)."""
@@ -682,9 +691,11 @@ class Fuzzer:
             self.failures.append(f"metrics.jsonl losses differ from the uninterrupted run at (step, fuzzed, "
                                  f"uninterrupted) {wrong[:10]}; steps never logged {missing}")
         else:
-            replays = len(got) - steps
-            self.say(f"metrics.jsonl: {len(got)} step records ({replays} replayed after kills), every loss equal to "
-                     f"the uninterrupted run's at its step")
+            if len(got) != steps:
+                self.failures.append(f"metrics.jsonl holds {len(got)} step records for {steps} steps: a step is logged "
+                                     f"twice (a resume must remove the records of the steps it re-runs)")
+            self.say(f"metrics.jsonl: {len(got)} step records (each step once, the re-runs' after kills), every loss "
+                     f"equal to the uninterrupted run's at its step")
         if bad or bad_ref:
             self.say(f"note: {len(bad) + len(bad_ref)} unreadable metrics.jsonl line(s) (cut by a kill): {bad[:3]}")
 
@@ -742,4 +753,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from flashtrain.config.cli import exit_on_user_error
+
+    sys.exit(exit_on_user_error(main))

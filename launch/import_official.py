@@ -21,7 +21,6 @@ Memory: one source tensor at a time plus at most --part-gb of converted tensors 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -38,20 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = ap.parse_known_args(argv)
     from omegaconf import OmegaConf
 
-    from flashtrain.config.errors import ConfigError
     from flashtrain.train.config import compose, model_config
-    from flashtrain.train.official.convert import GiB, OfficialCheckpointError, import_official, peak_rss_gib
-    from flashtrain.train.official.safetensors import SafetensorsError
+    from flashtrain.train.official.convert import GiB, import_official, peak_rss_gib
 
     t0 = time.time()
-    try:
-        conf = compose(overrides)
-        cfg = model_config(conf)
-        report = import_official(args.src, args.out, cfg, {"model": OmegaConf.to_container(conf.model, resolve=True)},
-                                 int(args.part_gb * GiB))
-    except (ConfigError, OfficialCheckpointError, SafetensorsError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    conf = compose(overrides)
+    cfg = model_config(conf)
+    report = import_official(args.src, args.out, cfg, {"model": OmegaConf.to_container(conf.model, resolve=True)},
+                             int(args.part_gb * GiB))
     for note in report.notes:
         print(f"note: {note}")
     if report.unused:
@@ -65,4 +58,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from flashtrain.config.cli import exit_on_user_error
+
+    raise SystemExit(exit_on_user_error(main))

@@ -26,9 +26,10 @@ import sys
 
 import torch  # noqa: E402
 
+from flashtrain.config.cli import exit_on_user_error  # noqa: E402
+from flashtrain.config.errors import ConfigError  # noqa: E402
 from flashtrain.config.typed import typed_config
 from flashtrain.model import Transformer  # noqa: E402
-from flashtrain.model.config import ConfigError  # noqa: E402
 from flashtrain.model.inspect import inspect_model  # noqa: E402
 from flashtrain.parallel.config import ParallelConfig  # noqa: E402
 from flashtrain.parallel.partition import in_flight_microbatches, partition_report  # noqa: E402
@@ -155,8 +156,7 @@ def main(argv: list[str]) -> int:
         try:
             world = int(overrides[at + 1])
         except (IndexError, ValueError):
-            print("plan.py: --world needs a number of processes", file=sys.stderr)
-            return 2
+            raise ConfigError("--world needs a number of processes") from None
         del overrides[at:at + 2]
     if "--device" in overrides:
         at = overrides.index("--device")
@@ -164,17 +164,12 @@ def main(argv: list[str]) -> int:
         del overrides[at:at + 2]
     unknown = [a for a in overrides if a.startswith("--")]
     if unknown or device not in ("cuda", "cpu"):
-        print(f"plan.py: unknown option(s) {unknown or ['--device ' + device]}; usage: python launch/plan.py "
-              f"[+exp=NAME] [hydra overrides...] [--device cuda|cpu] [--world N] [--json]", file=sys.stderr)
-        return 2
-    try:
-        report = build_report(overrides, device, world)
-    except ConfigError as e:
-        print(f"plan.py: invalid configuration: {e}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"unknown option(s) {unknown or ['--device ' + device]}; usage: python launch/plan.py "
+                          f"[+exp=NAME] [hydra overrides...] [--device cuda|cpu] [--world N] [--json]")
+    report = build_report(overrides, device, world)
     print(json.dumps(report) if as_json else format_report(report))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(exit_on_user_error(main, sys.argv[1:]))

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np  # noqa: E402
 
+from flashtrain.config.cli import exit_on_user_error  # noqa: E402
 from flashtrain.data.images import ImageDecodeError, decode_image, num_image_positions, plan_image_size  # noqa: E402
 from flashtrain.data.shards import Document, write_shards  # noqa: E402
 from flashtrain.data.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
@@ -171,4 +172,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(exit_on_user_error(main, sys.argv[1:]))

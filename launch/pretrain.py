@@ -9,9 +9,13 @@ in a directory with checkpoints resumes from the newest.
 
 torchrun conventions: the run is wrapped in torch.distributed.elastic's `record`, so a rank that fails
 with an unexpected error writes its error file for the launcher; `parallel.timeout_s` is the process
-group's timeout. A configuration or input error (the project's own error types) prints one line naming
-the value and the fix and exits with status 2; `HYDRA_FULL_ERROR=1` (or `FLASHTRAIN_DEBUG=1`) shows the
-traceback instead.
+group's timeout. A configuration or input error (the project's own error types, flashtrain.config.errors)
+prints one line naming the value and the fix and exits with status 2, before any process group or model
+exists: the overrides are composed first (an unknown key, exp or group option is named with the nearest
+valid one, train/config.py `compose`), then the trainer checks the typed config, the data and the resume
+point. Under torchrun only rank 0 prints the line; torchrun itself then exits 1 with its ChildFailedError
+report (root cause: rank 0, exitcode 2) -- it gives every failed worker exit status 1.
+`HYDRA_FULL_ERROR=1` (or `FLASHTRAIN_DEBUG=1`) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -47,35 +51,27 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from flashtrain.train.trainer import Trainer  # noqa: E402
-
-EXIT_CONFIG_ERROR = 2
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """The project's own error types: each message already says what was wrong and what to do."""
-    from flashtrain.config.errors import CheckpointError, ConfigError
-    from flashtrain.data.config import DataConfigError
-    from flashtrain.train.official.convert import OfficialCheckpointError
-    from flashtrain.train.optim.routing import RoutingError
-
-    return ConfigError, DataConfigError, RoutingError, OfficialCheckpointError, CheckpointError, FileNotFoundError
+from flashtrain.config.cli import exit_on_user_error  # noqa: E402
+from flashtrain.train.config import compose  # noqa: E402
 
 
 @record
 def run(cfg: DictConfig) -> None:
-    try:
-        Trainer(cfg, HydraConfig.get().runtime.output_dir).fit()
-    except user_errors() as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("FLASHTRAIN_DEBUG") == "1":
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CONFIG_ERROR) from None
+    from flashtrain.train.trainer import Trainer  # after the overrides are checked: a mistake there is reported fast
+
+    exit_on_user_error(lambda: Trainer(cfg, HydraConfig.get().runtime.output_dir).fit())
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
     run(cfg)
+
+
+def main() -> None:
+    overrides = sys.argv[1:]
+    if not any(a.startswith("-") for a in overrides):  # Hydra's own flags (--help, --cfg, -m, ...): Hydra's
+        exit_on_user_error(compose, overrides)  # a mistake in the overrides: one line, before Hydra's many
+    hydra_main()
 
 
 if __name__ == "__main__":

@@ -9,13 +9,16 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
 
@@ -212,3 +215,128 @@ def test_a_checkpoint_is_renamed_only_once_every_ranks_files_are_confirmed(two_r
     first = ck.step_dir(run, 1)
     assert _intact(first)  # both ranks' files, listed from their reports
     assert {p.name for p in first.iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp", ck.MANIFEST}
+
+
+# ------------------------------------------------------------------ a damaged newest checkpoint, end to end
+FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
+               "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
+
+
+def test_a_damaged_checkpoint_is_set_aside_and_each_step_is_logged_once(tmp_path):
+    """Issue 30 item 12, the user's scenario: a checkpoint every 2 steps, keep 2, 3 steps (so step_2 and the
+    final step_3), one .distcp of step_3 deleted, restarted with train.max_steps=4. The restart resumes from
+    step_2 and sets step_3 aside (reported, a DAMAGED note inside, never counted or deleted), so after its
+    step_4 the two complete checkpoints are step_2 and step_4 -- counting the damaged one toward keep would
+    have deleted step_2. metrics.jsonl and the wandb run (offline files) hold each step once; wandb's value
+    for the re-run step 3 is the first start's, equal to the re-run's (a resume is bit-exact)."""
+    from test_metrics import settled_history, strict_lines
+
+    run = tmp_path / "run"
+    base = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run}",
+            "logging.wandb.mode=offline", "logging.progress=false", "logging.heatmap_interval=0",
+            f"data.corpus_dir={tmp_path / 'corpus'}", "data.corpus_text_bytes=300000", "data.corpus_mm_docs=100",
+            "data.corpus_shards=2", "train.checkpoint.interval=2", "train.checkpoint.keep=2",
+            "train.global_batch_tokens=128", "data.batch_size=1", *FOUR_LAYERS]
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    first = subprocess.run(base + ["train.max_steps=3"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = run / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000002", "step_00000003"]
+    lost = _data_file(checkpoints / "step_00000003")
+    lost.unlink()
+    again = subprocess.run(base + ["train.max_steps=4"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    out = again.stdout + again.stderr
+    aside = checkpoints / ".damaged-step_00000003"
+    assert f"checkpoint {checkpoints / 'step_00000003'} is damaged ({lost.name} is missing); moved it aside to " \
+           f"{aside}" in out
+    assert f"resumed from {checkpoints / 'step_00000002'} at step 2" in out
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".damaged-step_00000003", "step_00000002",
+                                                             "step_00000004"]
+    assert all(ck.checkpoint_problem(checkpoints / n) is None for n in ("step_00000002", "step_00000004"))
+    assert lost.name in (aside / ck.DAMAGED_NOTE).read_text() and not (aside / lost.name).exists()
+
+    lines = strict_lines(run / "metrics.jsonl")
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]  # step 3 once: the re-run's record
+    assert "removed 1 step record(s) (step 3) written after step 2" in out
+    files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2
+    rows = [row for f in files for row in settled_history(f)[2]]
+    assert [r["_step"] for r in rows] == [1, 2, 3, 4]  # the re-run's step 3 was not sent again
+    assert [r["loss"] for r in rows] == [r["loss"] for r in lines]  # bit-exact resume: the same values
+
+
+def test_a_damaged_checkpoint_moved_aside_never_counts_toward_keep(tmp_path):
+    """keep=2 with step_2 and step_3; step_3 loses its data file. The resume's check moves it to
+    .damaged-step_00000003, so the next save keeps the two
+    complete ones, step_2 and step_4, and deletes nothing that is damaged. Without moving it, step_3 would
+    count as one of the two and step_2, the only complete one before step_4, would be deleted."""
+    model = nn.Linear(8, 4)
+    writer = ck.CheckpointWriter(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        writer.save(step, model, {}, {"step": step}, {"data": step})
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000003"]
+    _data_file(root / "step_00000003").unlink()
+    reports = []
+    assert ck.latest_verified_checkpoint(tmp_path, report=reports.append, move_damaged=True) == root / "step_00000002"
+    assert len(reports) == 1 and "step_00000003 is damaged (__0_0.distcp is missing); moved it aside" in reports[0]
+    writer.save(4, model, {}, {"step": 4}, {"data": 4})
+    assert sorted(p.name for p in root.iterdir()) == [".damaged-step_00000003", "step_00000002", "step_00000004"]
+    assert "__0_0.distcp is missing" in (root / ".damaged-step_00000003" / ck.DAMAGED_NOTE).read_text()
+    # a step_* without .metadata is damaged too (a step_* exists only once complete), and a damaged step
+    # whose name was set aside before gets the next free one
+    writer.save(5, model, {}, {"step": 5}, {"data": 5})  # keep=2: step_4 and step_5; step_2 goes
+    (root / "step_00000005" / ".metadata").unlink()
+    (root / ".damaged-step_00000005").mkdir()
+    assert ck.latest_verified_checkpoint(tmp_path, report=reports.append, move_damaged=True) == root / "step_00000004"
+    assert sorted(p.name for p in root.iterdir()) == [".damaged-step_00000003", ".damaged-step_00000005",
+                                                      ".damaged-step_00000005-2", "step_00000004"]
+    assert ".metadata is missing" in reports[-1]
+
+
+# ---------------------------------------------------------------------- no arbitrary unpickling on load
+class _Planted:
+    """A pickle that creates `marker` when unpickled (what a malicious checkpoint would do, harmlessly)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("where", ["meta blob", "dp0 blob", "dcp entry", "metadata"])
+def test_a_checkpoint_carrying_a_malicious_pickle_is_refused_without_running_it(tmp_path, where):
+    """A checkpoint whose state blob (meta, a rank's state), whose DCP entry around a blob, or whose DCP
+    `.metadata` holds a pickled call of `open(marker, "w")`: loading it raises one-line CheckpointError
+    naming the refused global, the marker file is never created, and the checksums being right (the
+    checkpoint was made that way, not damaged) does not help. A genuine checkpoint still loads."""
+    marker = tmp_path / "ran"
+    model = nn.Linear(8, 4)
+    ck.CheckpointWriter(tmp_path / "good", keep=1).save(1, model, {}, {"step": 1}, {"data": [1], "rng": None})
+    good = ck.step_dir(tmp_path / "good", 1)
+    path = ck.step_dir(tmp_path / "bad", 1)
+    evil = _Planted(marker)
+    if where == "metadata":
+        ck.CheckpointWriter(tmp_path / "bad", keep=1).save(1, model, {}, {"step": 1}, {"data": 1})
+        (path / ".metadata").write_bytes(pickle.dumps(evil))
+    else:
+        path.mkdir(parents=True)
+        blob = {"meta blob": {"meta": ck._blob(evil), "dp0": ck._blob({"data": 1})},
+                "dp0 blob": {"meta": ck._blob({"step": 1}), "dp0": ck._blob({"data": evil})},
+                "dcp entry": {"meta": evil, "dp0": ck._blob({"data": 1})}}[where]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model": model.state_dict(), "optim": {}, **blob}, checkpoint_id=str(path))
+    ck.write_manifest(path)
+    assert ck.checkpoint_problem(path) is None and not marker.exists()
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.load_checkpoint(path, nn.Linear(8, 4), {})
+    assert not marker.exists(), "the planted pickle ran"
+    message = str(e.value)
+    assert "\n" not in message and "(io.open)" in message and "refusing to load it" in message, message
+    meta, mine = ck.load_checkpoint(good, nn.Linear(8, 4), {})
+    assert meta == {"step": 1} and mine["data"] == [1]

@@ -5,9 +5,12 @@ trainer's log lines."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,3 +38,72 @@ def test_an_unexpected_error_writes_the_elastic_error_file(tmp_path):
     report = json.loads(err.read_text())
     assert "invalid literal for int()" in report["message"]["message"]
     assert "Traceback" in report["message"]["extraInfo"]["py_callstack"]
+
+
+# --- issue 30 item 12: every configuration or input mistake is one line, exit 2, before anything is built ----
+NOT_A_TAR = "not-a-tar.tar"
+MISTAKES = {  # id: (overrides, what the line must say)
+    "no shards": (["data.text_shards=[]", "data.mm_shards=[]"], "data.text_shards and data.mm_shards are both empty"),
+    "unknown top-level key": (["+foo=bar"], "+foo=bar: 'foo' is not a config group or key; the top-level keys are"),
+    "typo'd group": (["+trian.max_steps=3"], "'trian' is not a config group or key (did you mean 'train'?)"),
+    "unknown key without +": (["train.max_step=3"], "train.max_step=3: train has no key 'max_step' (did you mean "
+                                                     "train.max_steps?)"),
+    "unknown exp": (["+exp=flash_smal"], "+exp=flash_smal: there is no exp 'flash_smal' (did you mean "
+                                         "+exp=flash_small?)"),
+    "too many workers": (["data.num_workers=17"], "data.num_workers=17: data.corpus_shards has 16 shard(s), which "
+                                                  "cannot feed 1 data-parallel rank(s) x 17 worker(s)"),
+    "not a tar": ([f"data.text_shards=[{{tmp}}/{NOT_A_TAR}]", "data.mm_shards=null"],
+                  f"data.text_shards: none of its 1 shard(s) can be read ('{{tmp}}/{NOT_A_TAR}': not a tar file"),
+    "missing tokenizer": (["data.tokenizer=/nonexistent.json"], "data.tokenizer='/nonexistent.json' does not exist"),
+    "nothing to resume from": (["train.resume_from=/nonexistent/step_00000001"],
+                               "train.resume_from='/nonexistent/step_00000001' does not exist"),
+}
+BUILT = "process(es) on"  # the trainer's log line once the process group exists
+
+
+def _error_line(out, want):
+    """The one `error:` line on stderr, which says `want`; nothing was built, and no rank printed a traceback."""
+    text = out.stdout + out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and want in errors[0], text[-3000:]
+    assert BUILT not in text, text[-3000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_a_mistake_is_one_line_and_exit_2(tmp_path, case):
+    (tmp_path / NOT_A_TAR).write_text("plain text, not a tar archive\n")
+    overrides, want = MISTAKES[case]
+    out = _pretrain(tmp_path / "run", *[o.format(tmp=tmp_path) for o in overrides])
+    assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
+    line = _error_line(out, want.format(tmp=tmp_path))
+    assert [x for x in out.stderr.splitlines() if x.strip()] == [line]  # no Hydra text, warning or traceback
+    assert "Traceback" not in out.stdout
+
+
+def test_the_other_launch_tools_share_the_one_line_exit():
+    """launch/plan.py goes through the same helper (flashtrain.config.errors.exit_on_user_error) and compose."""
+    out = subprocess.run([sys.executable, str(ROOT / "launch" / "plan.py"), "+exp=flash_smal"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and [line for line in out.stderr.splitlines() if line.strip()] == [
+        "error: +exp=flash_smal: there is no exp 'flash_smal' (did you mean +exp=flash_small?); the exp options are "
+        "flash, flash_2048gpu, flash_2048gpu_1m, flash_node, flash_small, flash_tiny (conf/exp/*.yaml)"], out.stderr
+
+
+@pytest.mark.parametrize("case", ["no shards", "unknown exp", "nothing to resume from"])
+def test_under_torchrun_a_mistake_is_printed_once(tmp_path, case):
+    """Two workers: rank 0 prints the line, rank 1 stays silent, both exit 2 before a process group exists.
+    torchrun itself exits 1 (it turns every failed worker into status 1) after its ChildFailedError report,
+    whose root cause is local rank 0 with exitcode 2 -- the one place its report can say what kind of
+    failure it was."""
+    overrides, want = MISTAKES[case]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={tmp_path / 'run'}",
+           "logging.wandb.mode=disabled", *overrides]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-3000:]
+    _error_line(out, want)
+    assert text.count("Traceback") == 1 and "ChildFailedError" in text, text[-3000:]  # torchrun's report only
+    root = text[text.index("Root Cause"):]
+    assert re.search(r"rank\s+: 0 \(local_rank: 0\)\s+exitcode\s+: 2 ", root), root

@@ -216,3 +216,55 @@ def test_resumed_run_is_one_wandb_run_with_heatmaps(tmp_path, corpus_args):  # n
 
     lines = strict_lines(run / "metrics.jsonl")
     assert [r["step"] for r in lines] == list(range(1, 9))
+
+
+# --- each step once across a resume ----------------------------------------------------------------
+def _log_steps(run_dir, cfg, start_step, steps, events=(), total=20):
+    """A start from `start_step` logging `steps` (step, wandb step) pairs; `events`: {after index: event}."""
+    logger = MetricsLogger(run_dir, cfg, {"lr": 0.1}, enabled=True, total_steps=total, start_step=start_step)
+    for i, (step, wandb_step) in enumerate(steps):
+        logger.log(step, {"step": step, "loss": float(step) + 0.25 * start_step}, wandb_step=wandb_step)
+        for event in [e for at, e in events if at == i]:
+            logger.event(event, wandb_step=event["spike_step"] + wandb_step - step)
+    logger.close()
+
+
+def test_a_resume_removes_the_records_after_its_step(tmp_path):
+    """Steps 1-6 logged, the checkpoint at 4: a start from 4 keeps lines through step 4's record and logs 5
+    and 6 again, so each step is in the file once, with the re-run's values. With a rollback in the lost
+    part (records 1-5, a rollback of spike step 6 to step 3, then 4', 5') a resume from 4 keeps through the
+    last record of step 4 -- the re-run 4', written after the rollback event, whose checkpoint replaced the
+    first step 4's -- and drops 5' alone. A fresh start (0) keeps nothing; a line cut short by a kill goes."""
+    cfg = LoggingConfig(wandb=WandbConfig(mode="disabled"), heatmap_interval=0, progress=False)
+    _log_steps(tmp_path, cfg, 0, [(s, s) for s in range(1, 7)])
+    _log_steps(tmp_path, cfg, 4, [(5, 5), (6, 6)])
+    lines = strict_lines(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in lines] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 6.0), (6, 7.0)]
+
+    run = tmp_path / "rollback"
+    run.mkdir()
+    rollback = {"event": "rollback", "spike_step": 6, "to_step": 3}
+    _log_steps(run, cfg, 0, [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (4, 7), (5, 8)], events=[(4, rollback)])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # a kill in the middle of a line
+    _log_steps(run, cfg, 4, [(5, 8)])
+    lines = strict_lines(run / "metrics.jsonl")
+    assert [r.get("step", r.get("event")) for r in lines] == [1, 2, 3, 4, 5, "rollback", 4, 5]
+    assert lines[-1]["loss"] == 6.0  # the re-run's 5' (loss 5 + 0.25 x 4), not the lost one's
+    _log_steps(run, cfg, 0, [(1, 1)])
+    assert [r["step"] for r in strict_lines(run / "metrics.jsonl")] == [1]
+
+
+def test_wandb_receives_each_step_once_across_a_resume(tmp_path):
+    """Offline wandb: the first start sends steps 1-3; a start from step 1 re-runs 2 and 3 and sends only 4:
+    the run's history, read back from its two .wandb files, has each step once, and metrics.jsonl agrees on
+    the steps."""
+    cfg = LoggingConfig(wandb=WandbConfig(mode="offline"), heatmap_interval=0, progress=False)
+    _log_steps(tmp_path, cfg, 0, [(1, 1), (2, 2), (3, 3)])
+    _log_steps(tmp_path, cfg, 1, [(2, 2), (3, 3), (4, 4)])
+    files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2
+    rows = [row for f in files for row in settled_history(f)[2]]
+    assert [r["_step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows] == [1.0, 2.0, 3.0, 4.25]  # the first start's 1-3, the resume's 4
+    assert [r["step"] for r in strict_lines(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from flashtrain.config.errors import ConfigError
+from flashtrain.config.errors import ConfigError, InputNotFoundError
 from flashtrain.config.typed import typed_config
 from flashtrain.data.config import DataConfig, TokenSpec
-from flashtrain.data.loader import PackedLoader
+from flashtrain.data.loader import PackedLoader, check_sources
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 from flashtrain.model.recompute import validate_recompute
@@ -218,11 +218,10 @@ def build_loader(c: RunConfigs, text, mm, dims: ParallelDims) -> PackedLoader:
     return PackedLoader(c.data, c.spec, text, mm, dims.dp_rank, dims.dp)
 
 
-def check_start(c: RunConfigs) -> None:
-    """What a start needs on disk, checked before a process group exists."""
-    from flashtrain.data.config import resolve_shards
-
-    resolve_shards(c.data.text_shards, "text_shards")  # a bad shard path fails here, not mid-run
-    resolve_shards(c.data.mm_shards, "mm_shards")
+def check_start(c: RunConfigs, readers: int) -> None:
+    """What a start needs on disk, checked before a process group exists: the data (shards, tokenizer, enough
+    shards for `readers` data-parallel ranks x workers; data/loader.py `check_sources`) and train.resume_from."""
+    check_sources(c.data, readers)
     if c.train.resume_from and not Path(c.train.resume_from).is_dir():
-        raise FileNotFoundError(f"train.resume_from={c.train.resume_from!r} does not exist")
+        raise InputNotFoundError(f"train.resume_from={c.train.resume_from!r} does not exist; point it at a "
+                                 f"checkpoint directory (checkpoints/step_XXXXXXXX) or remove it")

@@ -37,6 +37,15 @@ Contents (DCP keys):
   detector's history and Anticipatory Routing's look-ahead batches (train/spike.py, train/anticipatory.py);
 - `rank<r>`: what only global rank r holds -- while Anticipatory Routing is active, the routing indices
   cached for its stage's MoE layers; written only then, and read back only by the same rank.
+
+Loading never unpickles an arbitrary object (a checkpoint someone shares must not run code when it is
+resumed from): DCP's `.metadata` is read by an unpickler that knows only DCP's metadata classes, the state
+blobs with `torch.load(weights_only=True)` and the few data types they hold (numpy arrays) allowed; anything
+else is refused with a `CheckpointError` before it is constructed.
+
+Damaged checkpoints: when resuming, a `step_*` whose files do not match its manifest (or that has no
+`.metadata`) is reported and moved aside to `.damaged-step_<step>` (with a `DAMAGED` note saying what is
+wrong), so it never counts toward `keep` and is never deleted: the user decides what to do with it.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -56,6 +66,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from flashtrain.config.errors import (
     CheckpointError,  # noqa: F401 (re-exported)
@@ -91,8 +103,112 @@ def _blob(obj) -> bytes:
     return buf.getvalue()
 
 
-def _unblob(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)
+def _numpy_globals() -> list:
+    """What a pickled numpy array needs (the data-loader state holds token arrays, the RNG state numpy's)."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    dtypes = [type(np.dtype(t)) for t in (bool, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                          np.uint32, np.uint64, np.float16, np.float32, np.float64)]
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, *dtypes]
+
+
+def _refused(what: str, error: BaseException) -> CheckpointError:
+    text = str(error)
+    found = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"(?:global|class) '?([\w.]+)'?", text)
+    name = found.group(1) if found else text.splitlines()[0][:200] if text else type(error).__name__
+    return CheckpointError(f"{what} holds a pickled object ({name}) that a flashtrain checkpoint never contains; "
+                           f"refusing to load it (unpickling it could run code): use a checkpoint from a source you "
+                           f"trust, written by flashtrain")
+
+
+def _unblob(data: bytes, what: str = "a checkpoint's state blob"):
+    """A state blob written by `_blob`: tensors, plain Python values and numpy arrays only
+    (`weights_only=True`); any other pickled object raises CheckpointError without being built."""
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise _refused(what, e) from None
+
+
+# DCP's `.metadata` is a pickle of these classes; nothing else may be built while reading it
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": None,  # every class of DCP's metadata module
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},  # and the dtypes (below)
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        names = _METADATA_GLOBALS.get(module, set())
+        allowed = module in _METADATA_GLOBALS and (names is None or name in names)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` read by `_MetadataUnpickler` instead of `pickle.load`."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                raise _refused(f"checkpoint {self.path}: its .metadata", e) from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"checkpoint {self.path}: its .metadata is not DCP metadata "
+                                  f"({type(metadata).__name__}); pick a step_* directory written by flashtrain")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but a non-tensor entry (our state blobs, stored as `bytes`) is read with
+    `torch.load(weights_only=True)`: DCP's own `load_bytes` unpickles it with `weights_only=False`."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise _refused(f"checkpoint entry {read_item.dest_index.fqn!r}", e) from None
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def read_metadata(path: str | Path):
+    """The DCP metadata of a checkpoint directory, read safely (`SafeReader`)."""
+    return SafeReader(str(path)).read_metadata()
+
+
+def dcp_load(state: dict, path: str | Path) -> None:
+    """`dcp.load` of `state` from `path` through `SafeReader` and `SafeLoadPlanner`; a refused object is
+    one CheckpointError (DCP wraps what a rank raised in a CheckpointException)."""
+    with warnings.catch_warnings():  # DCP warns when it runs without a process group (one process): expected
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        try:
+            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+        except CheckpointException as e:
+            for error, _ in e.failures.values():
+                if isinstance(error, CheckpointError):
+                    raise CheckpointError(str(error)) from None
+            raise
 
 
 def _rank() -> int:
@@ -233,15 +349,55 @@ def checkpoint_problem(path: str | Path) -> str | None:
     return "; ".join(found) if found else None
 
 
-def latest_verified_checkpoint(run_dir: str | Path, report=log.warning) -> Path | None:
+DAMAGED_PREFIX = ".damaged-"  # `.damaged-step_<step>`: a damaged checkpoint moved aside (never counted, never deleted)
+DAMAGED_NOTE = "DAMAGED"  # inside it: what was wrong, and when it was found
+
+
+def _candidates(run_dir: str | Path, with_partial: bool) -> list[tuple[Path, bool]]:
+    """(checkpoint directory, complete) newest last: the complete ones and, `with_partial`, every `step_*`
+    without DCP's `.metadata` (a `step_*` exists only once complete, so one without is damaged: a file was
+    deleted)."""
+    found = [(p, True) for p in complete_checkpoints(run_dir)]
+    root = Path(run_dir) / "checkpoints"
+    if with_partial and root.is_dir():
+        found += [(p, False) for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)
+                  and not (p / ".metadata").is_file()]
+    return sorted(found, key=lambda c: int(STEP_DIR.match(c[0].name).group(1)))
+
+
+def set_aside(path: Path, problem: str) -> Path:
+    """Rank 0: move a damaged checkpoint out of the `step_*` names (atomic rename) to `.damaged-step_<step>`
+    (`-2`, `-3`, ... when that name is taken), with a note of what is wrong; returns the new path."""
+    target = path.with_name(f"{DAMAGED_PREFIX}{path.name}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{DAMAGED_PREFIX}{path.name}-{n}")
+    os.replace(path, target)
+    try:
+        (target / DAMAGED_NOTE).write_text(f"{path.name} was found damaged when resuming: {problem}\n")
+    except OSError:  # the note is a courtesy; the rename is what matters
+        pass
+    return target
+
+
+def latest_verified_checkpoint(run_dir: str | Path, report=log.warning, move_damaged: bool = False) -> Path | None:
     """Collective: the newest complete checkpoint whose files match their checksums; each damaged newer
-    one is reported and skipped. The candidates are rank 0's listing, broadcast, so every rank walks the
-    same ones and returns the same path."""
-    for path in reversed(_from_rank0(lambda: complete_checkpoints(run_dir))):
-        problem = checkpoint_problem(path)
+    one (files that do not match the manifest, or no `.metadata`) is reported and skipped. The candidates
+    are rank 0's listing, broadcast, so every rank walks the same ones and returns the same path.
+    `move_damaged` (the trainer's resume): rank 0 also moves each damaged one aside (`set_aside`), so it
+    no longer counts toward `train.checkpoint.keep` and no save ever deletes it."""
+    for path, complete in reversed(_from_rank0(lambda: _candidates(run_dir, move_damaged))):
+        problem = checkpoint_problem(path) if complete else ".metadata is missing"
         if problem is None:
             return path
-        report(f"checkpoint {path} is damaged ({problem}); skipping it for the previous complete one")
+        if move_damaged:
+            moved = _from_rank0(lambda: set_aside(path, problem))
+            report(f"checkpoint {path} is damaged ({problem}); moved it aside to {moved} (it no longer counts "
+                   f"toward train.checkpoint.keep and is never deleted: inspect or delete it yourself) and "
+                   f"skipping it for the previous complete one")
+        else:
+            report(f"checkpoint {path} is damaged ({problem}); skipping it for the previous complete one")
     return None
 
 
@@ -284,7 +440,7 @@ def _confirm_written(tmp: Path, reports: list[dict]) -> list[str]:
     data file holds bytes up to where) and against rank 0's own view of each reported file."""
     problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep["problems"]]
     extent: dict[str, int] = {}
-    for info in dcp.FileSystemReader(str(tmp)).read_metadata().storage_data.values():
+    for info in read_metadata(tmp).storage_data.values():
         extent[info.relative_path] = max(extent.get(info.relative_path, 0), info.offset + info.length)
     for r, rep in enumerate(reports):
         unconfirmed = sorted(n for n in extent if _data_file_rank(n) == r and n not in rep["files"])
@@ -498,18 +654,16 @@ def weights_only(path: str | Path) -> bool:
     path = Path(path)
     if not (path / ".metadata").is_file():
         return False
-    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    md = read_metadata(path).state_dict_metadata
     return not any(k.startswith("optim.") or re.fullmatch(r"dp\d+", k) for k in md)
 
 
 def _load_weights_only(path: Path, model: nn.Module, layout: dict) -> dict:
     """A checkpoint of weights alone (launch/import_official.py): the model's tensors and `meta`."""
     state = {"model": _sharded_model_state(model, layout), "meta": b""}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(state, checkpoint_id=str(path))
+    dcp_load(state, path)
     model.load_state_dict({k: _unwrap(v) for k, v in state["model"].items()})
-    return _unblob(state["meta"])
+    return _unblob(state["meta"], f"checkpoint {path}: its meta")
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_rank: int | None = None,
@@ -525,7 +679,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_ran
                                 f"directory under <run dir>/checkpoints")
     dp_rank = _rank() if dp_rank is None else dp_rank
     layout = layout or {}
-    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    md = read_metadata(path).state_dict_metadata
     rank_key = f"dp{dp_rank}"
     saved = sorted(int(k[2:]) for k in md if re.fullmatch(r"dp\d+", k))
     if weights_only(path):
@@ -541,11 +695,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_ran
     own_key = f"{OWN_PREFIX}{_rank()}"
     if own_key in md:
         state[own_key] = b""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(state, checkpoint_id=str(path))
+    dcp_load(state, path)
+    mine = _unblob(state[rank_key], f"checkpoint {path}: its {rank_key}")
+    own = _unblob(state[own_key], f"checkpoint {path}: its {own_key}") if own_key in state else None
+    meta = _unblob(state["meta"], f"checkpoint {path}: its meta")
     model.load_state_dict({k: _unwrap(v) for k, v in state["model"].items()})
     _install_optimizer_state(optimizers, model, state["optim"])
-    mine = _unblob(state[rank_key])
-    mine["own"] = _unblob(state[own_key]) if own_key in state else None
-    return _unblob(state["meta"]), mine
+    mine["own"] = own
+    return meta, mine

@@ -10,13 +10,14 @@ use too).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
 from flashtrain.config import CONF_DIR
 from flashtrain.config.errors import ConfigError
-from flashtrain.config.typed import typed_config
+from flashtrain.config.typed import nearest, typed_config
 from flashtrain.data.config import DataConfig, TokenSpec
 from flashtrain.data.images import ImageProcessorConfig
 from flashtrain.model.config import ModelConfig
@@ -107,11 +108,129 @@ def plan_batches(train: TrainConfig, seq_len: int, micro_batch: int, dims: Paral
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The configuration for command-line style overrides. A mistake Hydra reports in many lines (a key
+    that does not exist, an unknown exp or group option, an override it cannot parse) is a one-line
+    ConfigError naming the nearest valid key or option; so is a top-level key that is neither a config
+    group nor a key of conf/config.yaml (`+foo=bar`, `+trian.max_steps=3`), which Hydra accepts silently."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = list(overrides)
+    try:
+        cfg = _hydra_compose(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise hydra_error(overrides, e) from e
+    check_top_level(cfg, overrides)
+    return cfg
+
+
+def _hydra_compose(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+# ------------------------------------------------------------------------- Hydra's errors as one line
+def config_groups() -> list[str]:
+    """The config groups: conf/ folders of yaml files (exp included)."""
+    return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml")))
+
+
+def top_level_keys() -> set[str]:
+    """What may appear at the top of the composed config: the groups (but exp, an overlay) and the keys of
+    conf/config.yaml itself."""
+    own = OmegaConf.load(CONF_DIR / "config.yaml")
+    return (set(config_groups()) - {"exp"}) | {k for k in own if k not in ("defaults", "hydra")}
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _override_for(key: str, overrides: list[str]) -> str:
+    """The override (as typed) that sets `key`, or `key` itself."""
+    return next((o for o in overrides if _key(o) == key), key)
+
+
+def check_top_level(cfg: DictConfig, overrides: list[str]) -> None:
+    known = top_level_keys()
+    for key in cfg:
+        if key in known:
+            continue
+        near = nearest(key, known)
+        offending = [o for o in overrides if _key(o).split(".")[0] == key]
+        hint = f" (did you mean {near!r}?)" if near else ""
+        where = f"{offending[0]}: " if offending else ""
+        raise ConfigError(f"{where}{key!r} is not a config group or key{hint}; the top-level keys are "
+                          f"{', '.join(sorted(known))} (conf/config.yaml and its groups; an exp is +exp=NAME)")
+
+
+def _missing_key(path: str, overrides: list[str]) -> str:
+    """Where `path` (a dotted key) leaves the configuration the other overrides compose, and the nearest
+    valid key there."""
+    others = [o for o in overrides if _key(o) != path]
+    try:
+        node = _hydra_compose(others)
+    except Exception:  # noqa: BLE001 - another override is wrong too: name this one without a hint
+        return f"{path} is not a key of the configuration"
+    parts, done = path.split("."), []
+    for part in parts:
+        if isinstance(node, DictConfig) and part in node:
+            node, done = node[part], done + [part]
+            continue
+        where = ".".join(done)
+        keys = list(node.keys()) if isinstance(node, DictConfig) else []
+        near = nearest(part, keys)
+        hint = f" (did you mean {'.'.join(done + [near])}?)" if near else ""
+        source = f"; its keys are in conf/{done[0]}/" if done and done[0] in config_groups() else ""
+        return (f"{where} has no key {part!r}{hint}{source}" if where else
+                f"{part!r} is not a config group or key{hint}; the top-level keys are {', '.join(sorted(keys))}")
+    return f"{path} is not a key of the configuration"
+
+
+def _unparsable(overrides: list[str]) -> str:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_override(o)
+        except Exception:  # noqa: BLE001 - the one Hydra could not parse
+            return o
+    return " ".join(overrides)
+
+
+def hydra_error(overrides: list[str], e: Exception) -> ConfigError:
+    """One line for what Hydra (or OmegaConf, while composing) raised."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    text = str(e)
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
+        group, name = e.missing_cfg_file.rsplit("/", 1)
+        override = next((o for o in overrides if _key(o) == group and o.split("=", 1)[-1] == name),
+                        _override_for(group, overrides))
+        near = nearest(name, e.options or [])
+        hint = f" (did you mean {override.split('=', 1)[0]}={near}?)" if near else ""
+        return ConfigError(f"{override}: there is no {group} {name!r}{hint}; the {group} options are "
+                           f"{', '.join(e.options or [])} (conf/{group}/*.yaml)")
+    if isinstance(e, OverrideParseException):
+        named = re.search(r"override '([^']*)'", text)
+        detail = " ".join(line for line in text.splitlines()[1 if named else 0:] if not line.startswith("See "))
+        bad = named.group(1) if named else _unparsable(overrides)
+        return ConfigError(f"cannot parse the override {bad!r} ({detail.strip()}); write key=value, +key=value to "
+                           f"add a key, ~key to delete one")
+    if m := re.match(r"Could not override '([^']+)'\. No match in the defaults list", text):
+        group = m.group(1)
+        override = _override_for(group, overrides)
+        return ConfigError(f"{override}: {group} is not selected by default, so it is added with a +: "
+                           f"+{override.lstrip('+')}")
+    if m := re.match(r"Could not (?:override|append to) '([^']+)'", text) or re.match(
+            r"Could not delete from config\. '([^']+)' does not exist", text):
+        path = m.group(1)
+        return ConfigError(f"{_override_for(path, overrides)}: {_missing_key(path, overrides)}")
+    return ConfigError(" ".join(text.split()))
 
 
 def model_config(cfg: DictConfig) -> ModelConfig:

@@ -7,6 +7,15 @@ progress bar on rank 0.
 One wandb run per run directory: the first start stores its wandb run id in `<run dir>/wandb_run_id`;
 every restart resumes that id (`resume="allow"`) and continues the same curves from its step. The
 config goes to wandb once, on the first start.
+
+Each step once: a start that resumes from step N (0: a fresh start) first removes from metrics.jsonl
+what a start that did not reach a checkpoint wrote after step N -- every line after the last record of
+step N, step records and rollback events alike (they belong to the lost steps) -- and says so in the log,
+so the file holds each step once, the re-run's record. wandb's history cannot be rewritten (its steps
+only increase, and rewinding a run is a private-preview server feature), so wandb receives only steps
+beyond the last one it was sent (`<run dir>/wandb_step`: the run id and that step): for the steps a
+resume re-runs it keeps the first values, which equal the re-run's (a resume is bit-exact; the timings
+`tokens_per_s` / `step_time_s` / `mfu` differ), and each step appears in it once too.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ log = logging.getLogger(__name__)
 
 MODALITIES = ("text", "image")
 RUN_ID_FILE = "wandb_run_id"
+WANDB_STEP_FILE = "wandb_step"  # "<run id> <the last step sent to wandb>"
+METRICS_FILE = "metrics.jsonl"
 HEATMAP_DIR = "expert_load"
 _RUN_ID_CHARS = string.ascii_lowercase + string.digits
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -208,6 +219,73 @@ def init_wandb(run_dir: str | Path, cfg: WandbConfig, config: dict):
     return run
 
 
+def _read_json(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def resumed_lines(lines: list[str], start_step: int) -> int:
+    """How many of metrics.jsonl's `lines` a start from `start_step` keeps: through the last step record of
+    `start_step` (a rollback may have logged a step twice: the checkpoint was written after the last); with
+    no such record, the lines before the first record past it; a fresh start (0) keeps none."""
+    if start_step <= 0:
+        return 0
+    records = [(i, r.get("step")) for i, line in enumerate(lines)
+               if isinstance(r := _read_json(line), dict) and "event" not in r]
+    at = [i for i, step in records if step == start_step]
+    if at:
+        return at[-1] + 1
+    later = [i for i, step in records if isinstance(step, int) and step > start_step]
+    return later[0] if later else len(lines)
+
+
+def truncate_after(path: Path, start_step: int) -> list[str]:
+    """Keep what `resumed_lines` keeps of the file (a line cut short by a kill, without its newline, is never
+    kept), atomically; returns the removed lines."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")
+    partial = lines.pop()  # "" after a complete last line
+    keep = resumed_lines(lines, start_step)
+    removed = lines[keep:] + ([partial] if partial else [])
+    if removed:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in lines[:keep]), encoding="utf-8")
+        os.replace(tmp, path)
+    return removed
+
+
+def _describe_removed(removed: list[str]) -> str:
+    rows = [r for line in removed if isinstance(r := _read_json(line), dict)]
+    steps = [r["step"] for r in rows if "event" not in r and isinstance(r.get("step"), int)]
+    events = sum(1 for r in rows if "event" in r)
+    span = "" if not steps else f" (step {steps[0]})" if min(steps) == max(steps) else \
+        f" (steps {min(steps)}-{max(steps)})"
+    what = f"{len(steps)} step record(s){span}"
+    return what + (f", {events} event(s)" if events else "") + (
+        f", {len(removed) - len(rows)} unreadable line(s)" if len(removed) > len(rows) else "")
+
+
+def read_wandb_step(run_dir: str | Path, run_id: str) -> int:
+    """The last step sent to wandb run `run_id` from this run directory (0: none, or another run id)."""
+    try:
+        stored_id, step = (Path(run_dir) / WANDB_STEP_FILE).read_text(encoding="utf-8").split()
+        return int(step) if stored_id == run_id else 0
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def write_wandb_step(run_dir: str | Path, run_id: str, step: int) -> None:
+    path = Path(run_dir) / WANDB_STEP_FILE
+    tmp = path.with_name(f".{WANDB_STEP_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(f"{run_id} {step}\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
     """Rank 0 writes; other ranks hold a no-op logger. `start_step`: the step the run (re)starts from;
     `total_steps`: its last step."""
@@ -222,11 +300,17 @@ class MetricsLogger:
         self._heatmaps = cfg.heatmap_interval > 0
         if not enabled:
             return
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = self.run_dir / METRICS_FILE
+        removed = truncate_after(self.path, start_step)
+        if removed:
+            log.warning("%s: removed %s written after step %d by a start that did not reach a checkpoint; the "
+                        "re-run writes those steps again", self.path, _describe_removed(removed), start_step)
         self._file = open(self.path, "a", encoding="utf-8")
+        self._wandb_sent = 0  # the last step the wandb run already has: nothing at or before it is sent again
         if cfg.wandb.mode != "disabled":
             try:
                 self._wandb = init_wandb(self.run_dir, cfg.wandb, config)
+                self._wandb_sent = read_wandb_step(self.run_dir, self._wandb.id)
             except Exception as e:  # noqa: BLE001 - wandb must never stop training
                 log.warning("wandb unavailable (%s); metrics go to %s only", e, self.path)
         if cfg.progress:
@@ -259,7 +343,8 @@ class MetricsLogger:
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         png = self._heatmap(step, loads) if loads and self.heatmap_due(step) else None
-        if self._wandb is not None:
+        wandb_step = step if wandb_step is None else wandb_step
+        if self._wandb is not None and wandb_step > self._wandb_sent:
             try:
                 flat: dict = {}
                 _flatten("", {k: v for k, v in record.items() if k != "step" and not isinstance(v, str)}, flat)
@@ -268,7 +353,8 @@ class MetricsLogger:
 
                     flat["expert_load/heatmap"] = wandb.Image(str(png), caption=f"step {step}: load / balanced "
                                                               "load, layers x experts, text | image")
-                self._wandb.log(flat, step=step if wandb_step is None else wandb_step)
+                self._wandb.log(flat, step=wandb_step)
+                self._sent(wandb_step)
             except Exception as e:  # noqa: BLE001
                 log.warning("wandb.log failed (%s); disabling wandb for this run", e)
                 self._wandb = None
@@ -286,17 +372,25 @@ class MetricsLogger:
         event = finite_or_none(event)
         self._file.write(json.dumps(event, allow_nan=False) + "\n")
         self._file.flush()
-        if self._wandb is not None:
+        if self._wandb is not None and wandb_step > self._wandb_sent:
             text = ", ".join(f"{k}={v}" for k, v in event.items() if k != "event")
             try:
                 self._wandb.log({f"events/{k}": v for k, v in event.items() if isinstance(v, (int, float))},
                                 step=wandb_step)
+                self._sent(wandb_step)
                 if self.cfg.wandb.mode == "online":
                     import wandb
 
                     self._wandb.alert(title=f"flashtrain: {event['event']}", text=text, level=wandb.AlertLevel.WARN)
             except Exception as e:  # noqa: BLE001 - wandb must never stop training
                 log.warning("wandb event failed (%s): %s", e, text)
+
+    def _sent(self, wandb_step: int) -> None:
+        self._wandb_sent = wandb_step
+        try:
+            write_wandb_step(self.run_dir, self._wandb.id, wandb_step)
+        except OSError as e:  # a restart may then send a step again (wandb drops it)
+            log.debug("cannot record the last wandb step (%s)", e)
 
     def close(self) -> None:
         if not self.enabled:

@@ -26,7 +26,8 @@ EXECUTION_ONLY = frozenset({"attn_chunk_size", "use_triton", "qat"})
 
 def resume_path(resume_from: str | None, run_dir: Path, is_main: bool) -> str | Path | None:
     """The checkpoint this start loads (None: a fresh start)."""
-    own = latest_verified_checkpoint(run_dir, report=log.warning if is_main else lambda _: None)
+    own = latest_verified_checkpoint(run_dir, report=log.warning if is_main else lambda _: None,
+                                     move_damaged=True)
     if not resume_from:
         return own
     problem = checkpoint_problem(resume_from)

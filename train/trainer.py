@@ -92,7 +92,7 @@ class Trainer:
         self.step, self.tokens_seen, self._stop, self.op = 0, 0, False, Operation()
         if int(os.environ.get("RANK", "0")) == 0:  # one job per run directory (held until this process ends)
             self._run_lock = acquire_run_lock(self.run_dir)
-        check_start(c)
+        check_start(c, self.plan.dp)
 
         self.rank, world, self.device = init_distributed(c.parallel.timeout_s)
         self.is_main = self.rank == 0

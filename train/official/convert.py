@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from flashtrain.config.errors import FlashtrainError
 from flashtrain.config.typed import typed_config
@@ -40,7 +38,7 @@ from flashtrain.model.quant import (
     fp8_weight_quant,
 )
 from flashtrain.parallel.construct import model_template
-from flashtrain.train.checkpoint import _blob, _unblob
+from flashtrain.train.checkpoint import _blob, _unblob, dcp_load, read_metadata
 from flashtrain.train.official.dcp_parts import PartsWriter, pieces
 from flashtrain.train.official.layout import (
     BLOCK,
@@ -260,16 +258,14 @@ def _checkpoint_meta(ckpt: Path) -> tuple[dict, dict]:
     if not (ckpt / ".metadata").is_file():
         raise FileNotFoundError(f"{str(ckpt)!r} is not a complete checkpoint (no .metadata); pick a step_* directory "
                                 f"under <run dir>/checkpoints")
-    md = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    md = read_metadata(ckpt).state_dict_metadata
     state = {"meta": b""}
     _load(state, ckpt)
     return _unblob(state["meta"]), md
 
 
 def _load(state: dict, ckpt: Path) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(state, checkpoint_id=str(ckpt))
+    dcp_load(state, ckpt)  # no arbitrary unpickling (train/checkpoint.py)
 
 
 def _batches(keys: list[str], md: dict, budget: int) -> list[list[str]]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtrain.config.errors import ConfigError, DataError
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.param_kinds import ParamKind
 
@@ -112,7 +113,7 @@ def check_quantisable(tensors: list[OfficialTensor]) -> None:
     byte): refuse widths they cannot hold, naming the tensor and the fix."""
     for t in tensors:
         if t.fmt in ("fp4", "fp8_rows") and t.shape[-1] % BLOCK:
-            raise ValueError(f"{t.name} has {t.shape[-1]} input channels, not a multiple of {BLOCK}: the release's "
+            raise ConfigError(f"{t.name} has {t.shape[-1]} input channels, not a multiple of {BLOCK}: the release's "
                              f"{'FP4 expert' if t.fmt == 'fp4' else 'FP8 Engram'} format scales blocks of {BLOCK} "
                              f"channels. Export with --dtype bf16, or use widths that are multiples of {BLOCK}")
 
@@ -181,7 +182,7 @@ def quantised_from_config(found: dict) -> bool:
         return True
     if (dtype, expert) == ("bf16", None):
         return False
-    raise ValueError(f"config.json has dtype={dtype!r}, expert_dtype={expert!r}: flashtrain reads the release's FP8 "
+    raise DataError(f"config.json has dtype={dtype!r}, expert_dtype={expert!r}: flashtrain reads the release's FP8 "
                      f"weights with FP4 experts (\"fp8\", \"fp4\") or the BF16 variant (\"bf16\", null)")
 
 
