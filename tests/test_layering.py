@@ -38,3 +38,20 @@ def test_the_bottom_module_imports_nothing_from_the_project():
     tree = ast.parse((ROOT / "conf" / "errors.py").read_text())
     imported = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert not imported, "flashtrain.errors must stay importable by every package"
+
+
+def test_installed_names_are_under_flashtrain_only(tmp_path):
+    """pip install -e . claims no top-level name but `flashtrain` (issue 30 item 8): from a directory
+    with no project folders in it, `flashtrain.model` / `.train` import from this checkout and `model`
+    does not exist."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-c", "import flashtrain.model, flashtrain.train, flashtrain.parallel, "
+                         "flashtrain.data, flashtrain.config; print(flashtrain.model.__file__)"],
+                        cwd=tmp_path, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert Path(ok.stdout.strip()).resolve() == ROOT / "model" / "__init__.py"
+    for name in ("model", "train", "parallel", "data"):
+        bad = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path, capture_output=True, text=True)
+        assert bad.returncode != 0 and "No module named" in bad.stderr, name
