@@ -1,2 +1,2 @@
-"""flashtrain.data: tokenizer, webdataset shards, image processing, packing, mixing, resumable state.
-Populated by the data issue; see DESIGN.md "Data"."""
+"""flashtrain.data: tokenizer, webdataset shards, image processing, packing, mixing, resumable state
+(DESIGN.md "Data"; data/README.md for the shard format)."""

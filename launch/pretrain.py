@@ -20,31 +20,13 @@ report (root cause: rank 0, exitcode 2) -- it gives every failed worker exit sta
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
+# Under torchrun: die with the launcher from before the slow imports on (a launcher killed during start-up
+# must not leave workers behind holding the run directory); train/run_guard.py imports nothing heavy.
+from flashtrain.train.run_guard import die_with_launcher  # noqa: E402
 
-def _die_with_launcher_early() -> None:
-    """Under torchrun: ask for SIGKILL when the launcher dies before the slow imports (train/run_guard.py
-    repeats it in the trainer), and exit at once if the launcher -- a torch process -- is already gone: a
-    launcher killed during start-up must not leave workers behind holding the run directory."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    try:
-        cmd = Path(f"/proc/{parent}/cmdline").read_bytes()
-    except OSError:
-        cmd = b""
-    if os.getppid() != parent or b"torch" not in cmd:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-_die_with_launcher_early()
+die_with_launcher()
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402

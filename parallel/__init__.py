@@ -1,2 +1,2 @@
-"""flashtrain.parallel: how the network is spread over processes (mesh, pipeline, experts, data
-parallel). Populated by the pipeline and expert-parallel issues; see DESIGN.md "Parallelism"."""
+"""flashtrain.parallel: how the network is spread over processes (one topology object, ParallelDims;
+pipeline, expert, context and data parallelism; sharded state). DESIGN.md "Parallelism"."""

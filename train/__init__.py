@@ -1,2 +1,3 @@
-"""flashtrain.train: configuration loading now; the loop, optimizers, schedule, balancing,
-checkpoints and metrics land with their issues (DESIGN.md "Training")."""
+"""flashtrain.train: the loop (trainer.py), the step runners, the stability guard, construction, the
+optimizers, schedule, balancing, checkpoints, metrics and the official import / export (DESIGN.md
+"Training"; docs/layout.md lists the modules)."""

@@ -72,5 +72,9 @@ def die_with_launcher() -> None:
     except (OSError, AttributeError) as e:
         log.warning("prctl unavailable (%s): workers may outlive a killed launcher", e)
         return
-    if os.getppid() != launcher:  # the launcher died before the request took effect
+    try:  # the launcher is a torch process: a different parent means it died before the request took effect
+        cmd = Path(f"/proc/{launcher}/cmdline").read_bytes()
+    except OSError:
+        cmd = b""
+    if os.getppid() != launcher or b"torch" not in cmd:
         os.kill(os.getpid(), signal.SIGKILL)
