@@ -86,6 +86,7 @@ def same(a, b):
     return len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_delta_zero_is_normal_training(tmp_path, corpus):
     finish(trainer(tmp_path / "normal", corpus))
     t = trainer(tmp_path / "ar0", corpus, "train.anticipatory_routing.delta_steps=0")
@@ -96,6 +97,7 @@ def test_delta_zero_is_normal_training(tmp_path, corpus):
     assert losses(tmp_path / "ar0") == losses(tmp_path / "normal")
 
 
+@pytest.mark.slow
 def test_indices_come_from_the_parameters_delta_steps_earlier(tmp_path, corpus, monkeypatch):
     t = trainer(tmp_path / "ar2", corpus, "train.anticipatory_routing.delta_steps=2",
                 "train.anticipatory_routing.active_steps=4", steps=5)
@@ -114,6 +116,7 @@ def test_indices_come_from_the_parameters_delta_steps_earlier(tmp_path, corpus, 
     assert [r["anticipatory_routing"] for r in records] == [True] * 4 + [False]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pp", "ep"])
 def test_pipeline_and_expert_parallel_route_by_the_earlier_parameters(tmp_path, corpus, layout):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -131,6 +134,7 @@ def test_pipeline_and_expert_parallel_route_by_the_earlier_parameters(tmp_path, 
     assert ranks[0]["losses"] == ranks[1]["losses"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_in_the_active_phase_resumes_exactly(tmp_path, corpus):
     """Stopped at step 3 with steps 4 and 5 read ahead and routed by step 2's and 3's parameters: the
     resumed run trains steps 4-6 on the same batches with the same routing as the uninterrupted one."""

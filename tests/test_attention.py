@@ -22,6 +22,7 @@ def _randomize(module, std=0.3):
                 p.normal_(0, std)
 
 
+@pytest.mark.slow
 def test_compressed_groups_become_visible_exactly_when_complete(tiny_cfg):
     """Window 1 (a query sees only itself) and top-k >= groups (every visible group is selected): a
     query t then depends on an earlier position p iff p's group j = p // m is complete at t,
@@ -111,6 +112,7 @@ def test_reuse_layers_have_no_indexer_and_backprop_into_owner_compressor(tiny_cf
     assert full.wq_a.weight.grad is None
 
 
+@pytest.mark.slow
 def test_reindex_layers_select_only_inside_candidate_pool(tiny_cfg, tiny_model):
     plan = tiny_model.plan
     cand_layer = tiny_cfg.candidate_source_layer
@@ -161,6 +163,7 @@ def test_select_candidate_blocks_by_hand():
     assert candidate_mask(keep, 5, 2)[0, 0].tolist() == [True, True, False, False, False]
 
 
+@pytest.mark.slow
 def test_causality_every_layer(tiny_cfg, tiny_model):
     """Changing tokens after t leaves every block's output (and the logits) up to t unchanged."""
     outs = {}

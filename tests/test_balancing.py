@@ -1,3 +1,4 @@
+
 """The per-modality bias rule (V41_SPEC §4) against hand values, and its distributed reduction."""
 
 import os
@@ -5,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from flashtrain.train.balancing import accumulate_loads, update_biases
@@ -40,6 +42,7 @@ def test_micro_batch_loads_are_summed_before_the_rule():
     assert total[1].tolist() == [[1, 3], [2, 0]]
 
 
+@pytest.mark.slow
 def test_global_loads_sum_over_ranks():
     """Two gloo ranks with different local loads both see the sum."""
     script = r'''

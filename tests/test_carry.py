@@ -70,6 +70,7 @@ def test_field_shapes_and_boundary_specs_for_flash():
                    "candidates": (1, S // 2, 512)}
 
 
+@pytest.mark.slow
 def test_blocks_write_and_read_only_what_the_spec_says(tiny_cfg):
     """Run flash_tiny block by block: the CSA2 fields a block replaces are its spec writes (and a reset pool
     that was set), and running each block from a carry holding only its spec reads gives the same output."""

@@ -88,6 +88,7 @@ def test_a_failed_save_keeps_the_previous_checkpoints_and_says_so(tmp_path, monk
     assert ck.checkpoint_problem(ck.step_dir(tmp_path, 1)) is None
 
 
+@pytest.mark.slow
 def test_a_run_resumes_from_the_previous_checkpoint_when_the_newest_is_damaged(tmp_path):
     run = tmp_path / "run"
     base = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run}",
@@ -189,6 +190,7 @@ def _intact(path):
         for n in names for b in [(path / n).read_bytes()])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["hidden", "extra"])
 def test_every_rank_resumes_from_the_checkpoint_rank_0_lists(two_ranks, case):
     root, results = two_ranks
@@ -222,6 +224,7 @@ FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_
                "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_set_aside_and_each_step_is_logged_once(tmp_path):
     """Issue 30 item 12, the user's scenario: a checkpoint every 2 steps, keep 2, 3 steps (so step_2 and the
     final step_3), one .distcp of step_3 deleted, restarted with train.max_steps=4. The restart resumes from

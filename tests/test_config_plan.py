@@ -114,6 +114,7 @@ def test_plan_reports_published_sizes():
         + r["params_vision"] == r["params_total"]
 
 
+@pytest.mark.slow
 def test_plan_human_output_and_bad_config():
     out = _plan("+exp=flash_tiny")
     assert out.returncode == 0 and "reindex" in out.stdout and "Engram tables" in out.stdout

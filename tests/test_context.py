@@ -129,6 +129,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_halo_and_gathered_entries_match_the_unsplit_sequence_two_processes():
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           "--no-python", sys.executable, "-c", SCRIPT], cwd=ROOT,
@@ -137,6 +138,7 @@ def test_halo_and_gathered_entries_match_the_unsplit_sequence_two_processes():
     assert "rank 0: context ok" in out.stdout and "rank 1: context ok" in out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pp, cp, balances", [(1, 2, ["zigzag", "contiguous"]), (2, 2, ["zigzag"])])
 def test_context_parallel_model_matches_the_unsplit_sequences(pp, cp, balances):
     """flash_tiny with images, cp=2 (2 processes) and pp=2 x cp=2 (4): losses, hidden states, every

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = ["+exp=flash_tiny", "parallel.pp=2", "parallel.ep=2", "data.batch_size=1"]
 
 
+@pytest.mark.slow
 def test_estimate_within_ten_percent_of_a_real_step(tmp_path):
     corpus = [f"data.corpus_dir={tmp_path / 'corpus'}", "data.corpus_text_bytes=400000", "data.corpus_mm_docs=50",
               "data.corpus_shards=4", "data.mix=[1,0]"]  # text only, as the estimator's batches
@@ -59,6 +60,7 @@ def test_query_chunks_skip_repeated_shapes_on_fake_tensors_only():
     assert list(query_chunks(200, 64, fake)) == [(0, 64), (192, 200)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["none", "full"])
 def test_skipping_repeated_chunks_keeps_the_simulated_memory(mode, monkeypatch):
     """The estimator's shortcut (model/chunks.py) against simulating all 16 chunks of each pass, for the

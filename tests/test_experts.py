@@ -1,3 +1,4 @@
+
 """Expert parallelism (parallel/experts.py): all-to-all dispatch parity with the local path under
 torchrun/gloo, and expert sharding by hand."""
 
@@ -5,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from flashtrain.model.param_kinds import ParamKind, parameter_kinds
@@ -12,6 +14,7 @@ from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_ep2_matches_ep1_losses_gradients_loads_and_bias_updates():
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           str(ROOT / "tests" / "dist" / "expert_parity.py")], cwd=ROOT, capture_output=True,

@@ -21,6 +21,7 @@ def _pretrain(run_dir, *overrides, env=None):
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_an_input_error_is_one_line(tmp_path):
     out = _pretrain(tmp_path / "run", "data.text_shards=[/nonexistent/text-*.tar]")
     assert out.returncode == 2
@@ -70,6 +71,7 @@ def _error_line(out, want):
     return errors[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(MISTAKES))
 def test_a_mistake_is_one_line_and_exit_2(tmp_path, case):
     (tmp_path / NOT_A_TAR).write_text("plain text, not a tar archive\n")
@@ -90,6 +92,7 @@ def test_the_other_launch_tools_share_the_one_line_exit():
         "flash, flash_2048gpu, flash_2048gpu_1m, flash_node, flash_small, flash_tiny (conf/exp/*.yaml)"], out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["no shards", "unknown exp", "nothing to resume from"])
 def test_under_torchrun_a_mistake_is_printed_once(tmp_path, case):
     """Two workers: rank 0 prints the line, rank 1 stays silent, both exit 2 before a process group exists.

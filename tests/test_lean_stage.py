@@ -1,15 +1,18 @@
+
 """parallel/lean_stage.py: a pipeline stage holds receive buffers only for the micro-batch being
 received and consumed, and gives up the storage of the residual it sends. Simulated on fake tensors
 with a fake process group for the middle stage of pp=3 (it both receives and sends), through the
 trainer's own step. (That the lean stage computes the same gradients is the pipeline parity tests'
 job: tests/test_trainer.py runs every schedule against the single process.)"""
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from flashtrain.train.config import compose
 
 
+@pytest.mark.slow
 def test_middle_stage_holds_only_the_boundary_tensors_in_use():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -67,6 +70,7 @@ def test_middle_stage_holds_only_the_boundary_tensors_in_use():
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_last_stage_frees_each_micro_batch_after_its_backward(monkeypatch):
     """The schedule keeps every micro-batch's loss until the round ends; a loss still attached to its
     graph would keep the graph's leaves -- the stage's received inputs -- alive, M x the input carry.

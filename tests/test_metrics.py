@@ -189,6 +189,7 @@ FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_
                "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
 
 
+@pytest.mark.slow
 def test_resumed_run_is_one_wandb_run_with_heatmaps(tmp_path, corpus_args):  # noqa: F811
     run = tmp_path / "run"
     args = ["logging.wandb.mode=offline", "logging.heatmap_interval=50", *FOUR_LAYERS]

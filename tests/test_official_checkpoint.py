@@ -101,6 +101,7 @@ def _stored(directory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 def test_export_import_gives_every_tensor_back(exported, dtype):
     d, cfg, state, _ = exported
@@ -268,6 +269,7 @@ def test_unused_tensors_are_listed(exported):
     assert report.unused == ["mtp.0.attn.wq_a.weight"]
 
 
+@pytest.mark.slow
 def test_a_run_starts_from_the_import_and_restarts_from_its_own_checkpoint(exported, tmp_path):
     d, cfg, _, _ = exported
     corpus = tmp_path / "corpus"

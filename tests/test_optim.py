@@ -316,6 +316,7 @@ def test_routing_rejects_an_unknown_parameter(tiny_cfg, tiny_model):
         route_parameters(tiny_model, tiny_cfg, optim_config(compose(["+exp=flash_tiny"])))
 
 
+@pytest.mark.slow
 def test_optimizer_set_trains_flash_tiny_and_round_trips(tiny_cfg, tmp_path):
     from flashtrain.model import Transformer
     from flashtrain.train.checkpoint import CheckpointWriter, load_checkpoint
@@ -393,6 +394,7 @@ def test_removed_muon_distributed_key_names_what_to_set():
         optim_config(compose(["+exp=flash_tiny", "+optim.muon.distributed=true"]))
 
 
+@pytest.mark.slow
 def test_distributed_muon_and_row_sharded_sinkhorn_match_single_rank():
     """Two gloo ranks split the Newton-Schulz work of flash_tiny's 1440 Muon matrices by whole matrices
     (ZeRO-1 ownership, each piece broadcast by its owner): the parameters after two steps equal

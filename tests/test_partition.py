@@ -183,6 +183,7 @@ def tiny_template():
 
 @pytest.mark.parametrize("mode, device", [("none", "cuda"), ("selective", "cuda"), ("full", "cuda"),
                                           ("none", "cpu"), ("selective", "cpu")])
+@pytest.mark.slow
 def test_cost_model_matches_the_measured_block_activations(tiny_template, mode, device):
     """carry exact; what a micro-batch keeps for backward within 25% (the term the in-flight count
     multiplies); the transient backward peak within 35%. The probe runs each block alone on fake

@@ -30,6 +30,7 @@ def test_live_fields_follow_the_role_table(tiny_cfg):
 
 # every boundary where the live set or its writer changes in the tiny plan (Full 2 / 8 / 14 at ratio 2,
 # Full 20 the candidate source, Reindex 24 / 28 / 32 / 36), plus the first and the last
+@pytest.mark.slow
 @pytest.mark.parametrize("boundary", [1, 2, 3, 8, 9, 14, 17, 20, 21, 23, 24, 25, 28, 36, 39])
 def test_boundary_specs_match_the_real_carry(tiny_cfg, boundary):
     """Run blocks [0, boundary) for real and compare the carry with the static spec: every live field

@@ -55,6 +55,7 @@ def pipelined(tmp_path_factory):
     return {name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in (0, 1)] for name in LAYOUTS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", list(LAYOUTS))
 def test_pipeline_matches_single_process(schedule, reference, pipelined):
     ranks = pipelined[schedule]

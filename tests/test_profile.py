@@ -158,6 +158,7 @@ def profiled_run(tmp_path_factory):
     return run, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_trace_of_steps_2_to_3_names_the_modules(profiled_run):
     run, _ = profiled_run
     assert sorted(p.name for p in (run / "profile").iterdir()) == ["trace_steps_2-3.json"]  # no memory snapshot

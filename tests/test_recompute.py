@@ -69,6 +69,7 @@ def runs(ep_group):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_same_loss_and_gradients(runs, mode):
     ref, got = runs["none"], runs[mode]

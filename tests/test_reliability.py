@@ -168,6 +168,7 @@ def final_tensors(run_dir, step, scratch):
     return {f"{part}.{k}": v for part in ("model", "optim") for k, v in state[part].items()}
 
 
+@pytest.mark.slow
 def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path, corpus_args):  # noqa: F811
     """torchrun --max-restarts=1: rank 1 is SIGKILLed after step 3 (once); the launcher restarts both
     workers, which resume from step_2 (interval 2) -- the run directory's lock is free by then -- and the
@@ -201,6 +202,7 @@ def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path, corp
     print(f"elastic restart: {seconds:.1f} s")
 
 
+@pytest.mark.slow
 def test_a_hung_collective_fails_the_job_naming_the_step_and_operation(tmp_path, corpus_args):  # noqa: F811
     """Rank 1 stalls at the start of step 2; rank 0's collective times out after parallel.timeout_s and the
     job fails well within a minute with a CollectiveError naming step 2 and the operation; nothing is left
@@ -221,6 +223,7 @@ def test_a_hung_collective_fails_the_job_naming_the_step_and_operation(tmp_path,
 
 
 # --- the crash fuzz ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_crash_fuzz_20_kills(tmp_path, corpus_args):  # noqa: F811
     """The acceptance run: 20 kills (workers, whole jobs, the launcher alone, sync / async checkpoint
     writes), every restart from the newest complete checkpoint, the end bit-identical to an uninterrupted

@@ -45,6 +45,7 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split()[2] == "Z")
 
 
+@pytest.mark.slow
 def test_workers_die_with_a_killed_launcher_and_the_run_restarts(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -153,6 +153,7 @@ def pretrain(run_dir, corpus, *extra, procs=1, env=None):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_a_spike_is_rolled_back_then_routed_ahead_then_normal_on_two_processes(tmp_path):
     """Acceptance (issue 18): step 7's activations are blown up on rank 0 (its head input x 100), the
     run detects it, rolls back to step 4, trains steps 5-7 with anticipatory routing on the data after
@@ -178,6 +179,7 @@ def test_a_spike_is_rolled_back_then_routed_ahead_then_normal_on_two_processes(t
     assert "rolled back to step 4" in log
 
 
+@pytest.mark.slow
 def test_skip_drops_the_update_and_counts_it(tmp_path):
     """action=skip: the spiked step changes no parameter, bias or optimizer state (the checkpoint after it
     equals the one before it), is counted, and the run goes on."""

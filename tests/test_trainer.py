@@ -114,6 +114,7 @@ def final_model(run_dir, step):
     return state["model"], state["optim"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("procs", [1, 2])
 def test_exact_resume_across_the_vit_unfreeze(tmp_path, corpus_args, procs):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -134,6 +135,7 @@ def test_exact_resume_across_the_vit_unfreeze(tmp_path, corpus_args, procs):
     assert any(ma[k].abs().sum() > 0 for k in ma if k.endswith("ffn.gate.bias"))
 
 
+@pytest.mark.slow
 def test_data_parallel_parity(tmp_path, corpus_args):
     """Same global batch: 1 rank with 2 loader workers (2 accumulated micro-batches) vs 2 ranks with 1 each."""
     one = pretrain(tmp_path / "dp1", corpus_args, "train.max_steps=3", "data.num_workers=2")
@@ -150,6 +152,7 @@ def test_data_parallel_parity(tmp_path, corpus_args):
     assert (tmp_path / "dp2" / "checkpoints" / "step_00000003" / ".metadata").is_file()
 
 
+@pytest.mark.slow
 def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, corpus_args):
     run = tmp_path / "crash"
     killed = pretrain(run, corpus_args, "train.max_steps=3", "train.checkpoint.interval=1",
@@ -166,6 +169,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, cor
     assert [r["loss"] for r in records(straight)][1:] == [r["loss"] for r in records(run)][-2:]
 
 
+@pytest.mark.slow
 def test_bad_layout_and_changed_model_are_refused(tmp_path, corpus_args):
     bad = pretrain(tmp_path / "bad", corpus_args, "train.global_batch_tokens=384", check=False)
     assert bad.returncode != 0 and "train.global_batch_tokens=384" in bad.stderr and "data.batch_size=2" in bad.stderr
@@ -178,6 +182,7 @@ def test_bad_layout_and_changed_model_are_refused(tmp_path, corpus_args):
     pretrain(run, corpus_args, "train.max_steps=2", "model.attn_chunk_size=32")  # execution only: resumes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", ["false", "true"])
 def test_keep_last_k_and_resume_from(tmp_path, corpus_args, async_save):
     run = tmp_path / "keep"
@@ -192,6 +197,7 @@ def test_keep_last_k_and_resume_from(tmp_path, corpus_args, async_save):
     assert "resumed from" in job_log and f"run directory {other}: 1 process(es)" in job_log
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(tmp_path, corpus_args):
     import signal
     import time
@@ -224,6 +230,7 @@ def test_expert_load_statistics_by_hand():
     assert finite_or_none(s)["image"]["max_over_mean"] == [None, 3.0]  # metrics.jsonl writes an absent modality as null
 
 
+@pytest.mark.slow
 def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, corpus_args, one_sequence_reference):
     """flash_tiny, 4 one-sequence micro-batches per step: pp=1 straight vs (pp=2 1F1B, 2 steps, then
     pp=1) and (pp=1, 2 steps, then pp=2 DualPipeV, stage 0 + 3 on rank 0, with train.recompute=full
@@ -252,6 +259,7 @@ def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, c
         assert all(torch.equal(mb[k], ma[k]) for k in ma if k.endswith(("ffn.gate.bias", "ffn.gate.bias_vl")))
 
 
+@pytest.mark.slow
 def test_bad_pipeline_layout_is_refused_before_anything_is_built(tmp_path, corpus_args):
     three = pretrain(tmp_path / "pp3", corpus_args, "parallel.pp=3", procs=2, check=False)
     assert three.returncode != 0 and "parallel.pp=3 does not divide the world size 2" in three.stderr
@@ -260,6 +268,7 @@ def test_bad_pipeline_layout_is_refused_before_anything_is_built(tmp_path, corpu
     assert pinned.returncode != 0 and "parallel.stage_layers=[20, 20]: needs 4 positive layer counts" in pinned.stderr
 
 
+@pytest.mark.slow
 def test_data_parallel_with_expert_replicas_and_pipeline_with_experts_four_processes(tmp_path, corpus_args,
                                                                                    four_reader_reference):
     """4 processes, two layouts, against one process reading the same global batch (4 loader workers):
@@ -292,6 +301,7 @@ def test_data_parallel_with_expert_replicas_and_pipeline_with_experts_four_proce
     assert_params_close(mb, ref_run, ref, 2)
 
 
+@pytest.mark.slow
 def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path, corpus_args, four_reader_reference):
     """dp=2 x ep=2 on 2 processes (4 of 8 experts per rank, all-to-all dispatch, ZeRO-1, Engram tables
     row-sharded, 2 loader workers each) for steps 1-2, then pp=2 x dp=2 with ep=1 and replicated Engram
@@ -319,6 +329,7 @@ def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path,
     assert_params_close(mb, ref_run, ref, 4)
 
 
+@pytest.mark.slow
 def test_context_parallel_trains_like_one_process_and_resumes_at_cp1(tmp_path, corpus_args, one_sequence_reference):
     """flash_tiny with images: cp=2 (with ep=2 folded over the cp ranks and selective recomputation) for 2
     steps, then resumed at cp=1: the same losses, aux values, grad norms and expert loads at every step

@@ -1,3 +1,4 @@
+
 """Runs tests/triton_interpret/ in a fresh process with TRITON_INTERPRET=1, so that the Triton kernels
 execute on CPU tensors in Triton's interpreter and are compared with their plain-PyTorch references."""
 
@@ -6,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton_interpret"],

@@ -1,3 +1,4 @@
+
 """Data parallelism in parallel/ (DESIGN.md "Parallelism": data parallel): ZeRO-1 ownership planning
 against brute force, global-tensor checkpoints resharding, and on 2 gloo processes the overlapped
 bucketed reduction and the ZeRO-1 step against the replicated one (same gradients, same update, half
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -203,6 +205,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_overlapped_reduction_and_zero1_step_match_the_replicated_path_two_processes(tmp_path):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           "--no-python", sys.executable, "-c", SCRIPT, str(tmp_path / "ck")], cwd=ROOT,
@@ -212,6 +215,7 @@ def test_overlapped_reduction_and_zero1_step_match_the_replicated_path_two_proce
     assert "rank 0: zero ok" in out.stdout and "rank 1: zero ok" in out.stdout
 
 
+@pytest.mark.slow
 def test_pipeline_sends_each_micro_batchs_engram_ids_during_the_previous_forward(monkeypatch):
     """Under pipelining a row-sharded Engram layer's counts are exchanged for the whole round when it
     starts and micro-batch k's ids are sent when micro-batch k - 1's forward starts, so the exchange

@@ -182,7 +182,10 @@ def test_attention_select_kernel_path_matches_reference(tiny_cfg, short_pool):
                     p.normal_(0, 0.3)
             cos, sin = rope_angles(attn.rope_freqs, torch.arange(S))
             qr = attn.q_norm(attn.wq_a(x))
-            got[flag, attn.role.id] = attn._select(x, qr, shared, cos, sin, n_vis) + (shared.candidates,)
+            made = {}  # what the layer publishes (the candidate source: its pool; model/carry.py)
+            out = attn._select(x, qr, shared.index_k, shared.candidates, cos, sin, n_vis, made)
+            shared.candidates = made.get("candidates", shared.candidates)
+            got[flag, attn.role.id] = out + (shared.candidates,)
     for layer in (src, reindex):
         (t0, l0, v0, c0), (t1, l1, v1, c1) = got[False, layer], got[True, layer]
         assert torch.equal(t0, t1) and torch.equal(v0, v1) and torch.equal(c0, c1)
