@@ -26,8 +26,9 @@ backward call although only its autograd node is needed once the output is sent.
   the graph's leaves alive -- the received inputs among them, M x the stage's input carry (80 GiB for
   16 micro-batches of exp=flash at 64K, measured with launch/estimate.py).
 It also calls `before_last_backward(stage)` (when set) before the backward the schedule marks as the
-round's last, so the data-parallel gradient reduction (parallel/grad_reduce.py) starts buckets as
-that backward completes them.
+round's last, and `before_last_forward(stage)` before the round's last forward (on the last stage its
+loss computes the head's gradient), so the data-parallel gradient reduction (parallel/grad_reduce.py)
+starts buckets as those passes complete them.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class LeanPipelineStage(PipelineStage):
         # called with the stage before the backward that completes its parameters' gradients for the
         # round (the schedule's `last_backward`): the data-parallel reduction starts as they arrive
         self.before_last_backward = None
+        # called with the stage before the round's last forward: on the last stage, the forward whose loss
+        # accumulates the head's gradient (train/loss.py back-propagates the head inside the loss)
+        self.before_last_forward = None
         self._pending_loss: dict[int, torch.Tensor] = {}  # last stage: losses awaiting their weight backward
 
     # --- receive buffers: allocated on demand ----------------------------------------------------
@@ -101,6 +105,8 @@ class LeanPipelineStage(PipelineStage):
     # --- consumption -----------------------------------------------------------------------------
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
         self.submod.microbatch = fwd_chunk_id  # the stage module's per-micro-batch prefetches
+        if self.before_last_forward is not None and fwd_chunk_id == self.chunks - 1:
+            self.before_last_forward(self)
         out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         if not self.is_first:  # the received input lives on in fwd_cache (the autograd input)
             self._drop(self.args_recv_info[fwd_chunk_id])

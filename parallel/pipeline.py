@@ -227,6 +227,11 @@ class StageModule(nn.Module):
         self.routes: list[dict] | None = None
         self.recorded: list[dict] | None = None
 
+    def loss_parameters(self) -> list[nn.Parameter]:
+        """The parameters the schedule's loss function trains (the last stage's head, not registered
+        here): their gradients accumulate in the loss's forward (train/loss.py), not in the backward."""
+        return list(self._model[0].head.parameters()) if self.range.is_last else []
+
     def forward(self, *tensors: torch.Tensor):
         model = self._model[0]
         f = dict(zip(self.in_names, tensors))
@@ -306,10 +311,14 @@ class Pipeline:
         layers to follow (Anticipatory Routing; None: each layer's own top-k). `reducer`: given for the
         optimizer step's last round, whose backwards complete the gradients: each local stage marks its
         parameters final in it before its last backward of the round, so buckets are reduced as that
-        backward completes them (parallel/grad_reduce.py; None: nothing is marked)."""
+        backward completes them, and the last stage marks the head before the round's last forward,
+        whose loss accumulates the head's gradient (parallel/grad_reduce.py; None: nothing is marked)."""
         for m in self.modules:
             m.routes = routes
-        for stage in self.stages:
+        for stage in self.stages:  # the head's gradient completes in the last loss forward, the rest in
+            # the last backward
+            stage.before_last_forward = None if reducer is None or not stage.is_last else (
+                lambda s: reducer.mark_final(s.submod.loss_parameters()))
             stage.before_last_backward = None if reducer is None else (
                 lambda s: reducer.mark_final(s.submod.parameters()))
         try:
@@ -318,7 +327,7 @@ class Pipeline:
             for m in self.modules:
                 m.routes = None
             for stage in self.stages:
-                stage.before_last_backward = None
+                stage.before_last_forward = stage.before_last_backward = None
 
     def record_round(self, tokens, token_types, labels, images) -> list[dict]:
         """A forward-only pass of the round (no gradients, no statistics kept) that records the routing

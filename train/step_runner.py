@@ -12,9 +12,11 @@ Two runners, one interface:
 The loss of a micro-batch is the head + cross-entropy tiled over the sequence (train/loss.py),
 scaled by 1 / accumulation (the mean over micro-batches); the aux losses (balance, indexer KL) ride on
 the backward with the same scale (model/aux.py). The gradient reduction starts buckets while the
-step's last backward completes them: the local runner marks it before that backward, the pipeline
+step's last micro-batch completes them (the head's gradient in its loss forward, train/loss.py, the
+others in its backward): the local runner marks every parameter before that micro-batch, the pipeline
 runner hands the reducer to the step's last round (parallel/pipeline.py `Pipeline.run_round`), where
-each stage's last backward marks its own parameters.
+each stage marks its own parameters before its last backward and the last stage the head before its
+last forward.
 
 - `LocalRunner`: micro-batches one after another through the whole model (no pipeline).
 - `PipelineRunner`: the micro-batches through the configured schedule in rounds of
@@ -117,14 +119,14 @@ class LocalRunner(StepRunner):
         loads: dict[int, torch.Tensor] = {}
         sums = StepValues(self.device)
         for i, batch in enumerate(batches):
+            if i == accum - 1:  # the gradients complete in this micro-batch (the head's in the loss forward,
+                self.reducer.mark_final()  # train/loss.py; the rest in the backward): reduce buckets as they do
             stats = StepStats()
             tokens, types, images = _on(self.device, batch)
             hidden = self.model.final_hidden(self.model.run(tokens, types, images, stats, aux_grad_scale=1.0 / accum,
                                                             routes=None if routes is None else routes[i]))
             loss = tiled_lm_loss(hidden, self.model.head, batch["labels"].to(self.device), self.loss_tile_tokens,
                                  1.0 / accum, self.model.sequence_split(tokens.shape[1]))
-            if i == accum - 1:
-                self.reducer.mark_final()  # the gradients complete in this backward: reduce buckets as they do
             loss.backward()
             accumulate_loads(loads, stats.expert_load)  # on the device: no host sync per micro-batch
             sums.add("ce", loss * accum)
