@@ -116,9 +116,23 @@ def test_indices_come_from_the_parameters_delta_steps_earlier(tmp_path, corpus, 
     assert [r["anticipatory_routing"] for r in records] == [True] * 4 + [False]
 
 
+@pytest.fixture(scope="module")
+def one_process_delta_one(tmp_path_factory, corpus):
+    """The 2-process layouts' run in one process: delta_steps=1 from step 1, 3 steps; (records, biases)."""
+    run = tmp_path_factory.mktemp("ar_one_process")
+    t = trainer(run, corpus, "train.anticipatory_routing.delta_steps=1", steps=3)
+    t.guard.routing.activate(0)
+    finish(t)
+    biases = {k: v.clone() for k, v in t.model.state_dict().items() if k.endswith(("gate.bias", "gate.bias_vl"))}
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()], biases
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pp", "ep"])
-def test_pipeline_and_expert_parallel_route_by_the_earlier_parameters(tmp_path, corpus, layout):
+def test_pipeline_and_expert_parallel_route_by_the_earlier_parameters(tmp_path, corpus, layout, request):
+    """Each rank's gates route by the indices of the parameters one step earlier; with pp (one reader,
+    as one process) the step's losses, aux values, expert loads and the MoE biases they update equal one
+    process's (the loads and biases exactly: the same indices are counted; the losses to rounding)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "anticipatory_routing.py"), str(tmp_path), str(corpus), layout]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -132,6 +146,20 @@ def test_pipeline_and_expert_parallel_route_by_the_earlier_parameters(tmp_path, 
     else:  # ep: every rank routes its own tokens through all 4 layers, 2 micro-batches each
         assert [r["calls"][0] for r in ranks] == [8, 8]
     assert ranks[0]["losses"] == ranks[1]["losses"]
+    if layout != "pp":
+        return
+    ref, ref_biases = request.getfixturevalue("one_process_delta_one")
+    got = [json.loads(json.dumps(r), parse_constant=lambda c: None) for r in ranks[0]["records"]]  # NaN as null
+    assert [r["step"] for r in got] == [1, 2, 3] and all(r["anticipatory_routing"] for r in got)
+    for x, y in zip(ref, got):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
+        assert y["balance_loss"] == pytest.approx(x["balance_loss"], rel=1e-5)
+        assert y["indexer_loss"] == pytest.approx(x["indexer_loss"], rel=1e-4, abs=1e-7)
+        assert y["expert_load"] == x["expert_load"]
+    biases = {**ranks[0]["biases"], **ranks[1]["biases"]}
+    assert biases.keys() == ref_biases.keys()
+    assert all(torch.equal(biases[k], ref_biases[k]) for k in ref_biases)
+    assert any(v.abs().sum() > 0 for v in ref_biases.values())  # the biases did move
 
 
 @pytest.mark.slow
@@ -152,3 +180,65 @@ def test_a_checkpoint_in_the_active_phase_resumes_exactly(tmp_path, corpus):
     assert resumed.step == 3 and len(ahead) == 2 and all(r is not None for _, r in ahead)
     finish(resumed)
     assert losses(tmp_path / "split") == losses(tmp_path / "straight")
+
+
+def test_a_second_spike_while_active_drops_the_cached_routes():
+    """A rollback while Anticipatory Routing is already active (a second spike) re-activates it: the
+    look-ahead batches keep their place in the data stream, but every cached route was computed with
+    parameters the rollback undid, so each is recomputed with the restored ones before it is used.
+    Batches are integers and a route is (batch, parameter version) here, the expectation by hand."""
+    from flashtrain.train.anticipatory import AnticipatoryRouting, AnticipatoryRoutingConfig
+
+    stream = iter(range(1, 100))
+    version = ["v0"]
+    recorded: list = []
+
+    def record(batch):
+        recorded.append((batch, version[0]))
+        return (batch, version[0])
+
+    ar = AnticipatoryRouting(AnticipatoryRoutingConfig(delta_steps=2, active_steps=10))
+    ar.activate(0)  # the first spike: rolled back to step 0
+    assert ar.next_step(1, lambda: next(stream), record) == (1, (1, "v0"))  # steps 1-3 read ahead
+    version[0] = "v1"  # step 1's update
+    assert ar.next_step(2, lambda: next(stream), record) == (2, (2, "v0"))  # step 4 read ahead with v1
+    version[0] = "v2"
+    assert ar.next_step(3, lambda: next(stream), record) == (3, (3, "v0"))  # step 5 read ahead with v2
+    assert recorded == [(1, "v0"), (2, "v0"), (3, "v0"), (4, "v1"), (5, "v2")]
+    # step 3 spikes again: back to the snapshot of step 1 (parameters "s1"); the data continues with 4
+    version[0] = "s1"
+    ar.activate(1)
+    assert ar.active_until == 11
+    recorded.clear()
+    assert ar.next_step(2, lambda: next(stream), record) == (4, (4, "s1"))
+    assert recorded == [(4, "s1"), (5, "s1"), (6, "s1")]  # nothing routed by v1 / v2 survives
+
+
+def test_the_pipeline_route_recording_keeps_no_statistics():
+    """`Pipeline.record_round` (the anticipatory forward of a future step) records routing indices and
+    leaves the step's statistics (expert loads, aux sums) as they were, whenever it runs: a pipeline
+    stage simulated on fake tensors and a fake process group, recording after a step has filled them."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from flashtrain.train.estimate import SimulatedRank
+
+    cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, "parallel.pp=2", "data.batch_size=1"])
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        sim = SimulatedRank(cfg, 2, 1, "cpu", fake)
+        stats = sim.pipe.stats
+        with fake:
+            batches = next(sim.batches)
+            sim.run_step(batches)
+            before = (dict(stats.expert_load), stats.balance, stats.indexer)
+            routes = sim.runner.record_routes(batches)
+        assert len(routes) == len(batches) and all(sorted(r) == [1, 2, 3] for r in routes)  # stage 1's MoE layers
+        assert sorted(before[0]) == [1, 2, 3]
+        after = (stats.expert_load, stats.balance, stats.indexer)
+        assert after[0].keys() == before[0].keys() and all(after[0][k] is before[0][k] for k in before[0])
+        assert after[1] is before[1] and after[2] is before[2]
+    finally:
+        dist.destroy_process_group()

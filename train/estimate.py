@@ -16,7 +16,9 @@ The measured step is a steady-state one: the optimizer state exists before it st
 optimizer step on zero gradients, as the first real step creates it), as in every step after the first.
 It runs as many micro-batches as the peak needs (`_peak_preserving_microbatches`: 2 without a pipeline,
 pp + 1 on stage 0 and pp elsewhere with 1F1B; later micro-batches repeat the same state), not the whole
-accumulation.
+accumulation; the one thing that grows with the micro-batches left out, a pipeline round's inputs
+concatenated on the device (tokens, token types, labels), is added by its size. The step's batches
+come from the loader, in host memory on a GPU: they are read before the tracking starts.
 
 Estimator-only behaviour sits at one seam: `build_rank(tensor_mode=...)` builds the rank under the
 FakeTensorMode; `_static_stages` stands in for the pipeline schedule's warm-up vote (torch's private
@@ -127,7 +129,7 @@ class SimulatedRank:
         self.cfg = c = read_configs(cfg)
         self.schedule, self.step = c.schedule, 0
         plan = run_plan(c, world)
-        self.full_accumulation = plan.accumulation
+        self.full_accumulation, self.full_round_microbatches = plan.accumulation, plan.round_microbatches
         self.rank, self.device = rank, torch.device("cpu")
         self.dims = build_dims(c, plan, rank, self.device.type)
         # the batch plan simulated (fewer micro-batches, the same peak)
@@ -144,13 +146,14 @@ class SimulatedRank:
             self.loader = SyntheticBatches(c.data.batch_size, c.data.seq_len, m.vocab_size)
         self.batches = StepBatches(self.loader, self.layout.accumulation)
 
-    def run_step(self) -> None:
+    def run_step(self, batches: list[dict] | None = None) -> None:
         """The trainer's step (`Trainer.forward_backward_update`) as far as memory goes: the step runner's
         forward/backward of every micro-batch with the gradient reduction, clipping, the optimizer step,
         the MoE bias update, the step values' all-reduce. Not simulated: the stability guard (its verdict
-        reads values on the host), the LR and the loader's counters (no tensors)."""
+        reads values on the host), the LR and the loader's counters (no tensors). `batches`: the step's
+        micro-batches (default: the next ones)."""
         c = self.cfg
-        sums, loads = self.runner.run(next(self.batches))
+        sums, loads = self.runner.run(next(self.batches) if batches is None else batches)
         self.dims.clip(self.model, c.train.grad_clip, self.device)
         self.optim.step()
         loads = global_loads(loads, c.model.n_layers, c.model.n_routed_experts, device=self.device)
@@ -169,6 +172,14 @@ class SimulatedRank:
                 p.grad = torch.zeros_like(p)
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
+
+    def unsimulated_round_input_bytes(self, batch: dict) -> int:
+        """A pipeline step concatenates its round's micro-batches (tokens, token types, labels) on the
+        device for the whole round: the bytes of the round's micro-batches the shortened step leaves out."""
+        if self.pipe is None:
+            return 0
+        skipped = self.full_round_microbatches - self.layout.round_microbatches
+        return skipped * sum(batch[k].numel() * batch[k].element_size() for k in ("tokens", "token_types", "labels"))
 
     def stages(self) -> list[int]:
         if self.pipe is None:
@@ -252,12 +263,15 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
             # ShardedAdamW (ZeRO-1) holds its state in an inner torch AdamW (None on a rank owning no chunk)
             optims = [getattr(o, "inner", o) for o in sim.optim.optimizers.values()]
             tracker.track_external(sim.model, *[o for o in optims if o is not None])
+            batches = next(sim.batches)  # read before tracking: the loader's batches are host memory
             with tracker:
-                sim.run_step()
+                sim.run_step(batches)
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
-        return RankEstimate(rank=rank, stages=sim.stages(), peak_bytes=_bytes(peak, "Total"),
+        unsimulated = sim.unsimulated_round_input_bytes(batches[0])
+        return RankEstimate(rank=rank, stages=sim.stages(), peak_bytes=_bytes(peak, "Total") + unsimulated,
                             params_bytes=_bytes(peak, "Parameter"), grads_bytes=_bytes(peak, "Gradient"),
-                            optimizer_bytes=_bytes(peak, "Optstate"), activations_bytes=_bytes(peak, "Activation"),
+                            optimizer_bytes=_bytes(peak, "Optstate"),
+                            activations_bytes=_bytes(peak, "Activation") + unsimulated,
                             temporaries_bytes=_bytes(peak, "Temp"), buffers_bytes=_bytes(peak, "Buffer"))
     finally:
         dist.destroy_process_group()

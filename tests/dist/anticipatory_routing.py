@@ -4,7 +4,9 @@ records, per step, the parameters it holds at the step's start, the step's micro
 indices its MoE gates actually used in the training forward/backward (a wrapper around Gate.forward);
 afterwards it loads the parameters of step t - 1 and recomputes step t's indices with the layout's own
 no-grad forward, and the indices of step t with step t's own parameters. Writes OUT/<layout>.rank<r>.pt:
-{"same_as_earlier": [bool per step], "same_as_own": [...], "calls": [gate calls per step], "losses": [...]}.
+{"same_as_earlier": [bool per step], "same_as_own": [...], "calls": [gate calls per step], "losses": [...],
+"biases": {name: the MoE biases of this rank's gates after the last step}, "records": [the step's
+metrics record, per step]}.
 
 usage: torchrun --nproc_per_node=2 tests/dist/anticipatory_routing.py OUT CORPUS_DIR LAYOUT
 (one layout per launch: a second process group in the same torchrun job can read the first one's stale
@@ -36,7 +38,7 @@ def run(out: Path, corpus: str, layout: str) -> None:
     t = Trainer(cfg, out / f"run_{layout}")
     t.guard.routing.activate(0)
     used: list[list[torch.Tensor]] = []
-    params, batches, losses = [], [], []
+    params, batches, losses, records = [], [], [], []
     original = Gate.forward
 
     def gate(self, x, image_mask, indices=None):
@@ -59,7 +61,9 @@ def run(out: Path, corpus: str, layout: str) -> None:
         record, _ = t.train_step()
         t.runner.run = run_batches
         losses.append(record["loss"])
+        records.append(record)
     Gate.forward = original
+    biases = {k: v.clone() for k, v in t.model.state_dict().items() if k.endswith(("gate.bias", "gate.bias_vl"))}
     same_earlier, same_own, calls = [], [], []
     for s in range(1, STEPS + 1):
         flat = []
@@ -70,8 +74,8 @@ def run(out: Path, corpus: str, layout: str) -> None:
         same_earlier.append(len(flat[0]) == len(used[s - 1]) > 0 and
                             all(torch.equal(a, b) for a, b in zip(flat[0], used[s - 1])))
         same_own.append(all(torch.equal(a, b) for a, b in zip(flat[1], used[s - 1])))
-    torch.save({"same_as_earlier": same_earlier, "same_as_own": same_own, "calls": calls, "losses": losses},
-               out / f"{layout}.rank{t.rank}.pt")
+    torch.save({"same_as_earlier": same_earlier, "same_as_own": same_own, "calls": calls, "losses": losses,
+                "biases": biases, "records": records}, out / f"{layout}.rank{t.rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
