@@ -12,10 +12,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+FILES = sorted(p.name for p in (ROOT / "tests" / "triton_interpret").glob("test_*.py"))
+
+
 @pytest.mark.slow
-def test_triton_kernels_under_interpreter():
+@pytest.mark.parametrize("name", FILES)
+def test_triton_kernels_under_interpreter(name):
+    """One process per file, so that the files can run side by side (pytest-xdist)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton_interpret"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          f"tests/triton_interpret/{name}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
+
+
+def test_every_interpreter_file_is_run():
+    assert len(FILES) == 5 and "test_model_kernels.py" in FILES

@@ -1,12 +1,16 @@
-"""The whole flash_tiny model with every model kernel forced on (`model.use_triton=true`: sparse
-attention, indexer selection, mHC, grouped experts) against the reference path (`false`), under
-TRITON_INTERPRET=1: the same loss, auxiliary losses and parameter gradients.
+"""The flash_tiny model with every model kernel forced on (`model.use_triton=true`: sparse attention,
+indexer selection, mHC, grouped experts) against the reference path (`false`), under TRITON_INTERPRET=1:
+the same loss, auxiliary losses and parameter gradients.
 
-Input: the first 64 tokens of the pipeline-parity batch's first row (text, an image span, text): all
-four layer roles, 32 compressed entries against a candidate pool of 4 blocks of 4 (the restriction
-bites), top-8 with empty slots at the start. Sized for the interpreter, which runs every program of
-every kernel in Python: one row, and 4 Sinkhorn rounds instead of 20 (the mHC backward recomputes
-the rounds, O(rounds^2); `test_mhc_kernels.py` checks 20 rounds kernel by kernel).
+The model: flash_tiny's widths with a 6-layer plan that holds every layer role of the 40 (`LAYERS`: SWA;
+Full at ratio 2 with Engram, then Reuse of it; Full at ratio 1 as the candidate source, a Reindex
+restricted to its pool, and a Reuse of that Reindex's index) -- the kernels run per layer, so the other
+34 layers repeat these cases at 7x the interpreter's time. Input: the first 64 tokens of the
+pipeline-parity batch's first row (text, an image span, text): 32 and 64 compressed entries against a
+candidate pool of 4 blocks of 4 (the restriction bites), top-8 with empty slots at the start. Sized for
+the interpreter, which runs every program of every kernel in Python: one row, and 4 Sinkhorn rounds
+instead of 20 (the mHC backward recomputes the rounds, O(rounds^2); `test_mhc_kernels.py` checks 20
+rounds kernel by kernel).
 
 Tolerance: each kernel equals its reference to 1e-5 (its own test). Through the model, fp32 rounding
 differences meet sums whose terms cancel -- the mHC `base` gradients sum softmax gradients, which add
@@ -32,12 +36,17 @@ from flashtrain.model.aux import StepStats  # noqa: E402
 
 SEQ = 64
 SINKHORN_ROUNDS = 4
+LAYERS = dict(n_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layers=[1, 3], index_source_layers=[1, 3, 4],
+              candidate_source_layer=3, engram_layer_ids=[1])
+ROLES = ["swa", "full", "reuse", "full", "reindex", "reuse"]
 
 
 def _step(use_triton: bool):
-    cfg = dataclasses.replace(tiny_cfg(), use_triton=use_triton, hc_sinkhorn_iters=SINKHORN_ROUNDS)
+    cfg = dataclasses.replace(tiny_cfg(), use_triton=use_triton, hc_sinkhorn_iters=SINKHORN_ROUNDS, **LAYERS)
+    cfg.validate()
     torch.manual_seed(0)
     model = Transformer(cfg)
+    assert [r.role.value for r in model.plan] == ROLES and model.plan[4].uses_candidates
     tokens, types, labels, images = batch()
     assert (types[0, :SEQ] >= 0).any(), "the input must hold the image span"
     stats = StepStats()
