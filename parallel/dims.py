@@ -40,9 +40,9 @@ from flashtrain.parallel.zero import Ownership, balance_muon, flat_pieces, row_p
 
 def _forward_position(name: str, kind: ParamKind) -> int:
     """Where a parameter's gradient is completed, in forward order: the head first (the tiled loss
-    accumulates its gradient tile by tile in the forward pass, so no single hook marks it complete),
-    then the input path, the blocks by index, the final norm (a stable sort keeps registration order
-    within each)."""
+    accumulates its gradient tile by tile in the last micro-batch's forward, train/loss.py; the step
+    runner marks it final before that forward), then the input path, the blocks by index, the final
+    norm (a stable sort keeps registration order within each)."""
     if kind is ParamKind.HEAD:
         return -1
     if name.startswith("layers."):
@@ -182,8 +182,8 @@ class ParallelDims:
     def grad_reducer(self, model: nn.Module) -> GradReducer:
         """Parameters in forward order (the reducer buckets them in reverse: the order backward completes
         them, and starts buckets in that order only), so that the parameters a backward may not reach --
-        the vision tower, aligner and image embeddings in a step without images, the head (completed in
-        the forward) -- come last and do not hold back the buckets before them."""
+        the vision tower, aligner and image embeddings in a step without images -- and the head (whose
+        gradient completes in the forward) come last and do not hold back the buckets before them."""
         kinds = parameter_kinds(model)
         named = sorted(model.named_parameters(), key=lambda np: _forward_position(np[0], kinds[np[0]]))
         return GradReducer(named, self.replica_group_of(model), self.dp, self.bucket_bytes)
