@@ -7,6 +7,10 @@ from torch.utils._pytree import tree_flatten
 
 from flashtrain.train.config import compose, model_config
 
+if _os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each, and for the processes
+    _os.environ["OMP_NUM_THREADS"] = "1"  # they launch (torchrun sets the same for its workers)
+    torch.set_num_threads(1)
+
 
 class Allocations(TorchDispatchMode):
     """What operators create while the mode is on: `total` storage bytes of every real (non-meta)
@@ -86,3 +90,14 @@ def vl_sample(cfg, segments, seed=0):
 # imported (tests/test_triton_kernels.py starts it); the main session does not collect them.
 if _os.environ.get("TRITON_INTERPRET") != "1":
     collect_ignore = ["triton_interpret"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with the most slow tests first, each module kept together (for its module-scoped
+    fixtures): with two workers the long runs start early instead of trailing at the end."""
+    slow: dict[str, set] = {item.module.__name__: set() for item in items}
+    for item in items:  # slow test functions, a parametrised one counted once
+        if item.get_closest_marker("slow"):
+            slow[item.module.__name__].add(item.originalname)
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-len(slow[item.module.__name__]), order[id(item)]))

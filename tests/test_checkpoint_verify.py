@@ -24,6 +24,8 @@ from torch import nn
 
 from flashtrain.train import checkpoint as ck
 
+pytestmark = pytest.mark.xdist_group("checkpoint_verify")  # its module-scoped reference runs are shared
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -92,7 +94,8 @@ def test_a_failed_save_keeps_the_previous_checkpoints_and_says_so(tmp_path, monk
 def test_a_run_resumes_from_the_previous_checkpoint_when_the_newest_is_damaged(tmp_path):
     run = tmp_path / "run"
     base = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run}",
-            "logging.wandb.mode=disabled", "logging.progress=false", f"data.corpus_dir={tmp_path / 'corpus'}",
+            "logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0",
+            f"data.corpus_dir={tmp_path / 'corpus'}",
             "data.corpus_text_bytes=300000", "data.corpus_mm_docs=100", "data.corpus_shards=2",
             "train.checkpoint.interval=1", "train.global_batch_tokens=128", "data.batch_size=1"]
     first = subprocess.run(base + ["train.max_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=600)

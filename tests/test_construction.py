@@ -14,6 +14,8 @@ from flashtrain.parallel.config import ParallelConfig
 from flashtrain.parallel.construct import build_rank_model, model_template
 from flashtrain.parallel.pipeline import local_stage_ranges
 
+pytestmark = pytest.mark.xdist_group("construction")  # its module-scoped reference runs are shared
+
 BOUNDS = [(0, 17), (17, 40)]  # a pp=2 split that cuts between layer 14 (Full, Engram) and its Reuse layers
 
 

@@ -17,6 +17,8 @@ from flashtrain.data.loader import Counters, PackedLoader, ShardStream, data_sou
 from flashtrain.data.shards import Document, ReadStats, read_shard, write_shards
 from flashtrain.data.tokenizer import IMAGE_TOKEN, train_tokenizer
 
+pytestmark = pytest.mark.xdist_group("data")  # its module-scoped reference runs are shared
+
 SPEC = TokenSpec(vocab_size=512, image_token_id=496,
                  image=ImageProcessorConfig(patch_size=14, downsample_ratio=3, max_n_token=64, min_pixels=84 * 84))
 

@@ -34,6 +34,8 @@ from flashtrain.train.official.convert import (
 from flashtrain.train.official.layout import OfficialTensor, official_tensors
 from flashtrain.train.official.safetensors import SafeFile, read_index, write_file
 
+pytestmark = pytest.mark.xdist_group("official_checkpoint")  # its module-scoped reference runs are shared
+
 ROOT = Path(__file__).resolve().parent.parent
 # flash_tiny with Engram heads of 32 channels: the release's FP8 Engram format scales 32 channels at a time
 OVERRIDES = ["+exp=flash_tiny", "model.engram_head_dim=32"]
@@ -274,7 +276,8 @@ def test_a_run_starts_from_the_import_and_restarts_from_its_own_checkpoint(expor
     d, cfg, _, _ = exported
     corpus = tmp_path / "corpus"
     base = [sys.executable, str(ROOT / "launch" / "pretrain.py"), *OVERRIDES, f"hydra.run.dir={tmp_path / 'run'}",
-            "logging.wandb.mode=disabled", "logging.progress=false", f"data.corpus_dir={corpus}",
+            "logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0",
+            f"data.corpus_dir={corpus}",
             "data.corpus_text_bytes=300000", "data.corpus_mm_docs=100", "data.corpus_shards=2",
             f"train.resume_from={d / 'imp_fp8'}"]
     first = subprocess.run(base + ["train.max_steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -14,6 +14,8 @@ import torch
 from flashtrain.config.errors import ConfigError
 from flashtrain.parallel.partition import PartitionCosts, _stage_cost, in_flight_microbatches, partition, unit_costs
 
+pytestmark = pytest.mark.xdist_group("partition")  # its module-scoped reference runs are shared
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

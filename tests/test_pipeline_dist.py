@@ -19,6 +19,8 @@ from parity_batch import IGNORE, MICROBATCHES, batch, tiny_model
 
 from flashtrain.model.aux import StepStats
 
+pytestmark = pytest.mark.xdist_group("pipeline_dist")  # its module-scoped reference runs are shared
+
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = {"1f1b": "17,23", "interleaved_1f1b": "9,8,6,17", "zbv": "9,8,6,17", "dualpipev": "9,8,6,17"}
 

@@ -19,6 +19,8 @@ from flashtrain.model.config import ModelConfig
 from flashtrain.train.flops import PeakTflops, flop_accounting, flops_per_token, gpu_peak, mfu, peak_flops
 from flashtrain.train.profile import ProfileConfig, StepProfiler
 
+pytestmark = pytest.mark.xdist_group("profile")  # its module-scoped reference runs are shared
+
 ROOT = Path(__file__).resolve().parent.parent
 CPU_PEAK_TFLOPS = 0.5
 

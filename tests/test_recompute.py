@@ -12,6 +12,8 @@ from flashtrain.model.aux import StepStats
 from flashtrain.parallel.experts import shard_experts
 from flashtrain.train.optim.memory import PeakTensorBytes
 
+pytestmark = pytest.mark.xdist_group("recompute")  # its module-scoped reference runs are shared
+
 
 class CountingDict(dict):
     """A side-channel dict that counts how often each key is written."""

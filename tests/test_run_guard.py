@@ -14,7 +14,8 @@ import pytest
 from flashtrain.train.run_guard import RunDirectoryBusy, acquire_run_lock
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["logging.wandb.mode=disabled", "logging.progress=false", "data.corpus_text_bytes=300000",
+SMALL = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0",
+         "data.corpus_text_bytes=300000",
          "data.corpus_mm_docs=100", "data.corpus_shards=2", "train.global_batch_tokens=128", "data.batch_size=1"]
 
 

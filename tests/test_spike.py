@@ -149,7 +149,7 @@ def pretrain(run_dir, corpus, *extra, procs=1, env=None):
     cmd = [*launcher, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", *FOUR_LAYERS, f"hydra.run.dir={run_dir}",
            f"data.corpus_dir={corpus}", "data.corpus_text_bytes=300000", "data.corpus_mm_docs=100",
            "data.corpus_shards=2", "train.global_batch_tokens=256", "data.batch_size=1",
-           "logging.wandb.mode=disabled", "logging.progress=false", *extra]
+           "logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0", *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 

@@ -94,7 +94,8 @@ def pretrain(run_dir, corpus_args, *overrides, procs=1, env=None, check=True):
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
            if procs > 1 else [sys.executable])
     cmd += [str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run_dir}",
-            "logging.wandb.mode=disabled", "logging.progress=false", *SCHEDULE, *corpus_args, *overrides]
+            "logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0", *SCHEDULE,
+            *corpus_args, *overrides]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     if check:
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
@@ -231,6 +232,7 @@ def test_expert_load_statistics_by_hand():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("trainer_one_sequence_reference")
 def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, corpus_args, one_sequence_reference):
     """flash_tiny, 4 one-sequence micro-batches per step: pp=1 straight vs (pp=2 1F1B, 2 steps, then
     pp=1) and (pp=1, 2 steps, then pp=2 DualPipeV, stage 0 + 3 on rank 0, with train.recompute=full
@@ -330,6 +332,7 @@ def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("trainer_one_sequence_reference")
 def test_context_parallel_trains_like_one_process_and_resumes_at_cp1(tmp_path, corpus_args, one_sequence_reference):
     """flash_tiny with images: cp=2 (with ep=2 folded over the cp ranks and selective recomputation) for 2
     steps, then resumed at cp=1: the same losses, aux values, grad norms and expert loads at every step

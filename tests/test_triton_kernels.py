@@ -20,7 +20,7 @@ FILES = sorted(p.name for p in (ROOT / "tests" / "triton_interpret").glob("test_
 def test_triton_kernels_under_interpreter(name):
     """One process per file, so that the files can run side by side (pytest-xdist)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
                           f"tests/triton_interpret/{name}"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
