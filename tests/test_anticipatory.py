@@ -216,6 +216,7 @@ def test_a_second_spike_while_active_drops_the_cached_routes():
     assert recorded == [(4, "s1"), (5, "s1"), (6, "s1")]  # nothing routed by v1 / v2 survives
 
 
+@pytest.mark.slow
 def test_the_pipeline_route_recording_keeps_no_statistics():
     """`Pipeline.record_round` (the anticipatory forward of a future step) records routing indices and
     leaves the step's statistics (expert loads, aux sums) as they were, whenever it runs: a pipeline

@@ -35,6 +35,7 @@ FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_
                "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 3])  # stage 0 of dp rank 0, stage 1 of dp rank 1
 def test_a_pipeline_stage_starts_the_reduction_only_in_the_steps_last_backward(monkeypatch, rank):
     """pp=2 x dp=2, two rounds of two micro-batches: the gradients of a stage are complete only after
@@ -79,6 +80,7 @@ def test_a_pipeline_stage_starts_the_reduction_only_in_the_steps_last_backward(m
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_without_a_pipeline_every_bucket_starts_during_the_last_micro_batch(monkeypatch):
     """dp=2, four micro-batches, one process simulated (fake tensors, fake process group) through the
     local step runner: no bucket starts before the last micro-batch, and every bucket starts while it
