@@ -163,7 +163,7 @@ class ParallelDims:
         """The group whose ranks hold the other pieces of a parameter of `kind` (None: this rank holds all
         of it)."""
         if kind is ParamKind.ROUTED_EXPERT:
-            return None
+            return self.ep_group
         if self.engram_shard and kind is ParamKind.ENGRAM_TABLE:
             return self.dp_cp_group
         return None
