@@ -365,11 +365,14 @@ class _PackedIterable(torch.utils.data.IterableDataset):
 
 
 class PackedLoader:
-    """Infinite iterator of packed batches for one data-parallel rank, with exact state_dict()."""
+    """Infinite iterator of packed batches for one data-parallel rank, with exact state_dict().
+    `worker_init_fn(worker_id)` runs first in each loader worker (the trainer binds its workers' lives to
+    its own: train/run_guard.py `die_with_parent`)."""
 
     def __init__(self, cfg: DataConfig, spec: TokenSpec, text_shards: list[str], mm_shards: list[str],
-                 rank: int = 0, world: int = 1, state: dict | None = None):
+                 rank: int = 0, world: int = 1, state: dict | None = None, worker_init_fn=None):
         self.cfg, self.spec, self.rank, self.world = cfg, spec, rank, world
+        self.worker_init_fn = worker_init_fn
         self.text, self.mm = sorted(text_shards), sorted(mm_shards)
         if not self.text and not self.mm:
             raise DataError("no shards: set data.text_shards / data.mm_shards, or leave both null for the "
@@ -412,7 +415,7 @@ class PackedLoader:
             # its own generator: the iterator then draws its worker seeds from it, not from the global torch
             # RNG, which is the training's (checkpointed) and must not depend on when the loader first ran
             self._it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.cfg.num_workers,
-                                                        collate_fn=_identity,
+                                                        collate_fn=_identity, worker_init_fn=self.worker_init_fn,
                                                         generator=torch.Generator().manual_seed(0)))
         batch = next(self._it)
         w = batch.pop("_worker")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ from flashtrain.train.metrics import LoggingConfig
 from flashtrain.train.optim import build_optimizers
 from flashtrain.train.optim.config import OptimConfig
 from flashtrain.train.optim.routing import route_parameters, zero_inputs
+from flashtrain.train.run_guard import die_with_parent
 from flashtrain.train.schedule import Schedule
 from flashtrain.train.stages import plan_stages, stage_units
 from flashtrain.train.step_runner import LocalRunner, PipelineRunner, StepRunner, pipeline_loss
@@ -215,7 +217,9 @@ def _sinkhorn_row_group_of(model, dims: ParallelDims):
 
 
 def build_loader(c: RunConfigs, text, mm, dims: ParallelDims) -> PackedLoader:
-    return PackedLoader(c.data, c.spec, text, mm, dims.dp_rank, dims.dp)
+    """This rank's loader; its workers die with this process (a SIGKILLed trainer leaves none behind)."""
+    return PackedLoader(c.data, c.spec, text, mm, dims.dp_rank, dims.dp,
+                        worker_init_fn=functools.partial(die_with_parent, os.getpid()))
 
 
 def check_start(c: RunConfigs, readers: int) -> None:

@@ -7,6 +7,8 @@
 - `die_with_launcher`: torchrun starts each worker in its own session, so a SIGKILL of the launcher does
   not reach them; on Linux each worker asks the kernel for SIGKILL when its parent (the launcher) dies
   (`prctl(PR_SET_PDEATHSIG)`), and exits at once if the launcher is already gone.
+- `die_with_parent`: the same for the data-loader workers a training process forks, which inherit its
+  job lock: they die with it.
 """
 
 from __future__ import annotations
@@ -58,23 +60,42 @@ def acquire_run_lock(run_dir: str | Path):
     return f
 
 
+def _sigkill_when_parent_dies(who: str) -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux `prctl(PR_SET_PDEATHSIG)`);
+    False, with a warning naming `who` may outlive what, where that is not possible."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): %s", ctypes.get_errno(), who)
+            return False
+    except (OSError, AttributeError) as e:
+        log.warning("prctl unavailable (%s): %s", e, who)
+        return False
+    return True
+
+
 def die_with_launcher() -> None:
     """Under torchrun (Linux): SIGKILL this worker when its launcher dies."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     launcher = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): workers may outlive a killed launcher",
-                        ctypes.get_errno())
-            return
-    except (OSError, AttributeError) as e:
-        log.warning("prctl unavailable (%s): workers may outlive a killed launcher", e)
+    if not _sigkill_when_parent_dies("workers may outlive a killed launcher"):
         return
     try:  # the launcher is a torch process: a different parent means it died before the request took effect
         cmd = Path(f"/proc/{launcher}/cmdline").read_bytes()
     except OSError:
         cmd = b""
     if os.getppid() != launcher or b"torch" not in cmd:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_parent(parent: int, worker_id: int | None = None) -> None:
+    """A data-loader worker's first act (the DataLoader's `worker_init_fn`, bound to the training
+    process's pid): SIGKILL it when that process dies. A worker is forked, so it shares the run
+    directory's job lock and the process's output pipes; one that outlived a SIGKILLed trainer would keep
+    the restart out of the run directory (and a caller waiting for the output would wait for ever)."""
+    if not sys.platform.startswith("linux"):
+        return
+    if _sigkill_when_parent_dies("data-loader workers may outlive a killed training process") \
+            and os.getppid() != parent:  # the trainer died before the request took effect
         os.kill(os.getpid(), signal.SIGKILL)
