@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from layer_plans import EIGHT_LAYERS
 
 from flashtrain.train.run_guard import RunDirectoryBusy, acquire_run_lock
 
@@ -46,11 +47,54 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split()[2] == "Z")
 
 
+# a training process: takes the run directory's lock, starts 2 loader workers the way train/build.py does,
+# prints their pids once both have delivered a batch, then waits to be killed
+LOADER_WORKERS = """
+import functools, os, sys, time
+import torch
+from flashtrain.train.run_guard import acquire_run_lock, die_with_parent
+
+class Pids(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        while True:
+            yield os.getpid()
+
+lock = acquire_run_lock(sys.argv[1])
+loader = iter(torch.utils.data.DataLoader(Pids(), batch_size=None, num_workers=2,
+                                          worker_init_fn=functools.partial(die_with_parent, os.getpid())))
+print(sorted({next(loader) for _ in range(4)}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_loader_workers_die_with_a_killed_training_process(tmp_path):
+    """SIGKILL of a training process takes its data-loader workers with it at once (they would otherwise
+    live on -- for minutes, torch's own watchdog notwithstanding -- holding the inherited job lock), so the
+    run directory is free for the restart."""
+    trainer = subprocess.Popen([sys.executable, "-c", LOADER_WORKERS, str(tmp_path)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        workers = eval(trainer.stdout.readline())
+        assert len(workers) == 2 and trainer.pid not in workers, (workers, trainer.stderr.read()[-2000:])
+        assert all(_alive(w) for w in workers)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.time() + 2  # a kernel signal: well before torch's 5 s watchdog could act
+    while time.time() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.05)
+    left = [w for w in workers if _alive(w)]
+    for w in left:
+        os.kill(w, signal.SIGKILL)
+    assert not left, "loader workers outlived their training process"
+    acquire_run_lock(tmp_path).close()  # the lock went with them
+
+
 @pytest.mark.slow
 def test_workers_die_with_a_killed_launcher_and_the_run_restarts(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run}",
+           str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", *EIGHT_LAYERS, f"hydra.run.dir={run}",
            f"data.corpus_dir={tmp_path / 'corpus'}", "train.max_steps=200", *SMALL,
            "train.global_batch_tokens=256"]  # one sequence per rank
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
