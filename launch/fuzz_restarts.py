@@ -77,6 +77,9 @@ RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 START_TIMEOUT_S = 180.0  # launch -> first step of a start (a loaded machine)
 EXIT_TIMEOUT_S = 90.0  # a killed job's remaining processes gone / a targeted fault fired
+# how often a start's processes are collected while it runs: the job's processes live for seconds, and a
+# scan of /proc costs milliseconds of the CPU the workers need (a kill collects them once more right before)
+SCAN_INTERVAL_S = 0.25
 
 
 class FuzzFailure(Exception):
@@ -321,6 +324,7 @@ class Start:
     kill_note: str = ""
     resumed_note: str = ""
     seen: set = field(default_factory=set)
+    t_scan: float = float("-inf")  # the last collection of its processes
 
 
 class Fuzzer:
@@ -379,7 +383,10 @@ class Fuzzer:
                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     def watch(self, launcher: subprocess.Popen, start: Start) -> None:
-        start.seen.update(descendants(launcher.pid))
+        """Collect the start's processes, at most every SCAN_INTERVAL_S."""
+        if time.monotonic() - start.t_scan >= SCAN_INTERVAL_S:
+            start.seen.update(descendants(launcher.pid))
+            start.t_scan = time.monotonic()
 
     def new_records(self, start: Start) -> list[dict]:
         return read_records(self.run_dir / "metrics.jsonl", start.metrics_before)[0]
