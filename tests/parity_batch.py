@@ -1,7 +1,10 @@
 """The fixed flash_tiny model and batch that the pipeline parity runs and their single-process
-reference share (tests/dist/pipeline_parity.py, tests/test_pipeline_dist.py)."""
+reference share (tests/dist/pipeline_parity.py, tests/test_pipeline_dist.py; also the context, expert,
+optimizer and recomputation parity runs). The model is flash_tiny on the 8-layer plan of
+tests/layer_plans.py: every CSA2 role and both Engram modules, a fifth of the 40 layers' cost."""
 
 import torch
+from layer_plans import EIGHT_LAYERS
 
 from flashtrain.data.loader import IGNORE
 from flashtrain.model import Transformer
@@ -14,7 +17,7 @@ __all__ = ["IGNORE", "MICROBATCHES", "batch", "tiny_model"]
 
 
 def tiny_cfg():
-    return model_config(compose(["+exp=flash_tiny"]))
+    return model_config(compose(["+exp=flash_tiny", *EIGHT_LAYERS]))
 
 
 def tiny_model() -> Transformer:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layer_plans import FOUR_LAYERS
 
 from flashtrain.model.moe import Gate
 from flashtrain.train.config import compose
@@ -19,8 +20,6 @@ from flashtrain.train.trainer import Trainer
 pytestmark = pytest.mark.xdist_group("anticipatory")  # its module-scoped reference runs are shared
 
 ROOT = Path(__file__).resolve().parent.parent
-FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
-               "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
 
 
 @pytest.fixture(scope="module")

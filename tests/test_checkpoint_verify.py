@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from layer_plans import FOUR_LAYERS
 from torch import nn
 
 from flashtrain.train import checkpoint as ck
@@ -93,10 +94,10 @@ def test_a_failed_save_keeps_the_previous_checkpoints_and_says_so(tmp_path, monk
 @pytest.mark.slow
 def test_a_run_resumes_from_the_previous_checkpoint_when_the_newest_is_damaged(tmp_path):
     run = tmp_path / "run"
-    base = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run}",
-            "logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0",
-            f"data.corpus_dir={tmp_path / 'corpus'}",
-            "data.corpus_text_bytes=300000", "data.corpus_mm_docs=100", "data.corpus_shards=2",
+    base = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", *FOUR_LAYERS,
+            f"hydra.run.dir={run}", "logging.wandb.mode=disabled", "logging.progress=false",
+            "logging.heatmap_interval=0", f"data.corpus_dir={tmp_path / 'corpus'}", "data.corpus_text_bytes=300000",
+            "data.corpus_mm_docs=100", "data.corpus_shards=2",
             "train.checkpoint.interval=1", "train.global_batch_tokens=128", "data.batch_size=1"]
     first = subprocess.run(base + ["train.max_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -223,8 +224,6 @@ def test_a_checkpoint_is_renamed_only_once_every_ranks_files_are_confirmed(two_r
 
 
 # ------------------------------------------------------------------ a damaged newest checkpoint, end to end
-FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
-               "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
 
 
 @pytest.mark.slow

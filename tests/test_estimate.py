@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layer_plans import FOUR_LAYERS
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = ["+exp=flash_tiny", "parallel.pp=2", "parallel.ep=2", "data.batch_size=1"]
@@ -98,8 +99,6 @@ def test_step_tracker_keeps_no_graph_alive():
         assert alive() is None
 
 
-FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
-               "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from layer_plans import FOUR_LAYERS
 
 from flashtrain.parallel.grad_reduce import GradReducer
 
@@ -31,8 +32,6 @@ def test_buckets_without_a_group_are_divided_by_dp(overlap):
     assert red.launches == (len(red.buckets) if overlap else 0)
 
 
-FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
-               "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
 
 
 @pytest.mark.slow

@@ -2,12 +2,14 @@
 """parallel/lean_stage.py: a pipeline stage holds receive buffers only for the micro-batch being
 received and consumed, and gives up the storage of the residual it sends. Simulated on fake tensors
 with a fake process group for the middle stage of pp=3 (it both receives and sends), through the
-trainer's own step. (That the lean stage computes the same gradients is the pipeline parity tests'
-job: tests/test_trainer.py runs every schedule against the single process.)"""
+trainer's own step, on the 8-layer plan of flash_tiny (tests/layer_plans.py). (That the lean stage
+computes the same gradients is the pipeline parity tests' job: tests/test_trainer.py runs every
+schedule against the single process.)"""
 
 import pytest
 import torch
 import torch.distributed as dist
+from layer_plans import EIGHT_LAYERS
 
 from flashtrain.train.config import compose
 
@@ -19,7 +21,7 @@ def test_middle_stage_holds_only_the_boundary_tensors_in_use():
 
     from flashtrain.train.estimate import SimulatedRank
 
-    cfg = compose(["+exp=flash_tiny", "parallel.pp=3", "data.batch_size=1"])
+    cfg = compose(["+exp=flash_tiny", *EIGHT_LAYERS, "parallel.pp=3", "data.batch_size=1"])
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=3)
     try:
         fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -85,7 +87,7 @@ def test_last_stage_frees_each_micro_batch_after_its_backward(monkeypatch):
     import flashtrain.train.estimate as estimate
 
     monkeypatch.setattr(estimate, "_peak_preserving_microbatches", lambda *a: {})
-    cfg = compose(["+exp=flash_tiny", "parallel.pp=2", "data.batch_size=1"])
+    cfg = compose(["+exp=flash_tiny", *EIGHT_LAYERS, "parallel.pp=2", "data.batch_size=1"])
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
         fake = FakeTensorMode(allow_non_fake_inputs=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from layer_plans import FOUR_LAYERS
 from test_trainer import corpus_args, pretrain  # noqa: F401 - corpus_args is a fixture used below
 
 from flashtrain.train.metrics import (
@@ -185,8 +186,6 @@ def test_run_id_is_stored_once_and_reused(tmp_path):
 # --- acceptance: a run continued in its directory is one wandb run ---------------------------------
 # flash_tiny cut to its first 4 layers (the layer roles made consistent), so that 2 x 4 steps take seconds
 # rather than minutes on a CPU: the metrics path is the same for any depth
-FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
-               "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
 
 
 @pytest.mark.slow

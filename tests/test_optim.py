@@ -396,9 +396,10 @@ def test_removed_muon_distributed_key_names_what_to_set():
 
 @pytest.mark.slow
 def test_distributed_muon_and_row_sharded_sinkhorn_match_single_rank():
-    """Two gloo ranks split the Newton-Schulz work of flash_tiny's 1440 Muon matrices by whole matrices
-    (ZeRO-1 ownership, each piece broadcast by its owner): the parameters after two steps equal
-    single-rank Muon's. And a table row-sharded over the two ranks gets the whole table's Sinkhorn update."""
+    """Two gloo ranks split the Newton-Schulz work of the 304 Muon matrices of flash_tiny's 8-layer plan
+    (tests/parity_batch.py) by whole matrices (ZeRO-1 ownership, each piece broadcast by its owner): the
+    parameters after two steps equal single-rank Muon's. And a table row-sharded over the two ranks gets
+    the whole table's Sinkhorn update."""
     import subprocess
     import sys
     from pathlib import Path
@@ -408,5 +409,5 @@ def test_distributed_muon_and_row_sharded_sinkhorn_match_single_rank():
                           str(root / "tests" / "dist" / "optimizer_parity.py")],
                          cwd=root, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    assert run.stdout.count("distributed Muon matches single-rank Muon on 1440 matrices") == 2
+    assert run.stdout.count("distributed Muon matches single-rank Muon on 304 matrices") == 2
     assert run.stdout.count("row-sharded Sinkhorn matches the whole table") == 2

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layer_plans import EIGHT_LAYERS
 from torch import nn
 
 from flashtrain.config.errors import ConfigError
@@ -146,11 +147,11 @@ def test_trace_written_when_a_step_fails(tmp_path):
 # ----------------------------------------------------------------------------------- the trainer, end to end
 @pytest.fixture(scope="module")
 def profiled_run(tmp_path_factory):
-    """flash_tiny, 3 steps of one 128-token sequence, steps 2-3 traced, the memory snapshot switched on
-    (a CPU run: a no-op), a fixed CPU peak for the MFU."""
+    """flash_tiny (the 8-layer plan of tests/layer_plans.py), 3 steps of one 128-token sequence, steps 2-3
+    traced, the memory snapshot switched on (a CPU run: a no-op), a fixed CPU peak for the MFU."""
     run, corpus = tmp_path_factory.mktemp("profiled_run"), tmp_path_factory.mktemp("corpus")
-    cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run}",
-           "logging.wandb.mode=disabled", "logging.progress=false", f"data.corpus_dir={corpus}",
+    cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", *EIGHT_LAYERS,
+           f"hydra.run.dir={run}", "logging.wandb.mode=disabled", "logging.progress=false", f"data.corpus_dir={corpus}",
            "data.corpus_text_bytes=300000", "data.corpus_mm_docs=100", "data.corpus_shards=2",
            "train.max_steps=3", "train.profile.steps=[2,3]", "train.profile.memory_snapshot=true",
            f"train.peak_tflops.cpu={CPU_PEAK_TFLOPS}",
@@ -167,7 +168,7 @@ def test_trace_of_steps_2_to_3_names_the_modules(profiled_run):
     trace = json.load(open(run / "profile" / "trace_steps_2-3.json"))
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"train_step#2", "train_step#3", "embed", "layers.3", "layers.3.attn", "layers.3.ffn.experts",
-            "layers.39.attn.wq_a", "layers.2.attn.indexer.wq_b", "layers.2.attn.compressor.norm", "head"} <= names
+            "layers.7.attn.wq_a", "layers.2.attn.indexer.wq_b", "layers.2.attn.compressor.norm", "head"} <= names
     assert "train_step#1" not in names  # step 1 ran unprofiled
     assert any(n.startswith("aten::mm") for n in names if n)  # the operators themselves
     log_lines = (run / "pretrain.log").read_text().splitlines()
@@ -178,7 +179,7 @@ def test_records_carry_flops_and_mfu(profiled_run):
     from flashtrain.train.config import compose, model_config
 
     _, recs = profiled_run
-    expected = flops_per_token(model_config(compose(["+exp=flash_tiny"])), 128)
+    expected = flops_per_token(model_config(compose(["+exp=flash_tiny", *EIGHT_LAYERS])), 128)
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:
         assert r["flops_per_token"] == expected

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layer_plans import FOUR_LAYERS
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.config.typed import typed_config
@@ -131,8 +132,6 @@ def test_the_rollback_target_is_at_least_rollback_steps_back():
 
 # --- the loop: skip and rollback with a spike injected (FLASHTRAIN_FAULT=spike:..., train/faults.py) -----------
 ROOT = Path(__file__).resolve().parent.parent
-FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
-               "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
 DETECT = ["train.spike.min_history=3", "train.spike.window=20", "train.spike.loss_sigmas=3",
           "train.spike.rollback_steps=2", "train.spike.snapshot_interval=2",
           "train.anticipatory_routing.delta_steps=1", "train.anticipatory_routing.active_steps=3"]

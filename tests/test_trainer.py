@@ -1,5 +1,8 @@
 """The trainer end to end (launch/pretrain.py under python and torchrun/gloo): exact resume, crash
-safety, data-parallel parity, ViT freeze schedule, config refusal."""
+safety, data-parallel parity, ViT freeze schedule, config refusal. The runs are flash_tiny on the
+8-layer plan of tests/layer_plans.py (each CSA2 role, both Engram modules), not the 40 layers: the
+layouts and the resume do not depend on the depth, and the runs cost a fifth. The context-parallel
+test is the exception (its docstring says why)."""
 
 import json
 import os
@@ -9,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layer_plans import EIGHT_LAYERS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +26,7 @@ def corpus_args(tmp_path_factory):
 # unfreeze the ViT at 0-based step ceil(1200 / 512) = 3 (the 4th), so resuming after 2 steps crosses it
 SCHEDULE = ["schedule.warmup_fraction=0.002", "schedule.decay_start_fraction=0.006", "schedule.decay_end_fraction=0.5",
             "data.mix=[1,1]",  # plenty of images in every step, so the unfrozen ViT body surely gets gradients
-            "train.grad_clip=0.5"]  # flash_tiny's gradient norms are ~0.8 here: every step is clipped
+            "train.grad_clip=0.5"]  # the gradient norms are ~0.8 here: every step is clipped
 GRAD_CLIP = 0.5
 
 
@@ -33,6 +37,17 @@ def one_sequence_reference(tmp_path_factory, corpus_args):
     run = tmp_path_factory.mktemp("one_sequence_reference")
     pretrain(run, corpus_args, "train.max_steps=4", "train.checkpoint.interval=1", "train.checkpoint.keep=4",
              "data.batch_size=1")
+    return run, records(run)
+
+
+@pytest.fixture(scope="module")
+def two_reader_reference(tmp_path_factory, corpus_args):
+    """One process, 2 loader workers (two 2-sequence micro-batches per step), 4 steps, a checkpoint after
+    each: the straight run that resuming, surviving a kill and 2-rank data parallelism must reproduce.
+    Returns the run directory and its records."""
+    run = tmp_path_factory.mktemp("two_reader_reference")
+    pretrain(run, corpus_args, "train.max_steps=4", "data.num_workers=2", "train.checkpoint.interval=1",
+             "train.checkpoint.keep=4")
     return run, records(run)
 
 
@@ -90,13 +105,14 @@ def assert_clipped(recs):
     assert all(r["grad_norm"] > GRAD_CLIP for r in recs), [r["grad_norm"] for r in recs]  # clipping was active
 
 
-def pretrain(run_dir, corpus_args, *overrides, procs=1, env=None, check=True):
+def pretrain(run_dir, corpus_args, *overrides, procs=1, env=None, check=True, timeout=600, plan=EIGHT_LAYERS):
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
            if procs > 1 else [sys.executable])
-    cmd += [str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run_dir}",
+    cmd += [str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", *plan, f"hydra.run.dir={run_dir}",
             "logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0", *SCHEDULE,
             *corpus_args, *overrides]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, **(env or {})})
     if check:
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return out
@@ -116,12 +132,20 @@ def final_model(run_dir, step):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("trainer_two_reader_reference")
 @pytest.mark.parametrize("procs", [1, 2])
-def test_exact_resume_across_the_vit_unfreeze(tmp_path, corpus_args, procs):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    pretrain(straight, corpus_args, "train.max_steps=4", procs=procs)
-    pretrain(resumed, corpus_args, "train.max_steps=2", procs=procs)
-    second = pretrain(resumed, corpus_args, "train.max_steps=4", procs=procs)
+def test_exact_resume_across_the_vit_unfreeze(tmp_path, corpus_args, procs, request):
+    """Stopped after 2 steps and resumed, bit-identical to 4 straight steps. One process with 2 loader
+    workers (their reading positions restored) against the shared reference; 2 ranks reading in their
+    main processes against their own straight run."""
+    resumed = tmp_path / "resumed"
+    if procs == 1:
+        straight, readers = request.getfixturevalue("two_reader_reference")[0], ["data.num_workers=2"]
+    else:
+        straight, readers = tmp_path / "straight", []
+        pretrain(straight, corpus_args, "train.max_steps=4", procs=procs)
+    pretrain(resumed, corpus_args, "train.max_steps=2", *readers, procs=procs)
+    second = pretrain(resumed, corpus_args, "train.max_steps=4", *readers, procs=procs)
     assert f"resumed from {resumed}/checkpoints/step_00000002 at step 2" in second.stdout
     a, b = records(straight), records(resumed)
     assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["step"] for r in b] == [1, 2, 3, 4]
@@ -137,13 +161,14 @@ def test_exact_resume_across_the_vit_unfreeze(tmp_path, corpus_args, procs):
 
 
 @pytest.mark.slow
-def test_data_parallel_parity(tmp_path, corpus_args):
-    """Same global batch: 1 rank with 2 loader workers (2 accumulated micro-batches) vs 2 ranks with 1 each."""
-    one = pretrain(tmp_path / "dp1", corpus_args, "train.max_steps=3", "data.num_workers=2")
-    two = pretrain(tmp_path / "dp2", corpus_args, "train.max_steps=3", "data.num_workers=1",
-                   "train.checkpoint.async_save=true", procs=2)  # also: a background save on its own gloo group
-    assert one.returncode == two.returncode == 0
-    a, b = records(tmp_path / "dp1"), records(tmp_path / "dp2")
+@pytest.mark.xdist_group("trainer_two_reader_reference")
+def test_data_parallel_parity(tmp_path, corpus_args, two_reader_reference):
+    """Same global batch: 1 rank with 2 loader workers (2 accumulated micro-batches, the shared reference)
+    vs 2 ranks with 1 each, for 3 steps."""
+    pretrain(tmp_path / "dp2", corpus_args, "train.max_steps=3", "data.num_workers=1",
+             "train.checkpoint.async_save=true", procs=2)  # also: a background save on its own gloo group
+    a, b = two_reader_reference[1][:3], records(tmp_path / "dp2")
+    assert [r["step"] for r in b] == [1, 2, 3]
     assert_clipped(a)
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6)
@@ -154,20 +179,22 @@ def test_data_parallel_parity(tmp_path, corpus_args):
 
 
 @pytest.mark.slow
-def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, corpus_args):
+@pytest.mark.xdist_group("trainer_two_reader_reference")
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, corpus_args, two_reader_reference):
     run = tmp_path / "crash"
-    killed = pretrain(run, corpus_args, "train.max_steps=3", "train.checkpoint.interval=1",
-                      env={"FLASHTRAIN_FAULT": "kill:rank=0:step=2:point=checkpoint_write"}, check=False)
+    # its 2 loader workers die with it: survivors would hold its output pipes (this call would wait for
+    # ever) and the run directory's lock (the restart below would be refused)
+    killed = pretrain(run, corpus_args, "train.max_steps=3", "train.checkpoint.interval=1", "data.num_workers=2",
+                      env={"FLASHTRAIN_FAULT": "kill:rank=0:step=2:point=checkpoint_write"}, check=False, timeout=300)
     assert killed.returncode != 0
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == [".tmp-step_00000002", "step_00000001"]  # the half-written one never got its final name
-    again = pretrain(run, corpus_args, "train.max_steps=3", "train.checkpoint.interval=1")
+    again = pretrain(run, corpus_args, "train.max_steps=3", "train.checkpoint.interval=1", "data.num_workers=2")
     assert f"resumed from {run}/checkpoints/step_00000001 at step 1" in again.stdout
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001", "step_00000002",
                                                                         "step_00000003"]
-    straight = tmp_path / "straight"
-    pretrain(straight, corpus_args, "train.max_steps=3")
-    assert [r["loss"] for r in records(straight)][1:] == [r["loss"] for r in records(run)][-2:]
+    straight = two_reader_reference[1]
+    assert [r["loss"] for r in straight][1:3] == [r["loss"] for r in records(run)][-2:]
 
 
 @pytest.mark.slow
@@ -204,8 +231,9 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, corpus_args):
     import time
 
     run = tmp_path / "term"
-    cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run}",
-           "logging.wandb.mode=disabled", "logging.progress=false", "train.max_steps=200", *SCHEDULE, *corpus_args]
+    cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", *EIGHT_LAYERS,
+           f"hydra.run.dir={run}", "logging.wandb.mode=disabled", "logging.progress=false", "train.max_steps=200",
+           *SCHEDULE, *corpus_args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):
@@ -242,9 +270,9 @@ def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, c
     straight, ref = one_sequence_reference
     ma, _ = final_model(straight, 4)
     a = tmp_path / "pp2_then_pp1"
-    first = pretrain(a, corpus_args, "train.max_steps=2", "parallel.pp=2", "parallel.stage_layers=[17,23]", *one,
+    first = pretrain(a, corpus_args, "train.max_steps=2", "parallel.pp=2", "parallel.stage_layers=[3,5]", *one,
                      procs=2)
-    assert "pipeline: 1f1b, pp=2 x 1 stage(s) per rank, layers per stage [17, 23], 4 micro-batches" in first.stdout
+    assert "pipeline: 1f1b, pp=2 x 1 stage(s) per rank, layers per stage [3, 5], 4 micro-batches" in first.stdout
     second = pretrain(a, corpus_args, "train.max_steps=4", *one)
     assert f"resumed from {a}/checkpoints/step_00000002 at step 2" in second.stdout
     b = tmp_path / "pp1_then_dualpipev"
@@ -266,8 +294,8 @@ def test_bad_pipeline_layout_is_refused_before_anything_is_built(tmp_path, corpu
     three = pretrain(tmp_path / "pp3", corpus_args, "parallel.pp=3", procs=2, check=False)
     assert three.returncode != 0 and "parallel.pp=3 does not divide the world size 2" in three.stderr
     pinned = pretrain(tmp_path / "pin", corpus_args, "parallel.pp=2", "parallel.pipeline_schedule=zbv",
-                      "parallel.stage_layers=[20,20]", procs=2, check=False)
-    assert pinned.returncode != 0 and "parallel.stage_layers=[20, 20]: needs 4 positive layer counts" in pinned.stderr
+                      "parallel.stage_layers=[4,4]", procs=2, check=False)
+    assert pinned.returncode != 0 and "parallel.stage_layers=[4, 4]: needs 4 positive layer counts" in pinned.stderr
 
 
 @pytest.mark.slow
@@ -332,16 +360,22 @@ def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("trainer_one_sequence_reference")
-def test_context_parallel_trains_like_one_process_and_resumes_at_cp1(tmp_path, corpus_args, one_sequence_reference):
+def test_context_parallel_trains_like_one_process_and_resumes_at_cp1(tmp_path, corpus_args):
     """flash_tiny with images: cp=2 (with ep=2 folded over the cp ranks and selective recomputation) for 2
     steps, then resumed at cp=1: the same losses, aux values, grad norms and expert loads at every step
-    as one process, and the biases equal after 4 steps (parallel.cp, model/sequence_split.py)."""
-    straight, ref = one_sequence_reference
+    as one process, and the biases equal after 4 steps (parallel.cp, model/sequence_split.py).
+    On the published 40 layers: on the 8-layer plan the rounding-level difference of the parameters
+    after the cp=2 steps flips an indexer top-k choice in step 3 (its indexer loss moves by 5e-4), which
+    the record comparison, made for summation-order differences, rightly does not allow."""
+    forty = {"plan": ()}
+    straight = tmp_path / "straight"
+    pretrain(straight, corpus_args, "train.max_steps=4", "train.checkpoint.interval=1", "train.checkpoint.keep=4",
+             "data.batch_size=1", **forty)
+    ref = records(straight)
     run = tmp_path / "cp2_then_cp1"
     pretrain(run, corpus_args, "train.max_steps=2", "parallel.cp=2", "parallel.ep=2", "train.recompute=selective",
-             "data.batch_size=1", procs=2)
-    second = pretrain(run, corpus_args, "train.max_steps=4", "data.batch_size=1")
+             "data.batch_size=1", procs=2, **forty)
+    second = pretrain(run, corpus_args, "train.max_steps=4", "data.batch_size=1", **forty)
     assert f"resumed from {run}/checkpoints/step_00000002 at step 2" in second.stdout
     got = records(run)
     assert_records_match(ref, got)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from layer_plans import EIGHT_LAYERS
 
 from flashtrain.parallel.sharded_state import GlobalChunk
 from flashtrain.parallel.zero import balance_muon, flat_pieces, ns_cost, row_pieces
@@ -220,7 +221,7 @@ def test_pipeline_sends_each_micro_batchs_engram_ids_during_the_previous_forward
     """Under pipelining a row-sharded Engram layer's counts are exchanged for the whole round when it
     starts and micro-batch k's ids are sent when micro-batch k - 1's forward starts, so the exchange
     travels during compute even when the Engram layer is the stage's first block. Simulated (fake
-    tensors and process group) for the first stage of pp=2 x dp=2 of flash_tiny."""
+    tensors and process group) for the first stage of pp=2 x dp=2 of flash_tiny (8 layers)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -245,9 +246,8 @@ def test_pipeline_sends_each_micro_batchs_engram_ids_during_the_previous_forward
 
     monkeypatch.setattr(engram_shard.RowRequest, "launch", watched_launch)
     monkeypatch.setattr(engram_shard.ShardedRows, "request_round", watched_round)
-    cfg = compose(["+exp=flash_tiny", "parallel.pp=2", "parallel.engram_shard=true", "data.batch_size=1",
-                   "train.global_batch_tokens=1024",
-                   "parallel.stage_layers=[20,20]"])
+    cfg = compose(["+exp=flash_tiny", *EIGHT_LAYERS, "parallel.pp=2", "parallel.engram_shard=true",
+                   "data.batch_size=1", "train.global_batch_tokens=1024", "parallel.stage_layers=[5,3]"])
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -259,7 +259,7 @@ def test_pipeline_sends_each_micro_batchs_engram_ids_during_the_previous_forward
             sim.run_step()
     finally:
         dist.destroy_process_group()
-    engram_layers = 2  # layers 1 and 14, both on the first stage
+    engram_layers = 2  # layers 1 and 4, both on the first stage
     assert len(rounds) == engram_layers * sim.layout.rounds and all(len(r) == n for r in rounds)
     when = dict(launches)
     for per_mb in rounds:

@@ -97,7 +97,7 @@ def main(pp: int, cp: int, balances: list[str]) -> None:
             loads = dict(stats.expert_load)
             bal, idx = float(stats.total("balance_loss")), float(stats.total("indexer_loss"))
         else:
-            counts = [17, 23]
+            counts = [3, 5]  # kv source 2 on stage 0, its readers 3 and 4 on stage 1
             parallel = ParallelConfig(pp=pp, stage_layers=counts)
             mine = local_stage_ranges(parallel, bounds_from_counts(counts), pp_rank)
             prune_to_stages(model, mine)

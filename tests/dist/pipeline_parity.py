@@ -4,7 +4,7 @@ stage returns hidden states and the loss runs head + cross-entropy tiled (train/
 tests/test_pipeline_dist.py compares them with a single-process reference that builds full logits.
 
 usage: torchrun --nproc_per_node=2 tests/dist/pipeline_parity.py OUT SCHEDULE:COUNTS [SCHEDULE:COUNTS ...]
-(COUNTS: layer counts per stage, e.g. 1f1b:17,23)"""
+(COUNTS: layer counts per stage, e.g. 1f1b:3,5)"""
 
 import sys
 from pathlib import Path
