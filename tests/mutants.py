@@ -15,6 +15,7 @@ a mutant whose snippet is no longer found is reported as STALE.
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import tempfile
@@ -578,6 +579,14 @@ MUTANTS = [
            '        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:',
            '        if False:',
            ['tests/test_run_guard.py']),
+    Mutant('loader workers do not ask to die with their trainer', 'train/run_guard.py',
+           'if _sigkill_when_parent_dies("data-loader workers may outlive a killed training process") \\',
+           'if False and _sigkill_when_parent_dies("data-loader workers may outlive a killed training process") \\',
+           ['tests/test_run_guard.py::test_loader_workers_die_with_a_killed_training_process']),
+    Mutant("the trainer's loader workers not bound to its life", 'train/build.py',
+           'worker_init_fn=functools.partial(die_with_parent, os.getpid()))',
+           'worker_init_fn=None)',
+           ['tests/test_trainer.py::test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one']),
     Mutant('run directory lock not taken', 'train/run_guard.py',
            'fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)',
            'pass',
@@ -758,6 +767,7 @@ def main() -> int:
     ap.add_argument("--fast", action="store_true", help="skip the multi-process trainer mutants")
     ap.add_argument("-k", default="", help="only mutants whose name contains this")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERM restores the mutated file too (finally)
     chosen = [m for m in MUTANTS if args.k in m.name and not (args.fast and m.slow)]
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
