@@ -61,8 +61,8 @@ def acquire_run_lock(run_dir: str | Path):
 
 
 def _sigkill_when_parent_dies(who: str) -> bool:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux `prctl(PR_SET_PDEATHSIG)`);
-    False, with a warning naming `who` may outlive what, where that is not possible."""
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux `prctl(PR_SET_PDEATHSIG)`).
+    Where that is not possible: False, after a warning that ends with `who` (what may now outlive what)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
