@@ -514,7 +514,7 @@ MUTANTS = [
     Mutant('data counters counted on every cp rank', 'train/build.py',
            '    return dims.cp_rank == 0',
            '    return True',
-           ['tests/test_trainer.py::test_context_parallel_trains_like_one_process_and_resumes_across_cp']),
+           ['tests/test_construction.py::test_only_cp_rank_0_counts_the_data']),
     Mutant('partition budget ignored', 'parallel/partition.py',
            '    limit = (budget if budget is not None else peak * (1 + memory_slack)) * tol',
            '    limit = peak * (1 + memory_slack) * tol',
