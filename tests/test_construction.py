@@ -155,7 +155,6 @@ def test_a_layout_for_another_world_size_is_refused_and_the_tools_default_to_it(
     assert compose(["+exp=flash_2048gpu_1m"]).parallel.world == 2048
 
 
-
 def test_only_cp_rank_0_counts_the_data():
     """The cp ranks of a group read the same batches (each keeps its part of the sequence): padding,
     positions and the loader's skip counters are counted by cp rank 0 alone, so that the step's all-reduce
