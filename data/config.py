@@ -34,6 +34,7 @@ class DataConfig:
     batch_size: int = 2  # sequences per micro-batch on one rank
     text_shards: list[str] | None = None  # paths or globs of text shards; null with mm_shards null: default corpus
     mm_shards: list[str] | None = None  # paths or globs of multimodal shards
+    val_shards: list[str] | None = None  # held-out shards (train/evaluate.py); null: the default corpus's
     tokenizer: str | None = None  # tokenizer.json; null: the one beside the shards (manifest) or the corpus'
     mix: list[int] = field(default_factory=lambda: [7, 1])  # text : multimodal, measured in tokens
     pack_buffer: int = 64  # documents pieces held for best-fit packing
@@ -43,11 +44,16 @@ class DataConfig:
     corpus_text_bytes: int = 12_000_000  # stdlib source read for the default corpus
     corpus_mm_docs: int = 4000  # rendered image documents in the default corpus
     corpus_shards: int = 16  # shards per stream in the default corpus
+    corpus_val_text_bytes: int = 200_000  # held-out stdlib text of the default corpus (data/corpus.py)
+    corpus_val_mm_docs: int = 100  # held-out rendered image documents of the default corpus
 
     def validate(self) -> None:
         for name in ("seq_len", "batch_size", "pack_buffer", "corpus_shards"):
             if getattr(self, name) <= 0:
                 raise DataConfigError(f"data.{name}={getattr(self, name)}: must be positive")
+        for name in ("corpus_val_text_bytes", "corpus_val_mm_docs"):
+            if getattr(self, name) < 0:
+                raise DataConfigError(f"data.{name}={getattr(self, name)}: must be >= 0")
         if self.num_workers < 0:
             raise DataConfigError(f"data.num_workers={self.num_workers}: must be >= 0")
         if len(self.mix) != 2 or min(self.mix) < 0 or sum(self.mix) == 0:

@@ -6,6 +6,12 @@
   shows, so the stream is learnable: (a) 1-4 lines of stdlib code drawn as an image, target = the lines;
   (b) a bar chart of 3-6 small numbers, target = "bar chart: " + the numbers.
 - A byte-level BPE tokenizer trained on both (data/tokenizer.py), saved as tokenizer.json.
+- A held-out part that training never reads (`val-text-*.tar`, `val-mm-*.tar`; the default
+  `data.val_shards`, train/evaluate.py): text from the stdlib folders the training stream leaves out
+  (`HELDOUT_DIRS`: IDLE and lib2to3, ordinary library code), up to `corpus_val_text_bytes`, and
+  `corpus_val_mm_docs` images rendered from that text (another seed for the bar charts). Where a Python
+  installation lacks those folders, the last training files that add up to `corpus_val_text_bytes` are
+  moved to the held-out part instead (logged). The tokenizer is trained on the training part only.
 
 It is written to a temporary directory and renamed into place when complete, under a name that
 encodes everything it depends on (vocabulary, image token, image settings, sizes), so a changed model
@@ -18,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import random
@@ -31,14 +38,21 @@ from flashtrain.data.config import DataConfig, TokenSpec
 from flashtrain.data.shards import Document, write_shards
 from flashtrain.data.tokenizer import train_tokenizer
 
-VERSION = 1
-EXCLUDE_DIRS = {"site-packages", "__pycache__", "test", "tests", "idlelib", "lib2to3"}
+VERSION = 2
+HELDOUT_DIRS = ("idlelib", "lib2to3")  # stdlib folders the training stream never reads: the held-out text
+EXCLUDE_DIRS = {"site-packages", "__pycache__", "test", "tests", *HELDOUT_DIRS}
+log = logging.getLogger(__name__)
 
 
-def stdlib_texts(max_bytes: int) -> list[str]:
+def stdlib_texts(max_bytes: int, only: tuple[str, ...] = ()) -> list[str]:
+    """The stdlib's .py files in sorted walk order, up to `max_bytes` characters: the training text
+    (every folder but `EXCLUDE_DIRS`), or with `only` the files under those top-level folders."""
     root = sysconfig.get_paths()["stdlib"]
     texts, total = [], 0
     for d, dirs, files in os.walk(root):
+        if only and d == root:
+            dirs[:] = sorted(x for x in dirs if x in only)
+            continue
         dirs[:] = sorted(x for x in dirs if x not in EXCLUDE_DIRS)
         for f in sorted(files):
             if not f.endswith(".py"):
@@ -96,9 +110,24 @@ def multimodal_examples(texts: list[str], n: int, seed: int = 0) -> list[tuple[b
     return out
 
 
+def heldout_texts(train: list[str], max_bytes: int) -> tuple[list[str], list[str]]:
+    """(training texts, held-out texts): the `HELDOUT_DIRS` files, or, where the installation has none,
+    the last training files up to `max_bytes` (taken out of training)."""
+    held = stdlib_texts(max_bytes, only=HELDOUT_DIRS)
+    if held or max_bytes <= 0:
+        return train, held
+    n, total = len(train), 0
+    while n > 1 and total < max_bytes:
+        n, total = n - 1, total + len(train[n - 1])
+    log.warning("the stdlib has no %s folders: holding out its last %d file(s) for evaluation instead",
+                "/".join(HELDOUT_DIRS), len(train) - n)
+    return train[:n], train[n:]
+
+
 def corpus_key(cfg: DataConfig, spec: TokenSpec) -> str:
     facts = json.dumps([VERSION, spec.vocab_size, spec.bos_id, spec.eos_id, spec.pad_id, spec.image_token_id,
-                        cfg.corpus_text_bytes, cfg.corpus_mm_docs, cfg.corpus_shards], sort_keys=True)
+                        cfg.corpus_text_bytes, cfg.corpus_mm_docs, cfg.corpus_shards, cfg.corpus_val_text_bytes,
+                        cfg.corpus_val_mm_docs], sort_keys=True)
     return f"v{VERSION}-vocab{spec.vocab_size}-{hashlib.sha256(facts.encode()).hexdigest()[:10]}"
 
 
@@ -111,21 +140,27 @@ def ensure_default_corpus(cfg: DataConfig, spec: TokenSpec) -> Path:
     tmp = root / f".building-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    texts = stdlib_texts(cfg.corpus_text_bytes)
+    texts, held = heldout_texts(stdlib_texts(cfg.corpus_text_bytes), cfg.corpus_val_text_bytes)
     examples = multimodal_examples(texts, cfg.corpus_mm_docs, seed=cfg.seed)
+    held_examples = multimodal_examples(held, cfg.corpus_val_mm_docs, seed=cfg.seed + 1) if held else []
     tok = train_tokenizer(texts + [cap for _, cap in examples], spec)
     tok.save(str(tmp / "tokenizer.json"))
 
     def encode(batch: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(batch, add_special_tokens=False)]
 
-    text_docs = [Document([("text", ids)]) for ids in encode(texts)]
-    mm_docs = [Document([("image", png, "png"), ("text", ids)])
-               for (png, _), ids in zip(examples, encode([cap for _, cap in examples]))]
+    def documents(texts: list[str], examples: list[tuple[bytes, str]]) -> tuple[list[Document], list[Document]]:
+        return ([Document([("text", ids)]) for ids in encode(texts)],
+                [Document([("image", png, "png"), ("text", ids)])
+                 for (png, _), ids in zip(examples, encode([cap for _, cap in examples]))])
+
+    text_docs, mm_docs = documents(texts, examples)
+    val_text, val_mm = documents(held, held_examples)
     manifest = {"version": VERSION, "tokenizer": "tokenizer.json", "source": "python stdlib + rendered images"}
-    for name, docs in (("text", text_docs), ("mm", mm_docs)):
-        per_shard = max(1, math.ceil(len(docs) / cfg.corpus_shards))
-        manifest[name] = write_shards(docs, tmp, name, per_shard)
+    for name, docs, shards in (("text", text_docs, cfg.corpus_shards), ("mm", mm_docs, cfg.corpus_shards),
+                               ("val-text", val_text, 1), ("val-mm", val_mm, 1)):
+        if docs:
+            manifest[name] = write_shards(docs, tmp, name, max(1, math.ceil(len(docs) / shards)))
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     try:
         tmp.rename(final)
@@ -140,3 +175,9 @@ def corpus_shards(path: Path) -> tuple[list[str], list[str], str]:
     text = [str(path / e["path"]) for e in manifest.get("text", [])]
     mm = [str(path / e["path"]) for e in manifest.get("mm", [])]
     return text, mm, str(path / manifest["tokenizer"])
+
+
+def corpus_val_shards(path: Path) -> list[str]:
+    """The held-out shards (text, then multimodal) of a default corpus directory."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    return [str(path / e["path"]) for name in ("val-text", "val-mm") for e in manifest.get(name, [])]

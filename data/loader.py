@@ -504,3 +504,15 @@ def data_sources(cfg: DataConfig, spec: TokenSpec) -> tuple[list[str], list[str]
         return corpus_shards(ensure_default_corpus(cfg, spec))
     text, mm = _configured_shards(cfg)
     return text, mm, _configured_tokenizer(cfg, text, mm)
+
+
+def heldout_shards(cfg: DataConfig, spec: TokenSpec) -> list[str]:
+    """The held-out shards of a run (data/heldout.py): `data.val_shards`, or with it null the default
+    corpus's held-out part when the run trains on the default corpus; [] when it has none."""
+    from flashtrain.data.corpus import corpus_val_shards, ensure_default_corpus
+
+    if cfg.val_shards is not None:
+        return resolve_shards(cfg.val_shards, "val_shards")
+    if cfg.text_shards is None and cfg.mm_shards is None:
+        return corpus_val_shards(ensure_default_corpus(cfg, spec))
+    return []

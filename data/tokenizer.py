@@ -59,3 +59,22 @@ def load_tokenizer(path: str | Path, spec: TokenSpec | None = None):
     if spec is not None:
         check_tokenizer(tok, spec)
     return tok
+
+
+def token_byte_counts(tok, vocab_size: int):
+    """int64 [vocab_size]: the UTF-8 bytes each id stands for, for bits per byte (train/evaluate.py). A
+    byte-level BPE token's string holds one character per byte (the ByteLevel alphabet); another
+    token's bytes are those of its decoded text; special / added tokens and ids past the tokenizer's
+    size stand for none."""
+    import numpy as np
+    from tokenizers import pre_tokenizers
+
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    special = set(tok.get_added_tokens_decoder())
+    out = np.zeros(vocab_size, dtype=np.int64)
+    for i in range(min(vocab_size, tok.get_vocab_size())):
+        s = tok.id_to_token(i)
+        if i in special or s is None:
+            continue
+        out[i] = len(s) if set(s) <= alphabet else len(tok.decode([i], skip_special_tokens=False).encode())
+    return out

@@ -5,6 +5,7 @@ import dataclasses
 import io
 import json
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from PIL import Image
 
 from flashtrain.data.config import DataConfig, TokenSpec
 from flashtrain.data.images import ImageProcessorConfig
-from flashtrain.data.loader import Counters, PackedLoader, ShardStream, data_sources, split_shards
+from flashtrain.data.loader import Counters, PackedLoader, ShardStream, data_sources, heldout_shards, split_shards
 from flashtrain.data.shards import Document, ReadStats, read_shard, write_shards
 from flashtrain.data.tokenizer import IMAGE_TOKEN, train_tokenizer
 
@@ -67,6 +68,24 @@ def test_default_corpus_builds_and_is_cached(corpus, tmp_path):
     Image.open(io.BytesIO(doc.segments[0][1])).verify()
     again = data_sources(cfg, SPEC)
     assert again == (text, mm, tok)  # the cache is reused
+
+
+def test_default_corpus_holds_out_text_training_never_reads(corpus):
+    """The held-out part (data.val_shards null): text documents none of which is a training document,
+    and images rendered from them."""
+    cfg, text, mm, _ = corpus
+    val = heldout_shards(cfg, SPEC)
+    assert [Path(v).name for v in val] == ["val-text-00000.tar", "val-mm-00000.tar"]
+    stats = ReadStats()
+
+    def texts(shards):
+        return {bytes(np.asarray(seg[1], np.int32)) for sh in shards for d in read_shard(sh, stats) if d
+                for seg in d.segments if seg[0] == "text"}
+
+    held, train = texts(val[:1]), texts(text)
+    assert len(held) >= 5 and len(train) >= 20 and not held & train
+    assert sum(len(t) for t in held) >= 4 * cfg.corpus_val_text_bytes // 10  # bytes of int32 ids: ~1 per 2-4 chars
+    assert all(d.segments[0][0] == "image" for d in read_shard(val[1], stats))
 
 
 def test_prepare_then_load_round_trip(tmp_path):
