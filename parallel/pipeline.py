@@ -43,6 +43,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_send_recv,
+    _add_unshard_reshard,
+    _ComputationType,
+    _PipelineScheduleRuntime,
+)
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.model.aux import StepStats
@@ -299,6 +306,7 @@ class Pipeline:
     has_last: bool
     stages: list = field(default_factory=list)
     n_microbatches: int = 1  # per round
+    _forward_order: dict | None = field(default=None, repr=False)  # a multi-stage schedule's, built once
 
     def set_aux_grad_scale(self, scale: float) -> None:
         for m in self.modules:
@@ -338,12 +346,42 @@ class Pipeline:
             m.recorded = recorded
         try:
             with torch.no_grad():
-                self._round(self.schedule.eval, tokens, token_types, labels, images)
+                self._forward_only(tokens, token_types, labels, images)
         finally:
             for m in self.modules:
                 m.recorded = None
             self.stats.expert_load, self.stats.balance, self.stats.indexer = stats
         return recorded
+
+    def eval_round(self, tokens, token_types, labels, images) -> list[torch.Tensor]:
+        """A forward-only pass of the round without gradients: the loss function's value per micro-batch
+        on the last stage (empty elsewhere); the caller's loss function decides what it computes
+        (train/step_runner.py `PipelineLoss`: the held-out scores). The stats side channel gathers this
+        round too: the caller runs it between steps (each step's first round resets it)."""
+        with torch.no_grad():
+            return self._forward_only(tokens, token_types, labels, images)
+
+    def _forward_only(self, tokens, token_types, labels, images) -> list[torch.Tensor]:
+        """The round's forwards alone. A one-stage-per-rank schedule runs its own `eval`; a multi-stage
+        runtime schedule (DualPipeV, ZBV, interleaved) would still run the backward actions of its order
+        in `eval`, so for the round its order is swapped for a forward-only one (`forward_only_order`),
+        lowered with the same communication steps (torch's private `_add_unshard_reshard` /
+        `_add_send_recv`), and restored after."""
+        sched = self.schedule
+        if not isinstance(sched, _PipelineScheduleRuntime):
+            return self._round(sched.eval, tokens, token_types, labels, images)
+        if self._forward_order is None:  # lowered as the schedule lowers its own (torch's validation of a
+            # compute order insists on backwards, so the lowering steps are called directly)
+            to_rank = sched.stage_index_to_group_rank
+            order = {rank: _add_unshard_reshard(acts)
+                     for rank, acts in forward_only_order(to_rank, self.n_microbatches).items()}
+            self._forward_order = _add_send_recv(order, stage_to_rank=lambda st: to_rank[st],
+                                                 num_stages=sched._num_stages)
+        train_order, sched.pipeline_order_with_comms = sched.pipeline_order_with_comms, self._forward_order
+        try:
+            return self._round(sched.eval, tokens, token_types, labels, images)
+        finally:
+            sched.pipeline_order_with_comms = train_order
 
     def _round(self, run, tokens, token_types, labels, images) -> list[torch.Tensor]:
         for m in self.modules:
@@ -365,12 +403,23 @@ class Pipeline:
         return losses
 
 
+def forward_only_order(stage_to_rank: dict[int, int], n_microbatches: int) -> dict[int, list]:
+    """Per pp rank, the forward of every micro-batch of each of its stages, stages in increasing order
+    (compute actions only). Each forward waits only on the previous stage's, which every rank runs
+    earlier in its own list or another rank runs without waiting on a later stage: no rank waits in a
+    cycle."""
+    order: dict[int, list] = {rank: [] for rank in sorted(set(stage_to_rank.values()))}
+    for stage in sorted(stage_to_rank):
+        order[stage_to_rank[stage]] += [_Action(stage, _ComputationType.FORWARD, m) for m in range(n_microbatches)]
+    return order
+
+
 def build_pipeline(model: Transformer, parallel: ParallelConfig, mine: list[StageRange], group: dist.ProcessGroup,
                    device: torch.device, micro_batch: int, seq_len: int, n_microbatches: int,
                    loss_fn: Callable) -> Pipeline:
     """Wrap this rank's stages `mine` (`local_stage_ranges`) of `model`, already pruned to them
     (`prune_to_stages`, parallel/construct.py), in PipelineStages and the configured schedule. The
-    schedule calls `loss_fn(hidden, labels)` on the last stage (train/step_runner.py `pipeline_loss`)."""
+    schedule calls `loss_fn(hidden, labels)` on the last stage (train/step_runner.py `PipelineLoss`)."""
     cfg, plan = model.cfg, model.plan
     split = model.sequence_split(seq_len)
     local_len = seq_len if split is None else split.length

@@ -9,6 +9,7 @@ composed by the trainer (train/trainer.py) and the memory estimator (train/estim
     build_rank(...)                this rank's model, pipeline stages, optimizers, gradient reducer and
                                    step runner, from the whole model's meta-device template
     build_loader(...)              the packed data loader of this rank's dp slice
+    build_evaluator(...)           the held-out set and this rank's share of it (train/evaluate.py)
 
 The estimator's one seam is `build_rank`'s `tensor_mode`: the memory estimator passes its
 FakeTensorMode, under which the model is materialised and the pipeline, optimizers and reducer are
@@ -32,8 +33,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from flashtrain.config.errors import ConfigError, InputNotFoundError
 from flashtrain.config.typed import typed_config
-from flashtrain.data.config import DataConfig, TokenSpec
+from flashtrain.data.config import DataConfig, TokenSpec, resolve_shards
+from flashtrain.data.heldout import heldout_set
 from flashtrain.data.loader import PackedLoader, check_sources
+from flashtrain.data.tokenizer import load_tokenizer, token_byte_counts
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 from flashtrain.model.recompute import validate_recompute
@@ -53,6 +56,7 @@ from flashtrain.train.config import (
     schedule,
     token_spec,
 )
+from flashtrain.train.evaluate import Evaluator
 from flashtrain.train.metrics import LoggingConfig
 from flashtrain.train.optim import build_optimizers
 from flashtrain.train.optim.config import OptimConfig
@@ -60,7 +64,7 @@ from flashtrain.train.optim.routing import route_parameters, zero_inputs
 from flashtrain.train.run_guard import die_with_parent
 from flashtrain.train.schedule import Schedule
 from flashtrain.train.stages import plan_stages, stage_units
-from flashtrain.train.step_runner import LocalRunner, PipelineRunner, StepRunner, pipeline_loss
+from flashtrain.train.step_runner import LocalRunner, PipelineLoss, PipelineRunner, StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +187,7 @@ def build_rank(c: RunConfigs, plan: BatchPlan, dims: ParallelDims, device: torch
     with tensor_mode or contextlib.nullcontext():
         pipe = None
         if dims.pp > 1:
-            loss_fn = pipeline_loss(model, c.train.loss_tile_tokens, plan.accumulation, c.data.seq_len)
+            loss_fn = PipelineLoss(model, c.train.loss_tile_tokens, plan.accumulation, c.data.seq_len)
             pipe = build_pipeline(model, c.parallel, stages, dims.pp_group, device, c.data.batch_size,
                                   c.data.seq_len, plan.round_microbatches, loss_fn)
             if log_pipeline:
@@ -203,7 +207,7 @@ def build_rank(c: RunConfigs, plan: BatchPlan, dims: ParallelDims, device: torch
         runner = LocalRunner(model, reducer, plan.accumulation, **common)
     else:
         runner = PipelineRunner(model, pipe, reducer, plan.accumulation, plan.round_microbatches,
-                                pp_rank=dims.pp_rank, **common)
+                                pp_rank=dims.pp_rank, loss_fn=loss_fn, **common)
     return RankParts(model, pipe, optim, reducer, runner)
 
 
@@ -222,10 +226,32 @@ def build_loader(c: RunConfigs, text, mm, dims: ParallelDims) -> PackedLoader:
                         worker_init_fn=functools.partial(die_with_parent, os.getpid()))
 
 
+def build_evaluator(c: RunConfigs, dims: ParallelDims, runner: StepRunner, shards: list[str], tokenizer: str,
+                    device: torch.device, is_main: bool) -> Evaluator | None:
+    """The run's held-out evaluation (train/evaluate.py) from `shards` (data/loader.py `heldout_shards`);
+    None with `train.eval.interval` 0, or without held-out shards (logged)."""
+    if not c.train.eval.interval:
+        return None
+    if not shards:
+        if is_main:
+            log.warning("no held-out data: evaluation is off (set data.val_shards to held-out shards written by "
+                        "launch/prepare_data.py, or train.eval.interval=0 to silence this)")
+        return None
+    token_bytes = token_byte_counts(load_tokenizer(tokenizer), c.spec.vocab_size)
+    heldout = heldout_set(c.data, c.spec, shards, c.train.eval.tokens, token_bytes)
+    if is_main:
+        log.info(f"held-out evaluation every {c.train.eval.interval} steps: {len(heldout.batches)} micro-batches, "
+                 + ", ".join(f"{name} {int(n)} tokens" for name, n in zip(heldout.sources, heldout.targets) if n))
+    return Evaluator(c.train.eval, heldout, token_bytes, runner, dims.dp, dims.dp_rank, c.data.batch_size, device,
+                     is_main)
+
+
 def check_start(c: RunConfigs, readers: int) -> None:
     """What a start needs on disk, checked before a process group exists: the data (shards, tokenizer, enough
     shards for `readers` data-parallel ranks x workers; data/loader.py `check_sources`) and train.resume_from."""
     check_sources(c.data, readers)
+    if c.train.eval.interval and c.data.val_shards is not None:
+        resolve_shards(c.data.val_shards, "val_shards")  # a pattern that matches nothing fails now
     if c.train.resume_from and not Path(c.train.resume_from).is_dir():
         raise InputNotFoundError(f"train.resume_from={c.train.resume_from!r} does not exist; point it at a "
                                  f"checkpoint directory (checkpoints/step_XXXXXXXX) or remove it")

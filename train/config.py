@@ -24,6 +24,7 @@ from flashtrain.model.config import ModelConfig
 from flashtrain.parallel.config import ParallelConfig
 from flashtrain.parallel.dims import ParallelDims
 from flashtrain.train.anticipatory import AnticipatoryRoutingConfig
+from flashtrain.train.evaluate import EvalConfig
 from flashtrain.train.flops import PeakTflops
 from flashtrain.train.optim.config import OptimConfig
 from flashtrain.train.profile import ProfileConfig
@@ -54,6 +55,7 @@ class TrainConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # traces / memory snapshots (train/profile.py)
     spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike detection and rollback (train/spike.py)
     anticipatory_routing: AnticipatoryRoutingConfig = field(default_factory=AnticipatoryRoutingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (train/evaluate.py)
 
 
 def global_sequences(global_batch_tokens: float, seq_len: int) -> int:

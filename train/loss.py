@@ -64,3 +64,24 @@ def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, t
         return F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum") * (scale / n_valid)
 
     return _TiledLogitsLoss.apply(tile_loss, head, hidden, labels, None, tiles, [], "sum")
+
+
+def heldout_sums(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, token_bytes: torch.Tensor,
+                 tile_tokens: int, split=None) -> torch.Tensor:
+    """The held-out scores of a micro-batch (train/evaluate.py), no gradient: float64 [2] = (the CE sum
+    over its label positions, the CE sum over those whose target stands for at least one byte). Head +
+    cross-entropy in tiles of `tile_tokens` positions, as `tiled_lm_loss`. Context parallelism
+    (`split`): this rank's positions only, so the ranks' sums add up to the whole sequences'."""
+    if split is not None:
+        labels = split.local(labels)
+    x, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    out = torch.zeros(2, dtype=torch.float64, device=hidden.device)
+    with torch.no_grad():
+        for t0 in range(0, y.numel(), tile_tokens):
+            yt = y[t0:t0 + tile_tokens]
+            ce = F.cross_entropy(head(x[t0:t0 + tile_tokens]).float(), yt, ignore_index=IGNORE,
+                                 reduction="none").double()
+            has_bytes = token_bytes[yt.clamp(min=0)] > 0
+            out[0] += ce.sum()
+            out[1] += (ce * has_bytes).sum()
+    return out

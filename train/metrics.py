@@ -228,15 +228,20 @@ def _read_json(line: str):
 
 def resumed_lines(lines: list[str], start_step: int) -> int:
     """How many of metrics.jsonl's `lines` a start from `start_step` keeps: through the last step record of
-    `start_step` (a rollback may have logged a step twice: the checkpoint was written after the last); with
+    `start_step` (a rollback may have logged a step twice: the checkpoint was written after the last) and
+    the eval events of that step right after it (the evaluation runs before the step's checkpoint); with
     no such record, the lines before the first record past it; a fresh start (0) keeps none."""
     if start_step <= 0:
         return 0
-    records = [(i, r.get("step")) for i, line in enumerate(lines)
-               if isinstance(r := _read_json(line), dict) and "event" not in r]
+    parsed = [_read_json(line) for line in lines]
+    records = [(i, r.get("step")) for i, r in enumerate(parsed) if isinstance(r, dict) and "event" not in r]
     at = [i for i, step in records if step == start_step]
     if at:
-        return at[-1] + 1
+        keep = at[-1] + 1
+        while keep < len(lines) and isinstance(r := parsed[keep], dict) and r.get("event") == "eval" and \
+                r.get("step") == start_step:
+            keep += 1
+        return keep
     later = [i for i, step in records if isinstance(step, int) and step > start_step]
     return later[0] if later else len(lines)
 
@@ -384,6 +389,24 @@ class MetricsLogger:
                     self._wandb.alert(title=f"flashtrain: {event['event']}", text=text, level=wandb.AlertLevel.WARN)
             except Exception as e:  # noqa: BLE001 - wandb must never stop training
                 log.warning("wandb event failed (%s): %s", e, text)
+
+    def eval(self, record: dict, wandb_step: int) -> None:
+        """A held-out evaluation (train/evaluate.py): its event line in metrics.jsonl, and in wandb its
+        numbers under `eval/` (`eval/loss`, `eval/bpb`, `eval/per_source/<name>/loss`, ...) at `wandb_step`,
+        the step's own x."""
+        if not self.enabled:
+            return
+        record = finite_or_none(record)
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._wandb is not None and wandb_step >= self._wandb_sent:
+            flat: dict = {}
+            _flatten("eval", {k: v for k, v in record.items() if k not in ("event", "step")}, flat)
+            try:
+                self._wandb.log(flat, step=wandb_step)
+                self._sent(wandb_step)
+            except Exception as e:  # noqa: BLE001 - wandb must never stop training
+                log.warning("wandb eval log failed (%s)", e)
 
     def _sent(self, wandb_step: int) -> None:
         self._wandb_sent = wandb_step

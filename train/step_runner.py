@@ -8,6 +8,10 @@ Two runners, one interface:
   follow (Anticipatory Routing, train/anticipatory.py), or None.
 - `record_routes(batches) -> routes`: one forward without gradients over the micro-batches, recording
   the routing indices every local MoE layer picks.
+- `evaluate(batches, token_bytes) -> scores`: one forward without gradients over held-out micro-batches
+  (train/evaluate.py; a pipeline's count a multiple of `eval_group`): per micro-batch this rank's
+  float64 [2] scores (train/loss.py `heldout_sums`; zeros on a rank without the head's output), between
+  steps (a pipeline's stats side channel is reset by the next step), leaving the gradients as they were.
 
 The loss of a micro-batch is the head + cross-entropy tiled over the sequence (train/loss.py),
 scaled by 1 / accumulation (the mean over micro-batches); the aux losses (balance, indexer KL) ride on
@@ -36,19 +40,25 @@ from flashtrain.parallel.grad_reduce import GradReducer
 from flashtrain.parallel.pipeline import Pipeline
 from flashtrain.train.balancing import accumulate_loads
 from flashtrain.train.collectives import Operation
-from flashtrain.train.loss import tiled_lm_loss
+from flashtrain.train.loss import heldout_sums, tiled_lm_loss
 from flashtrain.train.step_values import StepValues
 
 
-def pipeline_loss(model, loss_tile_tokens: int, accumulation: int, seq_len: int):
+class PipelineLoss:
     """The pipeline schedule's loss function: the last stage returns the final hidden states, not
-    logits; head + cross-entropy tiled, scaled by 1 / accumulation (as `LocalRunner`'s)."""
-    split = model.sequence_split(seq_len)
+    logits; head + cross-entropy tiled, scaled by 1 / accumulation (as `LocalRunner`'s). While
+    `token_bytes` is set (`PipelineRunner.evaluate`), the held-out scores instead."""
 
-    def loss_fn(hidden, labels):
-        return tiled_lm_loss(hidden, model.head, labels, loss_tile_tokens, 1.0 / accumulation, split)
+    def __init__(self, model, loss_tile_tokens: int, accumulation: int, seq_len: int):
+        self.model, self.tile, self.accumulation = model, loss_tile_tokens, accumulation
+        self.split = model.sequence_split(seq_len)
+        self.token_bytes: torch.Tensor | None = None
 
-    return loss_fn
+    def __call__(self, hidden, labels):
+        if self.token_bytes is not None:
+            return heldout_sums(hidden, self.model.head, labels, self.token_bytes, self.tile, self.split)
+        return tiled_lm_loss(hidden, self.model.head, labels, self.tile, 1.0 / self.accumulation, self.split)
+
 
 
 class StepBatches:
@@ -72,6 +82,8 @@ def _on(device, batch: dict):
 
 class StepRunner:
     """What both runners share: the model, the gradient reducer, the micro-batch count, autocast."""
+
+    eval_group = 1  # held-out micro-batches per `evaluate` call divide by this
 
     def __init__(self, model, reducer: GradReducer, accumulation: int, device: torch.device, loss_tile_tokens: int,
                  mixed_precision: bool, counts_data: bool, op: Operation):
@@ -104,10 +116,19 @@ class StepRunner:
         with torch.no_grad(), self.autocast():
             return self._record(batches)
 
+    def evaluate(self, batches: list[dict], token_bytes: torch.Tensor) -> list[torch.Tensor]:
+        """Held-out scores of `batches` (module docstring) with the current parameters."""
+        self.op.name = "the held-out evaluation forward (pipeline transfers, expert all-to-all)"
+        with torch.no_grad(), self.autocast():
+            return self._evaluate(batches, token_bytes)
+
     def _passes(self, batches, routes) -> tuple[StepValues, dict]:
         raise NotImplementedError
 
     def _record(self, batches) -> list[dict]:
+        raise NotImplementedError
+
+    def _evaluate(self, batches, token_bytes) -> list[torch.Tensor]:
         raise NotImplementedError
 
 
@@ -145,16 +166,27 @@ class LocalRunner(StepRunner):
             out.append(recorded)
         return out
 
+    def _evaluate(self, batches: list[dict], token_bytes: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for batch in batches:
+            tokens, types, images = _on(self.device, batch)
+            hidden = self.model.final_hidden(self.model.run(tokens, types, images, StepStats()))
+            out.append(heldout_sums(hidden, self.model.head, batch["labels"].to(self.device), token_bytes,
+                                    self.loss_tile_tokens, self.model.sequence_split(tokens.shape[1])))
+        return out
+
 
 class PipelineRunner(StepRunner):
     """The micro-batches through this rank's pipeline stages, `round_microbatches` per schedule round."""
 
     def __init__(self, model, pipe: Pipeline, reducer: GradReducer, accumulation: int, round_microbatches: int,
                  device: torch.device, loss_tile_tokens: int, mixed_precision: bool, counts_data: bool, op: Operation,
-                 pp_rank: int):
+                 pp_rank: int, loss_fn: PipelineLoss):
         super().__init__(model, reducer, accumulation, device, loss_tile_tokens, mixed_precision, counts_data, op)
         self.pipe, self.round_microbatches, self.pp_rank = pipe, round_microbatches, pp_rank
         self.rounds = accumulation // round_microbatches
+        self.eval_group = round_microbatches
+        self.loss_fn = loss_fn  # the schedule's: switched to the held-out scores while evaluating
 
     def _round_inputs(self, batches: list[dict]):
         tokens = torch.cat([b["tokens"] for b in batches]).to(self.device)
@@ -189,4 +221,16 @@ class PipelineRunner(StepRunner):
         for r in range(self.rounds):
             tokens, types, labels, images = self._round_inputs(batches[r * m:(r + 1) * m])
             out += self.pipe.record_round(tokens, types, labels, images)
+        return out
+
+    def _evaluate(self, batches: list[dict], token_bytes: torch.Tensor) -> list[torch.Tensor]:
+        m = self.round_microbatches
+        out: list[torch.Tensor] = []
+        self.loss_fn.token_bytes = token_bytes
+        try:
+            for r in range(0, len(batches), m):
+                scores = self.pipe.eval_round(*self._round_inputs(batches[r:r + m]))
+                out += scores or [torch.zeros(2, dtype=torch.float64, device=self.device)] * m
+        finally:
+            self.loss_fn.token_bytes = None
         return out

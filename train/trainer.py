@@ -9,6 +9,8 @@
     MoE bias update    from the loads all-reduced over the global batch (train/balancing.py)
     schedule / freeze  the LR of the step and the ViT body frozen until the decay starts (train/schedule.py)
     metrics            one record per step (train/metrics.py)
+    evaluation         every `train.eval.interval` steps, the held-out loss and bits per byte through the
+                       same step runner (train/evaluate.py), an eval event in the metrics
     checkpoint         every `train.checkpoint.interval` steps, at the end and on SIGTERM (train/checkpoint.py)
 
 The loop holds no parallelism and no model construction: `__init__` composes the plain functions of
@@ -34,13 +36,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from flashtrain.data.loader import data_sources
+from flashtrain.data.loader import data_sources, heldout_shards
 from flashtrain.model.vision import set_vision_body_trainable
 from flashtrain.parallel.construct import model_template
 from flashtrain.train import faults
 from flashtrain.train.balancing import global_loads, update_biases
 from flashtrain.train.build import (
     build_dims,
+    build_evaluator,
     build_loader,
     build_rank,
     check_start,
@@ -108,6 +111,7 @@ class Trainer:
         for turn in (0, 1):
             if (turn == 0) == self.is_main:
                 text, mm, tok = data_sources(c.data, c.spec)
+                val = heldout_shards(c.data, c.spec) if c.train.eval.interval else []
                 token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
             barrier()
         parts = build_rank(c, self.plan, self.dims, self.device, model_template(c.model, token_map),
@@ -118,6 +122,7 @@ class Trainer:
                                     self.device, self.op, self.is_main)
         self.loader = build_loader(c, text, mm, self.dims)
         self.batches = StepBatches(self.loader, self.plan.accumulation)
+        self.evaluator = build_evaluator(c, self.dims, self.runner, val, tok, self.device, self.is_main)
         self.checkpoints = CheckpointWriter(self.run_dir, c.train.checkpoint.keep, c.train.checkpoint.async_save)
         self._resume()
 
@@ -268,6 +273,9 @@ class Trainer:
                 raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping (the last "
                                          f"checkpoint is intact; train.spike.action=skip or rollback survives this)")
             metrics.log(self.step, record, loads, wandb_step=self.step + self.guard.rolled_back_steps)
+            if self.evaluator is not None and self.evaluator.due(self.step):
+                self.op.name = "the held-out evaluation"
+                metrics.eval(self.evaluator.run(self.step), wandb_step=self.step + self.guard.rolled_back_steps)
             self.op.step = self.step  # the stop flag and the checkpoint belong to the step just done
             faults.inject("after_step", self.step, self.rank)
             self.op.name = "the stop-flag all-reduce"

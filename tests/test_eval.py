@@ -1,0 +1,162 @@
+"""Held-out evaluation (train/evaluate.py, data/heldout.py) against independent references: the UTF-8
+length of text, a literal log-softmax, hand-counted shares and sums. The trainer and layout parity
+of the eval records are in tests/test_trainer.py, the command in tests/test_launch.py."""
+
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flashtrain.data.config import DataConfig, TokenSpec
+from flashtrain.data.heldout import collate_labels, heldout_set
+from flashtrain.data.images import ImageProcessorConfig
+from flashtrain.data.loader import IGNORE, collate
+from flashtrain.data.shards import Document, write_shards
+from flashtrain.data.tokenizer import token_byte_counts, train_tokenizer
+from flashtrain.train.evaluate import EvalConfig, Evaluator, eval_record
+from flashtrain.train.loss import heldout_sums
+from flashtrain.train.metrics import resumed_lines
+
+SPEC = TokenSpec(vocab_size=400, image_token_id=390,
+                 image=ImageProcessorConfig(patch_size=14, downsample_ratio=3, max_n_token=64, min_pixels=84 * 84))
+TEXTS = ["def f(x):\n    return x * 2\n", "größe = 'ünïcode ✓'\n", "for i in range(10):\n    print(i)\n"] * 5
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(TEXTS, SPEC)
+
+
+def test_token_bytes_add_up_to_the_utf8_length(tok):
+    nbytes = token_byte_counts(tok, SPEC.vocab_size)
+    for text in ["plain ascii", "größe ✓ 日本", "    return x\n\n", "🙂 emoji"]:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert int(nbytes[ids].sum()) == len(text.encode("utf-8")), text
+    assert nbytes[[SPEC.bos_id, SPEC.eos_id, SPEC.pad_id, SPEC.image_token_id, SPEC.vocab_size - 1]].sum() == 0
+
+
+def test_heldout_sums_equal_a_literal_log_softmax():
+    torch.manual_seed(0)
+    hidden, head = torch.randn(2, 5, 8), torch.nn.Linear(8, 11, bias=False)
+    labels = torch.tensor([[3, 0, IGNORE, 7, 1], [IGNORE, 10, 4, 4, 2]])
+    token_bytes = torch.zeros(11, dtype=torch.float64)
+    token_bytes[[3, 4, 7, 10]] = torch.tensor([1.0, 2.0, 3.0, 1.0], dtype=torch.float64)  # 0, 1, 2: special
+    got = heldout_sums(hidden, head, labels, token_bytes, tile_tokens=3)
+    logp = torch.log_softmax((hidden @ head.weight.T).double(), -1)
+    ce, ce_bytes = 0.0, 0.0
+    for b in range(2):
+        for t in range(5):
+            y = int(labels[b, t])
+            if y == IGNORE:
+                continue
+            ce += -logp[b, t, y].item()
+            ce_bytes += -logp[b, t, y].item() if y in (3, 4, 7, 10) else 0.0
+    assert got.tolist() == pytest.approx([ce, ce_bytes], rel=1e-6)
+
+
+def _png(w=60, h=30):
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (10, 200, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def val_shards(tmp_path_factory, tok):
+    """Held-out shards mixing 30 text and 10 image documents, in a known order."""
+    out = tmp_path_factory.mktemp("val")
+    docs = []
+    for i in range(40):
+        ids = np.asarray(tok.encode(TEXTS[i % len(TEXTS)] * (1 + i % 4), add_special_tokens=False).ids, np.int32)
+        docs.append(Document([("image", _png(), "png"), ("text", ids)]) if i % 4 == 3 else Document([("text", ids)]))
+    entries = write_shards(docs, out, "val", 15)
+    return [str(out / e["path"]) for e in entries], docs
+
+
+def test_heldout_set_is_fixed_follows_the_mix_and_counts_from_the_labels(val_shards, tok):
+    shards, docs = val_shards
+    cfg = DataConfig(seq_len=32, batch_size=2, mix=[3, 1])
+    nbytes = token_byte_counts(tok, SPEC.vocab_size)
+    a = heldout_set(cfg, SPEC, shards, 512, nbytes)
+    # ceil(512 / (2 x 32)) = 8 micro-batches, 3 : 1 -> 6 text, 2 multimodal
+    assert [s for s, _ in a.batches] == [0] * 6 + [1] * 2
+    # the text rows are the text documents in reading order: [BOS] + tokens + [EOS], split, next fit
+    first_text = next(d for d in docs if len(d.segments) == 1).segments[0][1]
+    row0 = np.concatenate([p.tokens for p in a.batches[0][1][0]])
+    assert row0[0] == SPEC.bos_id and list(row0[1:1 + min(len(first_text), 32)]) == list(first_text[:32])
+    assert all(len(row) == 0 or sum(len(p) for p in row) <= 33 for _, rows in a.batches for row in rows)
+    b = heldout_set(cfg, SPEC, shards, 512, nbytes)
+    assert [[[p.tokens.tolist() for p in row] for row in rows] for _, rows in a.batches] == \
+        [[[p.tokens.tolist() for p in row] for row in rows] for _, rows in b.batches]
+    targets, n_bytes = [0, 0], [0, 0]
+    for i, (s, rows) in enumerate(a.batches):
+        labels = collate(rows, SPEC, cfg.seq_len)["labels"]
+        assert torch.equal(torch.from_numpy(collate_labels(rows, SPEC, cfg.seq_len)), labels)
+        assert torch.equal(a.batch(i)["labels"], labels)
+        valid = labels[labels != IGNORE]
+        targets[s] += valid.numel()
+        n_bytes[s] += int(sum(nbytes[int(t)] for t in valid))
+    assert a.targets.tolist() == targets and a.bytes.tolist() == n_bytes and min(targets) > 0
+
+
+def test_eval_record_by_hand():
+    class Set:
+        sources, targets, bytes = ("text", "mm"), np.array([100, 50]), np.array([300, 0])
+
+    rec = eval_record(6, np.array([[230.0, 200.0], [90.0, 0.0]]), Set())
+    assert rec["event"] == "eval" and rec["step"] == 6 and rec["tokens"] == 150
+    assert rec["loss"] == pytest.approx(320 / 150) and rec["bpb"] == pytest.approx(200 / (math.log(2) * 300))
+    assert rec["per_source"]["text"] == {"loss": pytest.approx(2.3), "bpb": pytest.approx(200 / (math.log(2) * 300)),
+                                         "tokens": 100}
+    assert rec["per_source"]["mm"] == {"loss": pytest.approx(1.8), "bpb": None, "tokens": 50}
+    assert set(rec["per_modality"]) == {"text", "multimodal"}
+    json.dumps(rec)
+
+
+class _Runner:
+    """Scores a micro-batch as (the sum of its token ids, 1), draws from the RNG as a forward might."""
+
+    def __init__(self, eval_group):
+        self.eval_group, self.calls = eval_group, []
+
+    def evaluate(self, batches, token_bytes):
+        assert len(batches) == self.eval_group
+        torch.rand(3)
+        self.calls.append(len(batches))
+        return [torch.tensor([float(b["tokens"].sum()), 1.0 if b["labels"].ne(IGNORE).any() else 0.0],
+                             dtype=torch.float64) for b in batches]
+
+
+@pytest.mark.parametrize("dp,group", [(1, 1), (2, 1), (2, 2), (3, 2)])
+def test_every_micro_batch_is_scored_once_over_the_dp_ranks(val_shards, tok, dp, group):
+    """Padded to dp x group, split over dp ranks: summed over the ranks, each real micro-batch once, the
+    PAD micro-batches nothing; the RNG left as it was."""
+    shards, _ = val_shards
+    cfg = DataConfig(seq_len=32, batch_size=2, mix=[3, 1])
+    nbytes = token_byte_counts(tok, SPEC.vocab_size)
+    heldout = heldout_set(cfg, SPEC, shards, 320, nbytes)  # 5 micro-batches: 4 text, 1 multimodal
+    assert len(heldout.batches) == 5
+    want = torch.zeros(2, 2, dtype=torch.float64)
+    for i, (s, _) in enumerate(heldout.batches):
+        want[s] += torch.tensor([float(heldout.batch(i)["tokens"].sum()), 1.0], dtype=torch.float64)
+    total = torch.zeros(2, 2, dtype=torch.float64)
+    for rank in range(dp):
+        runner = _Runner(group)
+        ev = Evaluator(EvalConfig(interval=1, tokens=320), heldout, nbytes, runner, dp, rank, 2, torch.device("cpu"),
+                       False)
+        before = torch.get_rng_state()
+        total += ev.sums()
+        assert torch.equal(torch.get_rng_state(), before)
+        assert len(ev.mine) == math.ceil(5 / (dp * group)) * group
+    assert torch.equal(total, want)
+
+
+def test_a_resume_keeps_the_eval_event_of_its_step():
+    lines = [json.dumps(r) for r in (
+        {"step": 1}, {"step": 2}, {"event": "eval", "step": 2}, {"step": 3}, {"event": "eval", "step": 4}, {"step": 4})]
+    assert resumed_lines(lines, 2) == 3  # the step-2 record and its eval event
+    assert resumed_lines(lines, 3) == 4
+    assert resumed_lines(lines, 1) == 1
