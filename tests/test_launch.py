@@ -58,6 +58,8 @@ MISTAKES = {  # id: (overrides, what the line must say)
     "missing tokenizer": (["data.tokenizer=/nonexistent.json"], "data.tokenizer='/nonexistent.json' does not exist"),
     "nothing to resume from": (["train.resume_from=/nonexistent/step_00000001"],
                                "train.resume_from='/nonexistent/step_00000001' does not exist"),
+    "no held-out shards": (["train.eval.interval=2", "data.val_shards=[/nonexistent/val-*.tar]"],
+                           "data.val_shards: '/nonexistent/val-*.tar' matches no shard file"),
 }
 BUILT = "process(es) on"  # the trainer's log line once the process group exists
 
@@ -90,6 +92,11 @@ def test_the_other_launch_tools_share_the_one_line_exit():
     assert out.returncode == 2 and [line for line in out.stderr.splitlines() if line.strip()] == [
         "error: +exp=flash_smal: there is no exp 'flash_smal' (did you mean +exp=flash_small?); the exp options are "
         "flash, flash_2048gpu, flash_2048gpu_1m, flash_node, flash_small, flash_tiny (conf/exp/*.yaml)"], out.stderr
+    out = subprocess.run([sys.executable, str(ROOT / "launch" / "evaluate.py"), "/nonexistent/step_00000001"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and [line for line in out.stderr.splitlines() if line.strip()] == [
+        "error: '/nonexistent/step_00000001' is not a checkpoint (no .metadata); give a checkpoints/step_XXXXXXXX "
+        "directory or one written by launch/import_official.py"], out.stderr
 
 
 @pytest.mark.slow

@@ -27,6 +27,9 @@ SCHEDULE = ["schedule.warmup_fraction=0.002", "schedule.decay_start_fraction=0.0
             "data.mix=[1,1]",  # plenty of images in every step, so the unfrozen ViT body surely gets gradients
             "train.grad_clip=0.5"]  # the gradient norms are ~0.8 here: every step is clipped
 GRAD_CLIP = 0.5
+# held-out evaluation after steps 2 and 4: 512 positions, 4 one-sequence micro-batches (data.mix [1, 1]:
+# 2 text, 2 multimodal), the default corpus's held-out part
+EVAL = ["train.eval.interval=2", "train.eval.tokens=512"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def one_sequence_reference(tmp_path_factory, corpus_args):
     pipeline and context-parallel layouts must reproduce. Returns the run directory and its records."""
     run = tmp_path_factory.mktemp("one_sequence_reference")
     pretrain(run, corpus_args, "train.max_steps=4", "train.checkpoint.interval=1", "train.checkpoint.keep=4",
-             "data.batch_size=1")
+             "data.batch_size=1", *EVAL)
     return run, records(run)
 
 
@@ -46,7 +49,7 @@ def two_reader_reference(tmp_path_factory, corpus_args):
     Returns the run directory and its records."""
     run = tmp_path_factory.mktemp("two_reader_reference")
     pretrain(run, corpus_args, "train.max_steps=4", "data.num_workers=2", "train.checkpoint.interval=1",
-             "train.checkpoint.keep=4")
+             "train.checkpoint.keep=4", *EVAL)
     return run, records(run)
 
 
@@ -57,7 +60,7 @@ def four_reader_reference(tmp_path_factory, corpus_args):
     directory and its records."""
     run = tmp_path_factory.mktemp("four_reader_reference")
     pretrain(run, corpus_args, "train.max_steps=4", "data.num_workers=4", "data.batch_size=1",
-             "train.checkpoint.interval=1", "train.checkpoint.keep=4")
+             "train.checkpoint.interval=1", "train.checkpoint.keep=4", *EVAL)
     return run, records(run)
 
 
@@ -100,6 +103,23 @@ def assert_records_match(ref, got):
         assert y["padding_fraction"] == x["padding_fraction"]
 
 
+def assert_evals_match(ref_run, run, steps):
+    """The eval records of a run in another layout (train/evaluate.py): the reference's at `steps`, within
+    1e-5 relative (summation order), the scored tokens exactly."""
+    ref, got = evals(ref_run), evals(run)
+    assert [e["step"] for e in got] == list(steps)
+    for y in got:
+        assert_evals_match_one(next(e for e in ref if e["step"] == y["step"]), y)
+
+
+def assert_evals_match_one(x, y):
+    assert y["step"] == x["step"] and y["tokens"] == x["tokens"]
+    assert y["per_source"].keys() == x["per_source"].keys() == {"text", "mm"}
+    for a, b in [(x, y)] + [(x["per_source"][k], y["per_source"][k]) for k in x["per_source"]]:
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["bpb"] == pytest.approx(a["bpb"], rel=1e-5)
+        assert b["tokens"] == a["tokens"]
+
+
 def assert_clipped(recs):
     assert all(r["grad_norm"] > GRAD_CLIP for r in recs), [r["grad_norm"] for r in recs]  # clipping was active
 
@@ -118,6 +138,16 @@ def pretrain(run_dir, corpus_args, *overrides, procs=1, env=None, check=True, ti
 
 
 def records(run_dir):
+    """The step records of metrics.jsonl (not its events)."""
+    return [r for r in _lines(run_dir) if "event" not in r]
+
+
+def evals(run_dir):
+    """The eval events of metrics.jsonl."""
+    return [r for r in _lines(run_dir) if r.get("event") == "eval"]
+
+
+def _lines(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -142,13 +172,14 @@ def test_exact_resume_across_the_vit_unfreeze(tmp_path, corpus_args, procs, requ
         straight, readers = request.getfixturevalue("two_reader_reference")[0], ["data.num_workers=2"]
     else:
         straight, readers = tmp_path / "straight", []
-        pretrain(straight, corpus_args, "train.max_steps=4", procs=procs)
-    pretrain(resumed, corpus_args, "train.max_steps=2", *readers, procs=procs)
-    second = pretrain(resumed, corpus_args, "train.max_steps=4", *readers, procs=procs)
+        pretrain(straight, corpus_args, "train.max_steps=4", *EVAL, procs=procs)
+    pretrain(resumed, corpus_args, "train.max_steps=2", *readers, *EVAL, procs=procs)
+    second = pretrain(resumed, corpus_args, "train.max_steps=4", *readers, *EVAL, procs=procs)
     assert f"resumed from {resumed}/checkpoints/step_00000002 at step 2" in second.stdout
     a, b = records(straight), records(resumed)
     assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["step"] for r in b] == [1, 2, 3, 4]
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [e["step"] for e in evals(straight)] == [2, 4] and evals(resumed) == evals(straight)  # exactly
     assert [r["vit_trainable"] for r in a] == [False, False, False, True]  # 0-based step 3 = the 4th
     ma, oa = final_model(straight, 4)
     mb, ob = final_model(resumed, 4)
@@ -270,22 +301,39 @@ def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, c
     ma, _ = final_model(straight, 4)
     a = tmp_path / "pp2_then_pp1"
     first = pretrain(a, corpus_args, "train.max_steps=2", "parallel.pp=2", "parallel.stage_layers=[3,5]", *one,
-                     procs=2)
+                     *EVAL, procs=2)
     assert "pipeline: 1f1b, pp=2 x 1 stage(s) per rank, layers per stage [3, 5], 4 micro-batches" in first.stdout
-    second = pretrain(a, corpus_args, "train.max_steps=4", *one)
+    second = pretrain(a, corpus_args, "train.max_steps=4", *one, *EVAL)
     assert f"resumed from {a}/checkpoints/step_00000002 at step 2" in second.stdout
     b = tmp_path / "pp1_then_dualpipev"
     pretrain(b, corpus_args, "train.max_steps=2", *one)
     third = pretrain(b, corpus_args, "train.max_steps=4", "parallel.pp=2", "parallel.pipeline_schedule=dualpipev",
-                     "train.recompute=full", *one, procs=2)
+                     "train.recompute=full", *one, *EVAL, procs=2)
     assert f"resumed from {b}/checkpoints/step_00000002 at step 2" in third.stdout
     for run in (a, b):
         assert_records_match(ref, records(run))
+    assert_evals_match(straight, a, [2, 4])  # pp=2 (1F1B) at step 2, pp=1 at 4
+    assert_evals_match(straight, b, [4])  # pp=2 (DualPipeV) at step 4
     assert_clipped(ref)
     for run in (a, b):
         mb, _ = final_model(run, 4)
         assert_params_close(mb, straight, ref, 4)
         assert all(torch.equal(mb[k], ma[k]) for k in ma if k.endswith(("ffn.gate.bias", "ffn.gate.bias_vl")))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("trainer_one_sequence_reference")
+def test_evaluate_a_checkpoint_in_another_layout_gives_the_runs_eval_record(tmp_path, one_sequence_reference):
+    """launch/evaluate.py on the reference's step-2 checkpoint, under torchrun at pp=2 (its config from the
+    checkpoint, the layout overridden): the run's own eval record of step 2."""
+    straight, _ = one_sequence_reference
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(ROOT / "launch" / "evaluate.py"), f"{straight}/checkpoints/step_00000002", "--json",
+                          "parallel.pp=2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["step"] == 2 and "2 process(es) on cpu, pp=2 dp=1 ep=1 cp=1" in out.stderr
+    assert_evals_match_one(evals(straight)[0], got)
 
 
 @pytest.mark.slow
@@ -343,7 +391,7 @@ def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path,
     for steps, layout, procs in ((2, sharded, 2), (3, ["parallel.pp=2", "parallel.engram_shard=false"], 4),
                                  (4, sharded, 2)):
         out = pretrain(run, corpus_args, f"train.max_steps={steps}", *layout, "data.num_workers=2",
-                       "data.batch_size=1", procs=procs)
+                       "data.batch_size=1", *EVAL, procs=procs)
         if steps > 2:
             assert f"resumed from {run}/checkpoints/step_{steps - 1:08d} at step {steps - 1}" in out.stdout
     ref_run, ref = four_reader_reference
@@ -352,6 +400,7 @@ def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path,
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
         assert y["expert_load"] == x["expert_load"]
+    assert_evals_match(ref_run, run, [2, 4])  # dp=2 x ep=2 at steps 2 and 4
     mb, ob = final_model(run, 4)
     assert mb["layers.5.ffn.experts.w1"].shape[0] == 8 and ob.keys() == oa.keys()
     assert all(torch.equal(mb[k], ma[k]) for k in ma if k.endswith(("ffn.gate.bias", "ffn.gate.bias_vl")))
@@ -374,14 +423,16 @@ def test_context_parallel_trains_like_one_process_and_resumes_across_cp(tmp_path
     straight, ref = one_sequence_reference
     cp = ["parallel.cp=2", "parallel.ep=2", "train.recompute=selective", "data.batch_size=1"]
     first = tmp_path / "cp2_from_the_start"
-    out = pretrain(first, corpus_args, "train.max_steps=2", *cp, procs=2)
+    out = pretrain(first, corpus_args, "train.max_steps=2", *cp, *EVAL, procs=2)
     assert "2 process(es) on cpu, pp=1 dp=1 ep=2 cp=2, 2 steps" in out.stdout
     later = tmp_path / "cp2_from_a_cp1_checkpoint"
     out = pretrain(later, corpus_args, "train.max_steps=4",
-                   f"train.resume_from={straight}/checkpoints/step_00000002", *cp, procs=2)
+                   f"train.resume_from={straight}/checkpoints/step_00000002", *cp, *EVAL, procs=2)
     assert f"resumed from {straight}/checkpoints/step_00000002 at step 2" in out.stdout
     got = records(first) + records(later)
     assert_records_match(ref, got)
+    assert_evals_match(straight, first, [2])  # cp=2 x ep=2
+    assert_evals_match(straight, later, [4])
     assert [y["skipped_samples"] for y in got] == [x["skipped_samples"] for x in ref]
     assert_clipped(ref)
     for run, step in ((first, 2), (later, 4)):

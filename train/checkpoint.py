@@ -72,6 +72,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from flashtrain.config.errors import (
     CheckpointError,  # noqa: F401 (re-exported)
     ConfigError,
+    InputNotFoundError,
 )
 from flashtrain.parallel.sharded_state import GlobalChunk
 
@@ -664,6 +665,23 @@ def _load_weights_only(path: Path, model: nn.Module, layout: dict) -> dict:
     dcp_load(state, path)
     model.load_state_dict({k: _unwrap(v) for k, v in state["model"].items()})
     return _unblob(state["meta"], f"checkpoint {path}: its meta")
+
+
+def read_meta(path: str | Path) -> dict:
+    """A checkpoint's `meta` alone (step, tokens seen, the run's config; an import: its model config)."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise InputNotFoundError(f"{str(path)!r} is not a checkpoint (no .metadata); give a checkpoints/step_XXXXXXXX "
+                                 f"directory or one written by launch/import_official.py")
+    state = {"meta": b""}
+    dcp_load(state, path)
+    return _unblob(state["meta"], f"checkpoint {path}: its meta")
+
+
+def load_weights(path: str | Path, model: nn.Module, layout: dict | None = None) -> dict:
+    """The model's parameters and buffers alone, into any layout and any number of data-parallel ranks
+    (evaluation, train/evaluate.py); returns the checkpoint's meta."""
+    return _load_weights_only(Path(path), model, layout or {})
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_rank: int | None = None,

@@ -1,0 +1,60 @@
+"""Score a checkpoint on held-out data: the mean loss and bits per byte, overall and per source and
+modality (train/evaluate.py), the same numbers a run logs in its eval records.
+
+    python launch/evaluate.py RUN/checkpoints/step_00000100 [--shards S ...] [--tokens N] [--json]
+    torchrun --standalone --nproc_per_node=2 launch/evaluate.py CKPT parallel.pp=2
+    python launch/evaluate.py IMPORTED_CKPT +exp=flash [model.* overrides]   # an import of the release
+
+A flashtrain checkpoint carries its run's config: the held-out set is the run's (`data.val_shards`,
+`train.eval.tokens`, or the default corpus's held-out part) unless `--shards` / `--tokens` say otherwise,
+and key=value overrides change the layout (`parallel.pp=2`, `parallel.ep=2`, ...) or other keys. A
+weights-only import (launch/import_official.py) takes `+exp=NAME` and overrides, as for the import.
+Works under torchrun with any layout. Prints one summary line per source (`--json`: the eval record,
+`loss`, `bpb`, `tokens`, `per_source`, `per_modality`, on stdout, from rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX directory, or an imported checkpoint")
+    ap.add_argument("--shards", nargs="+", help="held-out shards (paths, globs or URLs; default: the run's)")
+    ap.add_argument("--tokens", type=int, help="positions to score (default: the run's train.eval.tokens)")
+    ap.add_argument("--json", action="store_true", help="print the eval record as JSON")
+    args, overrides = ap.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from flashtrain.train.evaluate import checkpoint_config, evaluate_checkpoint
+
+    if args.shards:
+        overrides.append("data.val_shards=[" + ",".join(json.dumps(s) for s in args.shards) + "]")
+    if args.tokens is not None:
+        overrides.append(f"train.eval.tokens={args.tokens}")
+    cfg, _ = checkpoint_config(args.checkpoint, overrides)
+    record = evaluate_checkpoint(cfg, args.checkpoint)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    print(f"{args.checkpoint} (step {record['step']}): loss {record['loss']:.4f}, bpb {_f(record['bpb'])}, "
+          f"{record['tokens']} tokens")
+    for name, s in record["per_source"].items():
+        print(f"  {name:>8}: loss {s['loss']:.4f}, bpb {_f(s['bpb'])}, {s['tokens']} tokens")
+    return 0
+
+
+def _f(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+if __name__ == "__main__":
+    from flashtrain.config.cli import exit_on_user_error
+
+    raise SystemExit(exit_on_user_error(main))
