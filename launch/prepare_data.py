@@ -4,8 +4,10 @@
         [--images DIR] [--interleaved FILE.jsonl] [--tokenizer tokenizer.json] [--docs-per-shard 256]
         [--shard-size 1G]
 
-- `--text`: .txt files (one document per file, or per non-empty line with `--lines`) and .jsonl files
-  (one document per line, field "text"); a directory means every .txt/.jsonl below it.
+- `--text`: .txt files (one document per file, or per non-empty line with `--lines`), .jsonl /
+  .jsonl.gz / .jsonl.zst files (one document per line, field "text") and .parquet files (one per row of
+  the `text` column); a directory means every such file below it (data/inputs.py). Read as streams, twice
+  when the tokenizer is trained (once for it, once to write the shards): nothing holds the whole input.
 - `--images DIR`: image-caption documents, one per image, caption from the .txt file of the same stem.
 - `--interleaved FILE.jsonl`: documents of interleaved text and images, one per line:
   {"segments": [{"text": "..."}, {"image": "path/relative/to/the/jsonl"}, ...]}.
@@ -15,7 +17,9 @@
   hold that many bytes (K/M/G suffixes; one document may take it past the size), whichever comes first.
 Writes OUT_DIR/{text,mm}-NNNNN.tar (with webdataset's ShardWriter), tokenizer.json, engram_map.json (the
 Engram compressed map) and manifest.json (per shard: documents, text tokens, images; totals by modality,
-with the sequence positions the images will take). Point `data.text_shards` / `data.mm_shards` at the tar
+with the sequence positions the images will take). A progress bar (documents/s, tokens) runs while the
+shards are written (on a terminal); a table per source ends the run: documents, tokens, images, and what
+was skipped and why (the last stdout line is the same as JSON). Point `data.text_shards` / `data.mm_shards` at the tar
 files (globs work; so do webdataset URLs such as `pipe:CMD` or `https://...` once the shards are served
 from elsewhere).
 """
@@ -23,14 +27,17 @@ from elsewhere).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
 
 import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from flashtrain.config.cli import exit_on_user_error  # noqa: E402
 from flashtrain.data.images import ImageDecodeError, decode_image, num_image_positions, plan_image_size  # noqa: E402
+from flashtrain.data.inputs import InputStats, iter_texts, text_files  # noqa: E402
 from flashtrain.data.shards import Document, write_shards  # noqa: E402
 from flashtrain.data.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
 from flashtrain.train.config import compose, model_config, token_spec  # noqa: E402
@@ -57,32 +64,6 @@ def positive_int(text: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number")
     return n
-
-
-def text_documents(paths: list[str], per_line: bool) -> list[str]:
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            files += sorted(q for q in p.rglob("*") if q.suffix in (".txt", ".jsonl"))
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise FileNotFoundError(f"--text {str(p)!r} does not exist")
-    docs = []
-    for f in files:
-        content = f.read_text(encoding="utf-8", errors="replace")
-        if f.suffix == ".jsonl":
-            for n, line in enumerate(content.splitlines(), 1):
-                if line.strip():
-                    try:
-                        docs.append(json.loads(line)["text"])
-                    except (ValueError, KeyError, TypeError) as e:
-                        print(f"skipping {f}:{n}: not a JSON object with a 'text' field ({e})", file=sys.stderr)
-        elif per_line:
-            docs += [line for line in content.splitlines() if line.strip()]
-        else:
-            docs.append(content)
-    return [d for d in docs if d.strip()]
 
 
 def image_caption_documents(folder: str) -> list[list]:
@@ -123,52 +104,89 @@ def main(argv: list[str]) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    texts = text_documents(args.text, args.lines)
+    files = text_files(args.text)
     mm_raw = (image_caption_documents(args.images) if args.images else []) + \
         (interleaved_documents(args.interleaved) if args.interleaved else [])
-    if not texts and not mm_raw:
+    if not files and not mm_raw:
         print("prepare_data.py: no documents given (use --text, --images or --interleaved)", file=sys.stderr)
         return 2
     captions = [s[1] for d in mm_raw for s in d if s[0] == "text"]
     if args.tokenizer:
         tok = load_tokenizer(args.tokenizer, spec)
-    else:
-        tok = train_tokenizer(texts + captions, spec)
+    else:  # a first pass over the text, streamed into the tokenizer trainer
+        tok = train_tokenizer(itertools.chain(iter_texts(files, args.lines, InputStats()), captions), spec)
     tok.save(str(out / "tokenizer.json"))
     load_or_build_engram_map(out / "tokenizer.json")
 
     def ids(text: str) -> np.ndarray:
         return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
-    mm_docs, bad, image_positions = [], 0, 0
-    for raw in mm_raw:
-        doc = Document()
-        try:
-            for kind, value in raw:
-                if kind == "text":
-                    doc.segments.append(("text", ids(value)))
-                else:
-                    data = Path(value).read_bytes()
-                    img = decode_image(data)  # reject unreadable images now rather than at training time
-                    n_h, n_w, _, _ = plan_image_size(img.width, img.height, spec.image)
-                    image_positions += num_image_positions(n_h, n_w)
-                    doc.segments.append(("image", data, Path(value).suffix.lstrip(".").lower() or "png"))
-        except (OSError, ImageDecodeError) as e:
-            bad += 1
-            print(f"skipping a document: {e}", file=sys.stderr)
-            continue
-        mm_docs.append(doc)
-    manifest = {"version": 1, "tokenizer": "tokenizer.json", "skipped_documents": bad,
-                "text": write_shards((Document([("text", ids(t))]) for t in texts), out, "text", args.docs_per_shard,
-                                     args.shard_size),
-                "mm": write_shards(iter(mm_docs), out, "mm", args.docs_per_shard, args.shard_size)}
+    text_stats, mm_stats = InputStats(), InputStats()
+    bar = tqdm(desc="documents", unit="doc", disable=None, file=sys.stderr)
+    tokens = {"text": 0, "mm": 0}
+    image_positions = [0]
+
+    def counted(docs, source: str):
+        for doc in docs:
+            tokens[source] += sum(len(seg[1]) for seg in doc.segments if seg[0] == "text")
+            bar.update(1)
+            bar.set_postfix(tokens=f"{sum(tokens.values()):,}", refresh=False)
+            yield doc
+
+    def mm_documents():
+        for raw in mm_raw:
+            doc = Document()
+            try:
+                for kind, value in raw:
+                    if kind == "text":
+                        doc.segments.append(("text", ids(value)))
+                    else:
+                        data = Path(value).read_bytes()
+                        img = decode_image(data)  # reject unreadable images now rather than at training time
+                        n_h, n_w, _, _ = plan_image_size(img.width, img.height, spec.image)
+                        image_positions[0] += num_image_positions(n_h, n_w)
+                        doc.segments.append(("image", data, Path(value).suffix.lstrip(".").lower() or "png"))
+            except OSError as e:
+                mm_stats.skipped["image file unreadable"] += 1
+                print(f"skipping a document: {e}", file=sys.stderr)
+                continue
+            except ImageDecodeError as e:
+                mm_stats.skipped["image undecodable"] += 1
+                print(f"skipping a document: {e}", file=sys.stderr)
+                continue
+            mm_stats.documents += 1
+            yield doc
+
+    text_docs = (Document([("text", ids(t))]) for t in iter_texts(files, args.lines, text_stats))
+    manifest = {"version": 1, "tokenizer": "tokenizer.json",
+                "text": write_shards(counted(text_docs, "text"), out, "text", args.docs_per_shard, args.shard_size),
+                "mm": write_shards(counted(mm_documents(), "mm"), out, "mm", args.docs_per_shard, args.shard_size)}
+    bar.close()
+    skipped = {"text": dict(text_stats.skipped), "mm": dict(mm_stats.skipped)}
+    manifest["skipped_documents"] = sum(sum(v.values()) for v in skipped.values())
+    manifest["skipped"] = skipped
     totals = {k: {f: sum(e[f] for e in manifest[k]) for f in ("documents", "text_tokens", "images")}
               for k in ("text", "mm")}
-    totals["mm"]["image_positions"] = image_positions
+    totals["mm"]["image_positions"] = image_positions[0]
     manifest["totals"] = totals
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    print(json.dumps({"out_dir": str(out), **totals, "skipped_documents": bad}))
+    print(summary_table(totals, skipped))
+    print(json.dumps({"out_dir": str(out), **totals, "skipped_documents": manifest["skipped_documents"],
+                      "skipped": skipped}))
     return 0
+
+
+def summary_table(totals: dict, skipped: dict) -> str:
+    """One row per source: documents, text tokens, images, skipped (and why)."""
+    rows = [("source", "documents", "tokens", "images", "skipped")]
+    for source in ("text", "mm"):
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped[source].items()))
+        n_skipped = f"{sum(skipped[source].values())}" + (f" ({why})" if why else "")
+        rows.append((source, f"{totals[source]['documents']:,}", f"{totals[source]['text_tokens']:,}",
+                     f"{totals[source]['images']:,}", n_skipped))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r[:4], widths)))
+                     + "  " + r[4] for r in rows)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,57 @@ def test_default_corpus_holds_out_text_training_never_reads(corpus):
     assert all(d.segments[0][0] == "image" for d in read_shard(val[1], stats))
 
 
+def test_inputs_stream_compressed_jsonl_and_parquet_and_count_what_they_skip(tmp_path):
+    """data/inputs.py: .jsonl.gz / .jsonl.zst / .parquet documents in order, the unusable ones counted by
+    reason; a truncated .gz gives its first documents before the damage is found (it is read as a stream,
+    not whole), and launch/prepare_data.py writes the same documents and reports the skips."""
+    import gzip
+    import runpy
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    from flashtrain.data.inputs import InputStats, iter_texts, text_files
+
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = [json.dumps({"text": "gz one"}), "not json", json.dumps({"text": "gz two"}), json.dumps({"id": 3})]
+    (src / "a.jsonl.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
+    (src / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        (json.dumps({"text": "zst one"}) + "\n" + json.dumps({"text": 7}) + "\n").encode()))
+    pq.write_table(pa.table({"text": ["pq one", None, "pq two", "  "], "n": [1, 2, 3, 4]}), src / "c.parquet")
+    stats = InputStats()
+    assert list(iter_texts(text_files([str(src)]), False, stats)) == ["gz one", "gz two", "zst one", "pq one", "pq two"]
+    assert stats.documents == 5 and dict(stats.skipped) == {
+        "not a JSON object with a text field": 2, "text field not a string": 1,
+        "parquet row whose text is not a string": 1, "empty document": 1}
+
+    rng = np.random.default_rng(0)  # incompressible text: the cut falls well inside the documents
+    texts = ["".join(rng.choice(list("abcdefghij"), 60)) for _ in range(20000)]
+    many = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(many)[:60000])  # the end of the stream is gone
+    cut = InputStats()
+    docs = iter_texts([tmp_path / "cut.jsonl.gz"], False, cut)
+    assert next(docs) == texts[0]
+    rest = list(docs)
+    assert 100 < len(rest) < 19999 and cut.skipped == {"rest of a truncated or corrupt file": 1}
+
+    out = tmp_path / "shards"
+    old = sys.argv
+    sys.argv = ["prepare_data.py", str(out), "+exp=flash_tiny", "--text", str(src)]
+    try:
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path("launch/prepare_data.py", run_name="__main__")
+        assert e.value.code == 0
+    finally:
+        sys.argv = old
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["totals"]["text"]["documents"] == 5 and manifest["skipped_documents"] == 5
+    assert manifest["skipped"]["text"] == dict(stats.skipped)
+
+
 def test_prepare_then_load_round_trip(tmp_path):
     import runpy
     import sys
