@@ -336,6 +336,75 @@ def test_evaluate_a_checkpoint_in_another_layout_gives_the_runs_eval_record(tmp_
     assert_evals_match_one(evals(straight)[0], got)
 
 
+LOCAL_TASK = """task: flashtrain_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+LOCAL_DOCS = [{"question": "def f(x):\n    return", "choices": [" x * 2", " ünïcode ✓ !!", " )))((("], "answer": 0},
+              {"question": "import os\nimport", "choices": [" sys", " 7 7 7 7", " ]]"], "answer": 0},
+              {"question": "for i in range(10):\n   ", "choices": [" @@@@", " print(i)", " ^^^^ ^^^^"], "answer": 1},
+              {"question": "class A:\n    def", "choices": [" __init__(self):", " 0.0.0.0", " }}}"], "answer": 0}]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("trainer_one_sequence_reference")
+def test_lm_eval_adapter_scores_literally_and_runs_a_local_task(tmp_path, one_sequence_reference):
+    """The lm-evaluation-harness model `flashtrain` (train/harness.py) on the reference's step-4 checkpoint:
+    `loglikelihood` of hand-made requests (batched, so the shorter row is padded) equals the sum of the
+    continuation's log-probabilities taken literally from the model's logits of the unpadded row; then
+    `launch/harness.py` (the harness's command line) runs a local multiple-choice task end to end
+    offline, and its accuracy is the one the literal log-probabilities give."""
+    from lm_eval.api.instance import Instance
+    from tokenizers import Tokenizer
+
+    from flashtrain.model.aux import StepStats
+    from flashtrain.train.harness import FlashtrainLM
+
+    straight, _ = one_sequence_reference
+    ckpt = f"{straight}/checkpoints/step_00000004"
+    lm = FlashtrainLM(checkpoint=ckpt, batch_size=2)
+    tok = Tokenizer.from_file(lm.scoring.tokenizer)
+
+    def literal(context, continuation):
+        ctx = [0] + tok.encode(context, add_special_tokens=False).ids  # [BOS] + context
+        cont = tok.encode(continuation, add_special_tokens=False).ids
+        row = torch.tensor([ctx + cont])
+        with torch.no_grad():
+            hidden = lm.model.final_hidden(lm.model.run(row[:, :-1], torch.full_like(row[:, :-1], -1), [[]],
+                                                        StepStats()))
+            logp = torch.log_softmax(lm.model.head(hidden).double(), -1)[0]
+        return sum(logp[len(ctx) - 1 + j, t].item() for j, t in enumerate(cont))
+
+    pairs = [("def f(x):\n    return", " x * 2"), ("import os\nimport sys\nfrom pathlib import", " Path")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    assert [g[0] for g in got] == pytest.approx([literal(*pair) for pair in pairs], rel=1e-9)
+    assert all(g[0] < 0 for g in got)
+
+    data = tmp_path / "local.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in LOCAL_DOCS))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "local.yaml").write_text(LOCAL_TASK.format(data=data))
+    out = subprocess.run([sys.executable, str(ROOT / "launch" / "harness.py"), "--model", "flashtrain",
+                          "--model_args", f"checkpoint={ckpt}", "--tasks", "flashtrain_local",
+                          "--include_path", str(tmp_path / "tasks"), "--output_path", str(tmp_path / "results")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(next((tmp_path / "results").rglob("results_*.json")).read_text())
+    acc = result["results"]["flashtrain_local"]["acc,none"]
+    picks = [max(range(len(d["choices"])), key=lambda c: literal(d["question"], d["choices"][c])) for d in LOCAL_DOCS]
+    assert acc == pytest.approx(sum(p == d["answer"] for p, d in zip(picks, LOCAL_DOCS)) / len(LOCAL_DOCS))
+
+
 @pytest.mark.slow
 def test_bad_pipeline_layout_is_refused_before_anything_is_built(tmp_path, corpus_args):
     three = pretrain(tmp_path / "pp3", corpus_args, "parallel.pp=3", procs=2, check=False)

@@ -159,23 +159,28 @@ def checkpoint_config(path: str, overrides: list[str]):
     return cfg, meta
 
 
-def evaluate_checkpoint(cfg, path: str) -> dict:
-    """The eval record of checkpoint `path` under `cfg` (its `train.eval.tokens`, `data.val_shards`,
-    layout): the run's construction (train/build.py) with the checkpoint's weights, then one
-    `Evaluator.run`. Every rank returns it."""
+@dataclass
+class Scoring:
+    """A checkpoint built for scoring (`build_for_scoring`): the run's typed configs, dims, this rank's
+    parts (model, pipeline, runner), the tokenizer path, the held-out shards and the checkpoint's meta."""
+
+    configs: object
+    dims: object
+    parts: object
+    tokenizer: str
+    val_shards: list
+    meta: dict
+    device: torch.device
+
+
+def build_for_scoring(cfg, path: str) -> Scoring:
+    """The run's construction (train/build.py) for `cfg` in this launch's layout, with the weights of
+    checkpoint `path` (the optimizer state is not loaded)."""
     import os
 
     from flashtrain.data.loader import data_sources, heldout_shards
     from flashtrain.parallel.construct import model_template
-    from flashtrain.train.build import (
-        build_dims,
-        build_evaluator,
-        build_rank,
-        check_start,
-        init_distributed,
-        read_configs,
-        run_plan,
-    )
+    from flashtrain.train.build import build_dims, build_rank, check_start, init_distributed, read_configs, run_plan
     from flashtrain.train.checkpoint import load_weights
     from flashtrain.train.collectives import Operation, barrier
     from flashtrain.train.engram_map import load_or_build_engram_map
@@ -197,16 +202,26 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
             val = heldout_shards(c.data, c.spec)
             token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
         barrier()
-    if not val:
-        raise ConfigError("no held-out data: give --shards (or data.val_shards=[...]) with held-out shards written by "
-                          "launch/prepare_data.py")
     torch.manual_seed(c.train.seed)
     parts = build_rank(c, plan, dims, device, model_template(c.model, token_map), device.type == "cuda",
                        Operation(), 0.0)
     meta = load_weights(path, parts.model, dims.global_layout(parts.model))
     check_model_config(meta["config"]["model"], c.cfg_dict["model"], path)
-    evaluator = build_evaluator(c, dims, parts.runner, val, tok, device, rank == 0)
-    record = evaluator.run(int(meta.get("step", 0)))
+    return Scoring(c, dims, parts, tok, val, meta, device)
+
+
+def evaluate_checkpoint(cfg, path: str) -> dict:
+    """The eval record of checkpoint `path` under `cfg` (its `train.eval.tokens`, `data.val_shards`,
+    layout): `build_for_scoring`, then one `Evaluator.run`. Every rank returns it."""
+    from flashtrain.train.build import build_evaluator
+
+    s = build_for_scoring(cfg, path)
+    if not s.val_shards:
+        raise ConfigError("no held-out data: give --shards (or data.val_shards=[...]) with held-out shards written by "
+                          "launch/prepare_data.py")
+    evaluator = build_evaluator(s.configs, s.dims, s.parts.runner, s.val_shards, s.tokenizer, s.device,
+                                s.dims.rank == 0)
+    record = evaluator.run(int(s.meta.get("step", 0)))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
