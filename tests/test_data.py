@@ -88,13 +88,26 @@ def test_default_corpus_holds_out_text_training_never_reads(corpus):
     assert all(d.segments[0][0] == "image" for d in read_shard(val[1], stats))
 
 
+def prepare_data(*argv: str) -> None:
+    """launch/prepare_data.py in this process, as its command line runs it; it must exit 0."""
+    import runpy
+    import sys
+
+    old = sys.argv
+    sys.argv = ["prepare_data.py", *argv]
+    try:
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path("launch/prepare_data.py", run_name="__main__")
+        assert e.value.code == 0
+    finally:
+        sys.argv = old
+
+
 def test_inputs_stream_compressed_jsonl_and_parquet_and_count_what_they_skip(tmp_path):
     """data/inputs.py: .jsonl.gz / .jsonl.zst / .parquet documents in order, the unusable ones counted by
     reason; a truncated .gz gives its first documents before the damage is found (it is read as a stream,
     not whole), and launch/prepare_data.py writes the same documents and reports the skips."""
     import gzip
-    import runpy
-    import sys
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -126,22 +139,13 @@ def test_inputs_stream_compressed_jsonl_and_parquet_and_count_what_they_skip(tmp
     assert 100 < len(rest) < 19999 and cut.skipped == {"rest of a truncated or corrupt file": 1}
 
     out = tmp_path / "shards"
-    old = sys.argv
-    sys.argv = ["prepare_data.py", str(out), "+exp=flash_tiny", "--text", str(src)]
-    try:
-        with pytest.raises(SystemExit) as e:
-            runpy.run_path("launch/prepare_data.py", run_name="__main__")
-        assert e.value.code == 0
-    finally:
-        sys.argv = old
+    prepare_data(str(out), "+exp=flash_tiny", "--text", str(src))
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["totals"]["text"]["documents"] == 5 and manifest["skipped_documents"] == 5
     assert manifest["skipped"]["text"] == dict(stats.skipped)
 
 
 def test_prepare_then_load_round_trip(tmp_path):
-    import runpy
-    import sys
 
     src = tmp_path / "src"
     (src / "imgs").mkdir(parents=True)
@@ -155,14 +159,7 @@ def test_prepare_then_load_round_trip(tmp_path):
     out = tmp_path / "shards"
     argv = [str(out), "+exp=flash_tiny", "--text", str(src / "a.txt"), str(src / "b.jsonl"),
             "--images", str(src / "imgs"), "--interleaved", str(src / "inter.jsonl"), "--docs-per-shard", "2"]
-    old = sys.argv
-    sys.argv = ["prepare_data.py", *argv]
-    try:
-        with pytest.raises(SystemExit) as e:
-            runpy.run_path("launch/prepare_data.py", run_name="__main__")
-        assert e.value.code == 0
-    finally:
-        sys.argv = old
+    prepare_data(*argv)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["totals"]["text"]["documents"] == 3 and manifest["totals"]["mm"]["documents"] == 2
     # 60 x 30 px -> upscaled to >= 84^2 px: x1.98 -> 118 x 59 -> rounded up to 126 x 70 (9 x 5 patches) ->
