@@ -36,7 +36,8 @@ class DataConfig:
     mm_shards: list[str] | None = None  # paths or globs of multimodal shards
     val_shards: list[str] | None = None  # held-out shards (train/evaluate.py); null: the default corpus's
     tokenizer: str | None = None  # tokenizer.json; null: the one beside the shards (manifest) or the corpus'
-    mix: list[int] = field(default_factory=lambda: [7, 1])  # text : multimodal, measured in tokens
+    mix: list[int] | None = None  # text : multimodal in tokens, without data.sources; null: 7 : 1 (V41_SPEC §8)
+    sources: list | None = None  # named weighted sources (data/sources.py); null: text_shards / mm_shards + mix
     pack_buffer: int = 64  # documents pieces held for best-fit packing
     num_workers: int = 0  # dataloader worker processes per rank (0: in the main process)
     seed: int = 0
@@ -47,7 +48,28 @@ class DataConfig:
     corpus_val_text_bytes: int = 200_000  # held-out stdlib text of the default corpus (data/corpus.py)
     corpus_val_mm_docs: int = 100  # held-out rendered image documents of the default corpus
 
+    def __post_init__(self) -> None:
+        from flashtrain.data.sources import DEFAULT_MIX, source_configs
+
+        if self.sources is not None:
+            self.sources = source_configs(self.sources)
+        elif self.mix is None:
+            self.mix = list(DEFAULT_MIX)
+
     def validate(self) -> None:
+        if self.sources is not None:
+            given = [f"data.{k}={getattr(self, k)!r}" for k in ("text_shards", "mm_shards", "mix")
+                     if getattr(self, k) is not None]
+            if given:
+                raise DataConfigError(f"data.sources and {', '.join(given)} are both set: with data.sources give "
+                                      f"every source's shards and weight there, and leave "
+                                      f"{', '.join(g.split('=')[0] for g in given)} null")
+            return self._validate_common()
+        self._validate_common()
+        if len(self.mix) != 2 or min(self.mix) < 0 or sum(self.mix) == 0:
+            raise DataConfigError(f"data.mix={self.mix}: needs [text, multimodal] token weights, e.g. [7, 1]")
+
+    def _validate_common(self) -> None:
         for name in ("seq_len", "batch_size", "pack_buffer", "corpus_shards"):
             if getattr(self, name) <= 0:
                 raise DataConfigError(f"data.{name}={getattr(self, name)}: must be positive")
@@ -56,8 +78,11 @@ class DataConfig:
                 raise DataConfigError(f"data.{name}={getattr(self, name)}: must be >= 0")
         if self.num_workers < 0:
             raise DataConfigError(f"data.num_workers={self.num_workers}: must be >= 0")
-        if len(self.mix) != 2 or min(self.mix) < 0 or sum(self.mix) == 0:
-            raise DataConfigError(f"data.mix={self.mix}: needs [text, multimodal] token weights, e.g. [7, 1]")
+
+    @property
+    def default_corpus(self) -> bool:
+        """No shards configured: the run reads the default corpus (data/corpus.py)."""
+        return self.sources is None and self.text_shards is None and self.mm_shards is None
 
     def cache_dir(self) -> Path:
         if self.corpus_dir:

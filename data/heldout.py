@@ -4,7 +4,7 @@ evaluation (train/evaluate.py) scores every time, the same on every rank and in 
 - Sources: the documents of `data.val_shards` (default: the default corpus's held-out part,
   data/corpus.py), read in sorted shard order from the start; a document with an image belongs to the
   multimodal source `mm`, any other to `text`. Each source's share of the micro-batches follows the
-  training mix (`data.mix`, in tokens): `M = ceil(tokens / (batch_size x seq_len))` micro-batches in
+  training mix (`data.mix`, or with `data.sources` the sum of each modality's weights; in tokens): `M = ceil(tokens / (batch_size x seq_len))` micro-batches in
   all, `max(1, round(M x weight / total weight))` for each source with a weight (a source without
   held-out documents is left out, with a warning).
 - Rows: `[BOS] + segments + [EOS]` split into pieces of at most seq_len + 1 positions as for training
@@ -32,6 +32,7 @@ from flashtrain.data.config import DataConfig, TokenSpec
 from flashtrain.data.images import ImageDecodeError
 from flashtrain.data.loader import IGNORE, Counters, Piece, collate, decode_piece_images, document_pieces
 from flashtrain.data.shards import read_shard
+from flashtrain.data.sources import modality_weights
 
 log = logging.getLogger(__name__)
 SOURCES = ("text", "mm")  # held-out source names, in the order of data.mix
@@ -65,8 +66,9 @@ def _source_of(doc) -> int:
 
 def _micro_batches(cfg: DataConfig, tokens: int) -> list[int]:
     """Micro-batches per source: the training mix's shares of ceil(tokens / (batch_size x seq_len))."""
+    weights = modality_weights(cfg)
     total = max(1, math.ceil(tokens / (cfg.batch_size * cfg.seq_len)))
-    return [max(1, round(total * w / sum(cfg.mix))) if w else 0 for w in cfg.mix]
+    return [max(1, round(total * w / sum(weights))) if w else 0 for w in weights]
 
 
 def heldout_set(cfg: DataConfig, spec: TokenSpec, shards: list[str], tokens: int,
@@ -121,8 +123,8 @@ def heldout_set(cfg: DataConfig, spec: TokenSpec, shards: list[str], tokens: int
             rows[s].append(open_row[s])
         if not rows[s]:
             if quota[s]:
-                log.warning("the held-out shards hold no %s document; data.mix gives that source weight %s: it is "
-                            "not evaluated", SOURCES[s], cfg.mix[s])
+                log.warning("the held-out shards hold no %s document; the training mix gives that source weight "
+                            "%s: it is not evaluated", SOURCES[s], modality_weights(cfg)[s])
             continue
         if len(rows[s]) < quota[s]:
             log.warning("held-out source %s fills %d row(s) of the %d its share asks for; scoring those", SOURCES[s],

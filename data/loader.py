@@ -7,10 +7,11 @@ Per data-parallel rank and dataloader worker:
   shards in an order seeded by (seed, group, stream, epoch);
 - documents become `[BOS] + segments + [EOS]` (image segments expand to their token-type span), then
   are split into pieces of at most seq_len + 1 positions (text anywhere, image spans never);
-- two streams, text and multimodal, each keep half of a `pack_buffer`-piece packing buffer filled;
-- rows of seq_len + 1 positions: a row opens with the oldest buffered piece of the stream that is
-  behind the `mix` ratio in emitted tokens (so the ratio holds to within about one row, and no piece
-  waits long), then is filled by best fit over both buffers (the largest piece that fits the remaining
+- sources (data/sources.py: named shard lists with weights; by default `text` and `mm`, weighted
+  `data.mix`) each keep their share (`pack_buffer` / sources) of the packing buffer filled;
+- rows of seq_len + 1 positions: a row opens with the oldest buffered piece of the source furthest
+  behind its weight in emitted tokens (so the shares hold to within about one row, and no piece waits
+  long), then is filled by best fit over every buffer (the largest piece that fits the remaining
   space, until none fits; the rest is PAD).
 Bad input (unreadable sample, corrupt tar, undecodable image, empty document, image span longer than a
 row) is logged, counted and skipped. Shards are read with webdataset (data/shards.py), from local paths
@@ -48,10 +49,11 @@ from flashtrain.data.images import (
     plan_image_size,
 )
 from flashtrain.data.shards import Document, ReadStats, is_url, read_shard
+from flashtrain.data.sources import Source, default_sources
 
 log = logging.getLogger(__name__)
-TEXT_STREAM, MM_STREAM = 0, 1
 IGNORE = -100
+STATE_VERSION = 2  # 2: per-source state by name (data.sources); 1: the two unnamed streams
 
 
 @dataclass
@@ -59,7 +61,7 @@ class Piece:
     tokens: np.ndarray  # int64 ids
     types: np.ndarray  # int64 token types (TEXT -1 or an image type)
     images: list  # [(bytes, ext)] in order of appearance
-    stream: int
+    stream: int  # the index of its source in the run's source list
     pixels: list | None = field(default=None, repr=False, compare=False)  # decoded images, once placed in a row
 
     def __len__(self) -> int:
@@ -69,8 +71,8 @@ class Piece:
         return {"tokens": self.tokens, "types": self.types, "images": self.images, "stream": self.stream}
 
     @classmethod
-    def from_state(cls, s: dict) -> "Piece":
-        return cls(np.asarray(s["tokens"]), np.asarray(s["types"]), list(s["images"]), int(s["stream"]))
+    def from_state(cls, s: dict, stream: int) -> "Piece":
+        return cls(np.asarray(s["tokens"]), np.asarray(s["types"]), list(s["images"]), stream)
 
 
 @dataclass
@@ -190,10 +192,12 @@ def document_pieces(doc: Document, spec: TokenSpec, capacity: int, stream: int, 
 
 
 class ShardStream:
-    """Documents of one stream for one worker, epoch after epoch, with a resumable cursor."""
+    """Documents of one source for one worker, epoch after epoch, with a resumable cursor. `tag` seeds
+    the epochs' shard orders with `seed`: the source's index when its stream first started (kept in the
+    state, so a reordered source list reads on as before)."""
 
-    def __init__(self, shards: list[str], stream: int, seed: str, counters: Counters, state: dict | None = None):
-        self.shards, self.stream, self.seed, self.counters = shards, stream, seed, counters
+    def __init__(self, shards: list[str], tag: int, seed: str, counters: Counters, state: dict | None = None):
+        self.shards, self.stream, self.seed, self.counters = shards, tag, seed, counters
         s = state or {"epoch": 0, "pos": 0, "skip": 0}
         self.epoch, self.pos, self.skip = s["epoch"], s["pos"], s["skip"]
         self._order = self._epoch_order()
@@ -223,8 +227,8 @@ class ShardStream:
                     self._read_any = False
                     if self._empty_epochs >= 2:
                         raise DataError(f"no readable document in the shards {self.shards} (two passes over them "
-                                        f"gave none; each was logged): point data.text_shards / data.mm_shards at "
-                                        f"webdataset tars written by launch/prepare_data.py")
+                                        f"gave none; each was logged): point the source's shards at webdataset "
+                                        f"tars written by launch/prepare_data.py")
                 continue
             self.skip += 1
             if doc is not None:
@@ -235,41 +239,52 @@ class ShardStream:
 
 
 class WorkerPipeline:
-    """Mixing + splitting + best-fit packing for one (rank, worker)."""
+    """Mixing + splitting + best-fit packing for one (rank, worker). `shards[i]`: this worker's shards
+    of `sources[i]` ([] leaves the source out of this worker)."""
 
-    def __init__(self, cfg: DataConfig, spec: TokenSpec, text: list[str], mm: list[str], seed: str,
+    def __init__(self, cfg: DataConfig, spec: TokenSpec, sources: list[Source], shards: list[list[str]], seed: str,
                  state: dict | None = None):
         self.cfg, self.spec = cfg, spec
         self.capacity = cfg.seq_len + 1
+        self.names = [s.name for s in sources]
+        self.weights = [s.weight for s in sources]
         state = state or {}
         self.counters = Counters()
         if "counters" in state:
             c = dict(state["counters"])
             self.counters = Counters(**{k: v for k, v in c.items() if k not in ("corrupt_shards", "bad_samples")},
                                      read=ReadStats(c["corrupt_shards"], c["bad_samples"]))
-        streams = state.get("streams", [None, None])
-        self.streams = [ShardStream(sh, i, seed, self.counters, streams[i]) if sh else None
-                        for i, sh in enumerate((text, mm))]
-        self.mix_tokens = list(state.get("mix_tokens", [0, 0]))
-        self.pending = [deque(Piece.from_state(p) for p in q) for q in state.get("pending", [[], []])]
-        self.buffers = [[Piece.from_state(p) for p in b] for b in state.get("buffers", [[], []])]
+        saved = state.get("sources", {})
+        same_weights = state.get("weights") == dict(zip(self.names, self.weights))
+        self.tags = [saved[n]["tag"] if n in saved else i for i, n in enumerate(self.names)]
+        self.streams = [ShardStream(sh, self.tags[i], seed, self.counters, saved.get(n, {}).get("stream")) if sh
+                        else None for i, (n, sh) in enumerate(zip(self.names, shards))]
+        # the emitted tokens the mix compares; they restart with changed weights (the new shares hold from then)
+        self.mix_tokens = [saved[n]["mix_tokens"] if n in saved and same_weights else 0 for n in self.names]
+        self.pending = [deque(Piece.from_state(p, i) for p in saved.get(n, {}).get("pending", []))
+                        for i, n in enumerate(self.names)]
+        self.buffers = [[Piece.from_state(p, i) for p in saved.get(n, {}).get("buffer", [])]
+                        for i, n in enumerate(self.names)]
 
     def state(self) -> dict:
-        return {"streams": [s.state() if s else None for s in self.streams], "mix_tokens": list(self.mix_tokens),
-                "pending": [[p.to_state() for p in q] for q in self.pending],
-                "buffers": [[p.to_state() for p in b] for b in self.buffers], "counters": self.counters.as_dict()}
+        return {"weights": dict(zip(self.names, self.weights)), "counters": self.counters.as_dict(),
+                "sources": {n: {"tag": self.tags[i], "stream": self.streams[i].state() if self.streams[i] else None,
+                                "mix_tokens": self.mix_tokens[i], "pending": [p.to_state() for p in self.pending[i]],
+                                "buffer": [p.to_state() for p in self.buffers[i]]}
+                            for i, n in enumerate(self.names)}}
 
     def _behind(self) -> int:
-        """The stream that is behind the `mix` ratio in emitted tokens (the only one if one is absent)."""
-        if self.streams[MM_STREAM] is None:
-            return TEXT_STREAM
-        if self.streams[TEXT_STREAM] is None:
-            return MM_STREAM
-        wt, wm = self.cfg.mix
-        return TEXT_STREAM if self.mix_tokens[TEXT_STREAM] * wm <= self.mix_tokens[MM_STREAM] * wt else MM_STREAM
+        """The source furthest behind its weight in emitted tokens (smallest tokens / weight, compared
+        exactly as products; ties go to the earlier source)."""
+        present = [s for s, st in enumerate(self.streams) if st is not None] or [0]
+        best = present[0]
+        for s in present[1:]:
+            if self.mix_tokens[s] * self.weights[best] < self.mix_tokens[best] * self.weights[s]:
+                best = s
+        return best
 
     def _refill(self) -> None:
-        """Keep each present stream's share of the packing buffer full."""
+        """Keep each present source's share of the packing buffer full."""
         share = max(1, self.cfg.pack_buffer // sum(1 for st in self.streams if st is not None))
         for s, stream in enumerate(self.streams):
             if stream is None:
@@ -311,17 +326,21 @@ class WorkerPipeline:
         return row
 
     def next_batch(self) -> dict:
-        return collate([self.next_row() for _ in range(self.cfg.batch_size)], self.spec, self.cfg.seq_len)
+        return collate([self.next_row() for _ in range(self.cfg.batch_size)], self.spec, self.cfg.seq_len,
+                       len(self.names))
 
 
-def collate(rows: list[list[Piece]], spec: TokenSpec, seq_len: int) -> dict:
-    """Rows of pieces -> the training batch (inputs are positions 0..S-1, labels 1..S)."""
+def collate(rows: list[list[Piece]], spec: TokenSpec, seq_len: int, n_sources: int = 2) -> dict:
+    """Rows of pieces -> the training batch (inputs are positions 0..S-1, labels 1..S). Per source (the
+    pieces' `stream`): `stream_tokens` [B, n_sources] its positions per row, `label_sources` [B, S] the
+    source of each label position's target, `source_targets` [n_sources] its scored labels."""
     L = seq_len + 1
     B = len(rows)
     tokens = torch.full((B, L), spec.pad_id, dtype=torch.long)
     types = torch.full((B, L), TEXT, dtype=torch.long)
     pad = torch.ones(B, L, dtype=torch.bool)
-    stream_tokens = torch.zeros(B, 2, dtype=torch.long)
+    source = torch.zeros(B, L, dtype=torch.long)
+    stream_tokens = torch.zeros(B, n_sources, dtype=torch.long)
     images: list[list[torch.Tensor]] = []
     for b, row in enumerate(rows):
         at, row_images = 0, []
@@ -330,6 +349,7 @@ def collate(rows: list[list[Piece]], spec: TokenSpec, seq_len: int) -> dict:
             tokens[b, at:at + n] = torch.from_numpy(p.tokens)
             types[b, at:at + n] = torch.from_numpy(p.types)
             pad[b, at:at + n] = False
+            source[b, at:at + n] = p.stream
             stream_tokens[b, p.stream] += n
             row_images += (p.pixels if p.pixels is not None
                            else [load_image(data, spec.image).pixels for data, _ in p.images])
@@ -337,8 +357,10 @@ def collate(rows: list[list[Piece]], spec: TokenSpec, seq_len: int) -> dict:
         images.append(row_images)
     labels = tokens[:, 1:].clone()
     labels[pad[:, 1:] | (types[:, 1:] >= 0)] = IGNORE
+    label_sources = source[:, 1:].clone()
     return {"tokens": tokens[:, :-1], "labels": labels, "token_types": types[:, :-1], "images": images,
-            "stream_tokens": stream_tokens, "pad_tokens": int(pad.sum())}
+            "stream_tokens": stream_tokens, "pad_tokens": int(pad.sum()), "label_sources": label_sources,
+            "source_targets": torch.bincount(label_sources[labels != IGNORE], minlength=n_sources)}
 
 
 def _identity(x):
@@ -346,17 +368,17 @@ def _identity(x):
 
 
 class _PackedIterable(torch.utils.data.IterableDataset):
-    def __init__(self, cfg, spec, text, mm, rank, world, states, first_worker):
+    def __init__(self, cfg, spec, sources, rank, world, states, first_worker):
         super().__init__()
-        self.cfg, self.spec, self.text, self.mm = cfg, spec, text, mm
+        self.cfg, self.spec, self.sources = cfg, spec, sources
         self.rank, self.world, self.states, self.first_worker = rank, world, states, first_worker
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         n = max(1, self.cfg.num_workers)
         logical = ((info.id if info else 0) + self.first_worker) % n
-        pipe = WorkerPipeline(self.cfg, self.spec, split_shards(self.text, self.rank, self.world, logical, n),
-                              split_shards(self.mm, self.rank, self.world, logical, n),
+        pipe = WorkerPipeline(self.cfg, self.spec, self.sources,
+                              [split_shards(list(s.shards), self.rank, self.world, logical, n) for s in self.sources],
                               f"{self.cfg.seed}/{reader_group(self.rank, logical, n)}", self.states.get(logical))
         while True:
             batch = pipe.next_batch()
@@ -365,37 +387,63 @@ class _PackedIterable(torch.utils.data.IterableDataset):
 
 
 class PackedLoader:
-    """Infinite iterator of packed batches for one data-parallel rank, with exact state_dict().
+    """Infinite iterator of packed batches for one data-parallel rank, with exact state_dict(), mixing
+    `sources` (data/sources.py; `default_sources(text, mm, mix)` for the two unnamed streams).
     `worker_init_fn(worker_id)` runs first in each loader worker (the trainer binds its workers' lives to
     its own: train/run_guard.py `die_with_parent`)."""
 
-    def __init__(self, cfg: DataConfig, spec: TokenSpec, text_shards: list[str], mm_shards: list[str],
-                 rank: int = 0, world: int = 1, state: dict | None = None, worker_init_fn=None):
+    def __init__(self, cfg: DataConfig, spec: TokenSpec, sources: list[Source], rank: int = 0, world: int = 1,
+                 state: dict | None = None, worker_init_fn=None):
         self.cfg, self.spec, self.rank, self.world = cfg, spec, rank, world
         self.worker_init_fn = worker_init_fn
-        self.text, self.mm = sorted(text_shards), sorted(mm_shards)
-        if not self.text and not self.mm:
-            raise DataError("no shards: set data.text_shards / data.mm_shards, or leave both null for the "
-                            "default corpus")
-        check_workers(cfg, {"text_shards": len(self.text), "mm_shards": len(self.mm)}, world)
+        self.sources = list(sources)
+        if not any(s.shards for s in self.sources):
+            raise DataError("no shards: set data.sources (or data.text_shards / data.mm_shards), or leave them null "
+                            "for the default corpus")
+        check_workers(cfg, {s.setting: len(s.shards) for s in self.sources}, world)
         self.worker_states: dict[int, dict] = {}
         self.next_worker = 0
         if state is not None:
             self.load_state_dict(state)
         self._it = None
 
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
     def state_dict(self) -> dict:
-        return {"version": 1, "rank": self.rank, "world": self.world, "num_workers": max(1, self.cfg.num_workers),
-                "worker_states": dict(self.worker_states), "next_worker": self.next_worker}
+        return {"version": STATE_VERSION, "rank": self.rank, "world": self.world,
+                "num_workers": max(1, self.cfg.num_workers), "worker_states": dict(self.worker_states),
+                "next_worker": self.next_worker}
 
     def load_state_dict(self, state: dict) -> None:
         n = max(1, self.cfg.num_workers)
+        if state.get("version", 1) != STATE_VERSION:
+            raise DataError(f"data loader state version {state.get('version', 1)} (written before data.sources "
+                            f"had names); this flashtrain reads version {STATE_VERSION}: resume that run with the "
+                            f"flashtrain that wrote it, or start from its weights (train.resume_from with a "
+                            f"weights-only checkpoint)")
         if (state["world"], state["num_workers"]) != (self.world, n):
             raise DataError(f"data loader state was saved with {state['world']} rank(s) x {state['num_workers']} "
                              f"worker(s); this run has {self.world} x {n}. Resume with the same layout")
         self.worker_states = dict(state["worker_states"])
         self.next_worker = state["next_worker"]
         self._it = None
+        self._log_source_changes()
+
+    def _log_source_changes(self) -> None:
+        """A resume with other weights or sources than the state's: allowed, said once (rank 0)."""
+        if self.rank != 0 or not self.worker_states:
+            return
+        saved = next(iter(self.worker_states.values()))["weights"]
+        now = {s.name: s.weight for s in self.sources}
+        if saved == now:
+            return
+        added, removed = sorted(set(now) - set(saved)), sorted(set(saved) - set(now))
+        log.warning("data sources changed at this resume: weights %s -> %s. Every kept source reads on from its "
+                    "position; the mix counts restart here, so the new weights' shares hold from now on%s%s",
+                    saved, now, f"; added (from their start): {', '.join(added)}" if added else "",
+                    f"; removed: {', '.join(removed)}" if removed else "")
 
     def counters(self) -> dict:
         """Skipped/corrupt/padding counts summed over this rank's workers (cumulative)."""
@@ -410,8 +458,8 @@ class PackedLoader:
 
     def __next__(self) -> dict:
         if self._it is None:
-            ds = _PackedIterable(self.cfg, self.spec, self.text, self.mm, self.rank, self.world,
-                                 self.worker_states, self.next_worker)
+            ds = _PackedIterable(self.cfg, self.spec, self.sources, self.rank, self.world, self.worker_states,
+                                 self.next_worker)
             # its own generator: the iterator then draws its worker seeds from it, not from the global torch
             # RNG, which is the training's (checkpointed) and must not depend on when the loader first ran
             self._it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.cfg.num_workers,
@@ -425,7 +473,7 @@ class PackedLoader:
 
 
 def check_workers(cfg: DataConfig, counts: dict[str, int], readers: int) -> None:
-    """Every shard of a stream is read by one (rank, worker): fewer shards than readers x workers would
+    """Every shard of a source is read by one (rank, worker): fewer shards than readers x workers would
     leave a reader without data (or duplicate shards)."""
     n = max(1, cfg.num_workers)
     for name, count in counts.items():
@@ -446,19 +494,26 @@ def _tar_problem(path: str) -> str | None:
         return f"not a tar file ({type(e).__name__}: {e})"
 
 
-def _configured_shards(cfg: DataConfig) -> tuple[list[str], list[str]]:
+def configured_sources(cfg: DataConfig) -> list[Source]:
+    """The configured sources with their shard patterns resolved (a pattern matching nothing is an
+    error): `data.sources`, or `data.text_shards` / `data.mm_shards` weighted `data.mix`. Not for the
+    default corpus (`cfg.default_corpus`)."""
+    if cfg.sources is not None:
+        return [Source(s.name, tuple(resolve_shards(s.shards, f"sources[{s.name}].shards")), s.weight, s.modality,
+                       f"sources[{s.name}].shards") for s in cfg.sources]
     text, mm = resolve_shards(cfg.text_shards, "text_shards"), resolve_shards(cfg.mm_shards, "mm_shards")
     if not text and not mm:
         raise DataError("data.text_shards and data.mm_shards are both empty; give shards or set both to null "
                         "for the default corpus")
-    return text, mm
+    return default_sources(text, mm, cfg.mix)
 
 
-def _configured_tokenizer(cfg: DataConfig, text: list[str], mm: list[str]) -> str:
-    if cfg.tokenizer is None and is_url((text or mm)[0]):
-        raise DataError(f"data.tokenizer is not set and the shards are URLs ({(text or mm)[0]!r}); set data.tokenizer "
+def _configured_tokenizer(cfg: DataConfig, sources: list[Source]) -> str:
+    first = next(s.shards[0] for s in sources if s.shards)
+    if cfg.tokenizer is None and is_url(first):
+        raise DataError(f"data.tokenizer is not set and the shards are URLs ({first!r}); set data.tokenizer "
                         f"to a local copy of the tokenizer.json written by launch/prepare_data.py")
-    tokenizer = cfg.tokenizer or str(Path((text or mm)[0]).parent / "tokenizer.json")
+    tokenizer = cfg.tokenizer or str(Path(first).parent / "tokenizer.json")
     if not Path(tokenizer).is_file():
         raise InputNotFoundError(f"tokenizer {tokenizer!r} not found; set data.tokenizer to the tokenizer.json "
                                  f"written by launch/prepare_data.py")
@@ -467,43 +522,45 @@ def _configured_tokenizer(cfg: DataConfig, text: list[str], mm: list[str]) -> st
 
 def check_sources(cfg: DataConfig, readers: int) -> None:
     """The start-up checks of the configured data, before any process group, model or corpus exists: the
-    shard patterns match files, the lists are not both empty, a set tokenizer exists, the shards can feed
-    `readers` data-parallel ranks x `data.num_workers`, and each stream has at least one local shard that
+    shard patterns match files, the lists are not all empty, a set tokenizer exists, the shards can feed
+    `readers` data-parallel ranks x `data.num_workers`, and each source has at least one local shard that
     opens as a tar (a broken shard among good ones is logged and skipped while reading; none readable
-    would stop the run only once it has started). The default corpus (both lists null) has
+    would stop the run only once it has started). The default corpus (no shards configured) has
     `data.corpus_shards` shards per stream."""
     if cfg.tokenizer is not None and not is_url(cfg.tokenizer) and not Path(cfg.tokenizer).is_file():
         raise InputNotFoundError(f"data.tokenizer={cfg.tokenizer!r} does not exist; set it to the tokenizer.json "
                                  f"written by launch/prepare_data.py, or to null for the one beside the shards (or "
                                  f"the default corpus's)")
-    if cfg.text_shards is None and cfg.mm_shards is None:
+    if cfg.default_corpus:
         check_workers(cfg, {"corpus_shards": cfg.corpus_shards}, readers)
         return
-    text, mm = _configured_shards(cfg)
-    check_workers(cfg, {"text_shards": len(text), "mm_shards": len(mm)}, readers)
-    for name, shards in (("text_shards", text), ("mm_shards", mm)):
-        if not shards or any(is_url(s) for s in shards):
+    sources = configured_sources(cfg)
+    check_workers(cfg, {s.setting: len(s.shards) for s in sources}, readers)
+    for source in sources:
+        if not source.shards or any(is_url(s) for s in source.shards):
             continue  # a URL is opened (its command run) only when read
         problems = []
-        for shard in shards:
+        for shard in source.shards:
             if (problem := _tar_problem(shard)) is None:
                 break
             problems.append(problem)
         else:
-            raise DataError(f"data.{name}: none of its {len(shards)} shard(s) can be read ({shards[0]!r}: "
-                            f"{problems[0]}); point it at webdataset tars written by launch/prepare_data.py")
-    _configured_tokenizer(cfg, text, mm)
+            raise DataError(f"data.{source.setting}: none of its {len(source.shards)} shard(s) can be read "
+                            f"({source.shards[0]!r}: {problems[0]}); point it at webdataset tars written by "
+                            f"launch/prepare_data.py")
+    _configured_tokenizer(cfg, sources)
 
 
-def data_sources(cfg: DataConfig, spec: TokenSpec) -> tuple[list[str], list[str], str]:
-    """(text shards, multimodal shards, tokenizer.json) for a run: the configured shards (missing paths
-    are an error now, not mid-run), or the default corpus, built on first use."""
+def data_sources(cfg: DataConfig, spec: TokenSpec) -> tuple[list[Source], str]:
+    """(sources, tokenizer.json) for a run: the configured sources (missing paths are an error now, not
+    mid-run), or the default corpus's two, built on first use."""
     from flashtrain.data.corpus import corpus_shards, ensure_default_corpus
 
-    if cfg.text_shards is None and cfg.mm_shards is None:
-        return corpus_shards(ensure_default_corpus(cfg, spec))
-    text, mm = _configured_shards(cfg)
-    return text, mm, _configured_tokenizer(cfg, text, mm)
+    if cfg.default_corpus:
+        text, mm, tok = corpus_shards(ensure_default_corpus(cfg, spec))
+        return default_sources(text, mm, cfg.mix), tok
+    sources = configured_sources(cfg)
+    return sources, _configured_tokenizer(cfg, sources)
 
 
 def heldout_shards(cfg: DataConfig, spec: TokenSpec) -> list[str]:
@@ -513,6 +570,6 @@ def heldout_shards(cfg: DataConfig, spec: TokenSpec) -> list[str]:
 
     if cfg.val_shards is not None:
         return resolve_shards(cfg.val_shards, "val_shards")
-    if cfg.text_shards is None and cfg.mm_shards is None:
+    if cfg.default_corpus:
         return corpus_val_shards(ensure_default_corpus(cfg, spec))
     return []

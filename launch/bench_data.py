@@ -24,28 +24,29 @@ def main(argv: list[str]) -> int:
     conf = compose(argv or ["+exp=flash_small"])
     dcfg, spec = data_config(conf), token_spec(model_config(conf))
     t0 = time.perf_counter()
-    text, mm, _ = data_sources(dcfg, spec)
+    sources, _ = data_sources(dcfg, spec)
     t_build = time.perf_counter() - t0
-    loader = PackedLoader(dcfg, spec, text, mm)
+    loader = PackedLoader(dcfg, spec, sources)
     next(loader)  # warm up (worker start)
     t0, c0 = time.perf_counter(), time.process_time()
-    tokens = stream = 0
-    mm_tokens = 0
+    tokens = 0
+    per_source = [0] * len(sources)
     for _ in range(batches):
         b = next(loader)
         tokens += b["tokens"].numel()
-        stream += int(b["stream_tokens"][:, 0].sum())
-        mm_tokens += int(b["stream_tokens"][:, 1].sum())
+        per_source = [n + int(v) for n, v in zip(per_source, b["stream_tokens"].sum(0))]
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     c = loader.counters()
+    weights = sum(s.weight for s in sources if s.shards)
+    shares = {s.name: {"tokens": n, "share": n / max(sum(per_source), 1), "weight_share": s.weight / weights}
+              for s, n in zip(sources, per_source) if s.shards}
     res = {"batches": batches, "batch_size": dcfg.batch_size, "seq_len": dcfg.seq_len, "tokens_per_s": tokens / dt,
-           "tokens_per_cpu_s": tokens / cpu,
-           "corpus_ready_s": t_build, "text_to_mm_ratio": stream / max(mm_tokens, 1),
+           "tokens_per_cpu_s": tokens / cpu, "corpus_ready_s": t_build, "sources": shares,
            "padding_fraction": c["pad_tokens"] / c["tokens"], "counters": c}
     print(f"{tokens / dt:,.0f} tokens/s ({tokens / cpu:,.0f} per CPU second of this process; {batches} batches of "
-          f"{dcfg.batch_size} x {dcfg.seq_len}); "
-          f"text:mm = {res['text_to_mm_ratio']:.2f}:1, padding {100 * res['padding_fraction']:.3f}%, "
-          f"corpus ready in {t_build:.1f} s")
+          f"{dcfg.batch_size} x {dcfg.seq_len}); shares "
+          + ", ".join(f"{k} {100 * v['share']:.1f}% (weight {100 * v['weight_share']:.1f}%)" for k, v in shares.items())
+          + f", padding {100 * res['padding_fraction']:.3f}%, corpus ready in {t_build:.1f} s")
     print(json.dumps(res))
     return 0
 

@@ -2,7 +2,7 @@
 
     python launch/prepare_data.py OUT_DIR [+exp=flash_small] [--text FILE_OR_DIR ...] [--lines]
         [--images DIR] [--interleaved FILE.jsonl] [--tokenizer tokenizer.json] [--docs-per-shard 256]
-        [--shard-size 1G]
+        [--shard-size 1G] [--name SOURCE]
 
 - `--text`: .txt files (one document per file, or per non-empty line with `--lines`), .jsonl /
   .jsonl.gz / .jsonl.zst files (one document per line, field "text") and .parquet files (one per row of
@@ -15,6 +15,11 @@
   the text given (vocabulary and special ids from the model config).
 - `--docs-per-shard`, `--shard-size`: a shard is closed after that many documents or once its members
   hold that many bytes (K/M/G suffixes; one document may take it past the size), whichever comes first.
+- `--name SOURCE`: write one named source for `data.sources` (data/sources.py): every document given
+  goes into OUT_DIR/SOURCE-NNNNN.tar, and manifest.json gains (or replaces) the entry
+  `sources.SOURCE` (its shards, modality, totals, skips); the other sources written there before are
+  kept. Sources written into one OUT_DIR share its tokenizer.json: without `--tokenizer` the one
+  already there is used, else one is trained. The last lines print the `data.sources` entry to add.
 Writes OUT_DIR/{text,mm}-NNNNN.tar (with webdataset's ShardWriter), tokenizer.json, engram_map.json (the
 Engram compressed map) and manifest.json (per shard: documents, text tokens, images; totals by modality,
 with the sequence positions the images will take). A progress bar (documents/s, tokens) runs while the
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +45,7 @@ from flashtrain.config.cli import exit_on_user_error  # noqa: E402
 from flashtrain.data.images import ImageDecodeError, decode_image, num_image_positions, plan_image_size  # noqa: E402
 from flashtrain.data.inputs import InputStats, iter_texts, text_files  # noqa: E402
 from flashtrain.data.shards import Document, write_shards  # noqa: E402
+from flashtrain.data.sources import SOURCE_NAME  # noqa: E402
 from flashtrain.data.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
 from flashtrain.train.config import compose, model_config, token_spec  # noqa: E402
 from flashtrain.train.engram_map import load_or_build_engram_map  # noqa: E402
@@ -99,7 +106,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--docs-per-shard", type=positive_int, default=256, help="documents per shard at most")
     ap.add_argument("--shard-size", type=byte_size, default=byte_size("1G"),
                     help="bytes of members per shard at most, e.g. 1G, 256M (default 1G)")
+    ap.add_argument("--name", help="write one named source (SOURCE-NNNNN.tar) for data.sources")
     args, overrides = ap.parse_known_args(argv)
+    if args.name is not None and not SOURCE_NAME.match(args.name):  # a usable source name, before any work
+        print(f"prepare_data.py: --name {args.name!r}: a source name is letters, digits, '_', '.', '-' (e.g. --name "
+              f"web)", file=sys.stderr)
+        return 2
     spec = token_spec(model_config(compose(overrides or ["+exp=flash_small"])))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,8 +123,13 @@ def main(argv: list[str]) -> int:
         print("prepare_data.py: no documents given (use --text, --images or --interleaved)", file=sys.stderr)
         return 2
     captions = [s[1] for d in mm_raw for s in d if s[0] == "text"]
+    shared = out / "tokenizer.json"
     if args.tokenizer:
         tok = load_tokenizer(args.tokenizer, spec)
+    elif args.name is not None and shared.is_file():  # the sources of one directory share its tokenizer
+        print(f"prepare_data.py: source {args.name!r} uses the tokenizer already in {out} (give --tokenizer for "
+              f"another)", file=sys.stderr)
+        tok = load_tokenizer(str(shared), spec)
     else:  # a first pass over the text, streamed into the tokenizer trainer
         tok = train_tokenizer(itertools.chain(iter_texts(files, args.lines, InputStats()), captions), spec)
     tok.save(str(out / "tokenizer.json"))
@@ -158,6 +175,9 @@ def main(argv: list[str]) -> int:
             yield doc
 
     text_docs = (Document([("text", ids(t))]) for t in iter_texts(files, args.lines, text_stats))
+    if args.name is not None:
+        return write_source(out, args, counted(text_docs, "text"), counted(mm_documents(), "mm"), text_stats,
+                            mm_stats, tokens, image_positions, bar)
     manifest = {"version": 1, "tokenizer": "tokenizer.json",
                 "text": write_shards(counted(text_docs, "text"), out, "text", args.docs_per_shard, args.shard_size),
                 "mm": write_shards(counted(mm_documents(), "mm"), out, "mm", args.docs_per_shard, args.shard_size)}
@@ -176,13 +196,46 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def summary_table(totals: dict, skipped: dict) -> str:
+def write_source(out: Path, args, text_docs, mm_docs, text_stats: InputStats, mm_stats: InputStats,
+                 tokens: dict[str, int], image_positions: list[int], bar) -> int:
+    """`--name SOURCE`: the text and then the multimodal documents into SOURCE-NNNNN.tar; its entry in
+    manifest.json (other sources kept); the data.sources entry to add."""
+    name = args.name
+    for old in out.glob(f"{name}-[0-9][0-9][0-9][0-9][0-9].tar"):  # a source written again replaces its shards
+        old.unlink()
+    entries = write_shards(itertools.chain(text_docs, mm_docs), out, name, args.docs_per_shard, args.shard_size)
+    bar.close()
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text()) if path.is_file() else {}
+    manifest.setdefault("version", 1)
+    manifest["tokenizer"] = "tokenizer.json"
+    skipped = {k: v for k, v in (("text", dict(text_stats.skipped)), ("mm", dict(mm_stats.skipped)))}
+    totals = {f: sum(e[f] for e in entries) for f in ("documents", "text_tokens", "images")}
+    totals["image_positions"] = image_positions[0]
+    modality = "multimodal" if totals["images"] else "text"
+    manifest.setdefault("sources", {})[name] = {"modality": modality, "shards": entries, "totals": totals,
+                                                "skipped": skipped}
+    tmp = path.with_name(f".manifest.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, path)
+    rows = {"text": {"documents": text_stats.documents, "text_tokens": tokens["text"], "images": 0},
+            "mm": {"documents": mm_stats.documents, "text_tokens": tokens["mm"], "images": totals["images"]}}
+    print(summary_table(rows, skipped, labels={"text": f"{name} (text)", "mm": f"{name} (with images)"}))
+    entry = {"name": name, "shards": [str(out.resolve() / f"{name}-*.tar")], "weight": 1, "modality": modality}
+    print("add to data.sources (set the weight):  - {" + ", ".join(
+        f"{k}: {json.dumps(v) if k == 'shards' else v}" for k, v in entry.items()) + "}")
+    print(json.dumps({"out_dir": str(out), "source": entry, "totals": totals,
+                      "skipped_documents": sum(sum(v.values()) for v in skipped.values()), "skipped": skipped}))
+    return 0
+
+
+def summary_table(totals: dict, skipped: dict, labels: dict | None = None) -> str:
     """One row per source: documents, text tokens, images, skipped (and why)."""
     rows = [("source", "documents", "tokens", "images", "skipped")]
     for source in ("text", "mm"):
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped[source].items()))
         n_skipped = f"{sum(skipped[source].values())}" + (f" ({why})" if why else "")
-        rows.append((source, f"{totals[source]['documents']:,}", f"{totals[source]['text_tokens']:,}",
+        rows.append(((labels or {}).get(source, source), f"{totals[source]['documents']:,}", f"{totals[source]['text_tokens']:,}",
                      f"{totals[source]['images']:,}", n_skipped))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r[:4], widths)))

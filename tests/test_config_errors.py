@@ -33,3 +33,13 @@ def test_valid_overrides_still_compose():
     cfg = compose(["+exp=flash_tiny", "train.max_steps=3", "data.num_workers=1", "hydra.run.dir=/tmp/x"])
     assert cfg.train.max_steps == 3 and set(cfg) == {"model", "optim", "data", "schedule", "train", "logging",
                                                       "parallel", "run_name"}
+
+
+def test_a_config_composed_outside_hydra_resolves_whole():
+    """compose() outside a Hydra app (launch/evaluate.py on an import, the benches): run_name's default
+    interpolates the Hydra runtime, which is not running; it resolves to the chosen model."""
+    from flashtrain.train.build import read_configs
+    from flashtrain.train.config import compose
+
+    assert read_configs(compose(["+exp=flash_tiny"])).cfg_dict["run_name"] == "flash_tiny"
+    assert compose(["+exp=flash_tiny", "run_name=mine"]).run_name == "mine"

@@ -15,6 +15,7 @@ from PIL import Image
 from flashtrain.data.config import DataConfig, TokenSpec
 from flashtrain.data.images import ImageProcessorConfig
 from flashtrain.data.loader import Counters, PackedLoader, ShardStream, data_sources, heldout_shards, split_shards
+from flashtrain.data.sources import default_sources
 from flashtrain.data.shards import Document, ReadStats, read_shard, write_shards
 from flashtrain.data.tokenizer import IMAGE_TOKEN, train_tokenizer
 
@@ -28,8 +29,9 @@ SPEC = TokenSpec(vocab_size=512, image_token_id=496,
 def corpus(tmp_path_factory):
     cfg = DataConfig(seq_len=128, batch_size=4, corpus_dir=str(tmp_path_factory.mktemp("corpus")),
                      corpus_text_bytes=1_500_000, corpus_mm_docs=800, corpus_shards=8)
-    text, mm, tok = data_sources(cfg, SPEC)
-    return cfg, text, mm, tok
+    sources, tok = data_sources(cfg, SPEC)
+    assert [s.name for s in sources] == ["text", "mm"]
+    return cfg, list(sources[0].shards), list(sources[1].shards), tok
 
 
 def _png(w=60, h=30, color=(10, 200, 30)):
@@ -67,7 +69,7 @@ def test_default_corpus_builds_and_is_cached(corpus, tmp_path):
     assert kinds == ["image", "text"]
     Image.open(io.BytesIO(doc.segments[0][1])).verify()
     again = data_sources(cfg, SPEC)
-    assert again == (text, mm, tok)  # the cache is reused
+    assert again == (default_sources(text, mm), tok)  # the cache is reused
 
 
 def test_default_corpus_holds_out_text_training_never_reads(corpus):
@@ -180,8 +182,8 @@ def test_prepare_then_load_round_trip(tmp_path):
     assert inter.segments[1][1] == _png() and tok.decode(inter.segments[2][1].tolist()) == "it is green"
 
     cfg = DataConfig(seq_len=64, batch_size=2, text_shards=[str(out / "text-*.tar")], mm_shards=[str(out / "mm-*.tar")])
-    text, mm, tokp = data_sources(cfg, SPEC)
-    batch = next(PackedLoader(cfg, SPEC, text, mm))
+    sources, tokp = data_sources(cfg, SPEC)
+    batch = next(PackedLoader(cfg, SPEC, sources))
     for b in range(2):
         types = batch["token_types"][b]
         assert int((types == 0).sum()) == len(batch["images"][b])  # one START per image in the row
@@ -213,7 +215,7 @@ def test_split_covers_every_document_once_over_2_ranks_x_2_workers(tmp_path):
 
 def test_mix_ratio_and_padding_on_the_default_corpus(corpus):
     cfg, text, mm, _ = corpus
-    loader = PackedLoader(cfg, SPEC, text, mm)
+    loader = PackedLoader(cfg, SPEC, default_sources(text, mm))
     st = torch.zeros(2, dtype=torch.long)
     for _ in range(75):  # 300 sequences
         st += next(loader)["stream_tokens"].sum(0)
@@ -225,7 +227,7 @@ def test_mix_ratio_and_padding_on_the_default_corpus(corpus):
 
 def _advanced_and_saved(cfg, text, mm, batches=7):
     """A loader `batches` batches into the stream, and its state after a round trip through torch.save."""
-    a = PackedLoader(cfg, SPEC, text, mm)
+    a = PackedLoader(cfg, SPEC, default_sources(text, mm))
     for _ in range(batches):
         next(a)
     buf = io.BytesIO()
@@ -242,7 +244,7 @@ def test_restore_mid_stream_reproduces_the_next_batches(corpus, workers, monkeyp
     want = [next(a) for _ in range(4)]
 
     if workers:
-        b = PackedLoader(cfg, SPEC, text, mm, state=state)
+        b = PackedLoader(cfg, SPEC, default_sources(text, mm), state=state)
         assert all(_batches_equal(x, next(b)) for x in want)
         return
     # in-process: also check which shards the restored loader opens, against an uninterrupted twin
@@ -258,11 +260,11 @@ def test_restore_mid_stream_reproduces_the_next_batches(corpus, workers, monkeyp
         monkeypatch.setattr(L, "read_shard", real)
         return batches, log
 
-    twin = PackedLoader(cfg, SPEC, text, mm)
+    twin = PackedLoader(cfg, SPEC, default_sources(text, mm))
     for _ in range(7):
         next(twin)
     _, straight = opened_by(twin)
-    got, restored = opened_by(PackedLoader(cfg, SPEC, text, mm, state=state))
+    got, restored = opened_by(PackedLoader(cfg, SPEC, default_sources(text, mm), state=state))
     assert all(_batches_equal(x, y) for x, y in zip(want, got))
     extra = [o for o in restored if o not in straight]
     assert len(extra) <= 2  # at most the current shard of each stream is re-read ...
@@ -271,8 +273,8 @@ def test_restore_mid_stream_reproduces_the_next_batches(corpus, workers, monkeyp
 
 def _piece_keys(worker_state):
     """The pieces a worker holds (packing buffers and split-document queues), as comparable keys."""
-    held = [p for b in worker_state["buffers"] for p in b] + [p for q in worker_state["pending"] for p in q]
-    return {(p["stream"], np.asarray(p["tokens"]).tobytes(), np.asarray(p["types"]).tobytes()) for p in held}
+    held = [(name, p) for name, s in worker_state["sources"].items() for p in s["buffer"] + s["pending"]]
+    return {(name, np.asarray(p["tokens"]).tobytes(), np.asarray(p["types"]).tobytes()) for name, p in held}
 
 
 def test_restore_reproduces_batches_until_every_saved_piece_has_drained(corpus):
@@ -284,7 +286,7 @@ def test_restore_reproduces_batches_until_every_saved_piece_has_drained(corpus):
     a, state = _advanced_and_saved(cfg, text, mm)
     saved = _piece_keys(state["worker_states"][0])
     assert len(saved) >= cfg.pack_buffer
-    b = PackedLoader(cfg, SPEC, text, mm, state=state)
+    b = PackedLoader(cfg, SPEC, default_sources(text, mm), state=state)
     rows_bound = 4 * len(saved) * max(cfg.mix) // min(cfg.mix)  # each row opens with a held piece of one stream
     batches = 0
     while saved & _piece_keys(a.worker_states[0]):
@@ -312,7 +314,7 @@ def test_bad_input_is_skipped_and_counted(tmp_path):
             info.size = len(data)
             t.addfile(info, io.BytesIO(data))
     cfg = DataConfig(seq_len=32, batch_size=2)
-    loader = PackedLoader(cfg, SPEC, text, mm)
+    loader = PackedLoader(cfg, SPEC, default_sources(text, mm))
     for _ in range(20):
         b = next(loader)
         assert b["tokens"].shape == (2, 32)
@@ -329,7 +331,42 @@ def test_one_rank_two_workers_reads_what_two_ranks_one_worker_read(tmp_path):
     docs = [Document([("text", np.arange(3 + i, 3 + i + 20, dtype=np.int32) % 490 + 3)]) for i in range(60)]
     shards = [str(tmp_path / e["path"]) for e in write_shards(docs, tmp_path, "text", 5)]  # 12 small shards
     base = DataConfig(seq_len=16, batch_size=2, pack_buffer=4)
-    one = PackedLoader(dataclasses.replace(base, num_workers=2), SPEC, shards, [])
-    ranks = [PackedLoader(base, SPEC, shards, [], rank=r, world=2) for r in range(2)]
+    one = PackedLoader(dataclasses.replace(base, num_workers=2), SPEC, default_sources(shards, []))
+    ranks = [PackedLoader(base, SPEC, default_sources(shards, []), rank=r, world=2) for r in range(2)]
     for i in range(24):  # several epochs of each group's 6 shards
         assert _batches_equal(next(one), next(ranks[i % 2])), i
+
+
+def test_prepare_data_writes_named_sources_that_data_sources_reads(tmp_path, capsys):
+    """`--name SOURCE`: SOURCE-NNNNN.tar and a manifest entry per source; a second source written into the
+    same directory keeps the first and its tokenizer; the printed entry goes into data.sources as is."""
+    src = tmp_path / "src"
+    (src / "imgs").mkdir(parents=True)
+    (src / "web.txt").write_text("".join(f"web page number {i} about the weather\n" for i in range(30)))
+    (src / "code.txt").write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(30)))
+    (src / "imgs" / "cat.png").write_bytes(_png())
+    (src / "imgs" / "cat.txt").write_text("a green box")
+    out = tmp_path / "shards"
+    prepare_data(str(out), "+exp=flash_tiny", "--text", str(src / "web.txt"), "--lines", "--name", "web",
+                 "--docs-per-shard", "10")
+    tokenizer = (out / "tokenizer.json").read_bytes()
+    prepare_data(str(out), "+exp=flash_tiny", "--text", str(src / "code.txt"), "--images", str(src / "imgs"),
+                 "--name", "code")
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert (out / "tokenizer.json").read_bytes() == tokenizer  # the directory's tokenizer, reused
+    assert sorted(p.name for p in out.glob("*.tar")) == ["code-00000.tar", "web-00000.tar", "web-00001.tar",
+                                                         "web-00002.tar"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert list(manifest["sources"]) == ["web", "code"]
+    assert manifest["sources"]["web"]["totals"]["documents"] == 30 and manifest["sources"]["web"]["modality"] == "text"
+    assert manifest["sources"]["code"]["modality"] == "multimodal"  # an image-caption document among them
+    entry = json.loads(printed[-1])["source"]
+    assert entry == {"name": "code", "shards": [str(out.resolve() / "code-*.tar")], "weight": 1,
+                     "modality": "multimodal"}
+    cfg = DataConfig(seq_len=32, batch_size=2, sources=[{"name": "web", "shards": [str(out / "web-*.tar")], "weight": 3},
+                                                       dict(entry)])
+    cfg.validate()
+    sources, tok = data_sources(cfg, SPEC)
+    assert [s.name for s in sources] == ["web", "code"] and tok == str(out / "tokenizer.json")
+    batch = next(PackedLoader(cfg, SPEC, sources))
+    assert batch["stream_tokens"].shape == (2, 2) and int(batch["stream_tokens"].sum()) > 0

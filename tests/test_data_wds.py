@@ -16,6 +16,7 @@ import flashtrain.data.loader as L
 from flashtrain.data.config import DataConfig, DataConfigError, TokenSpec, resolve_shards
 from flashtrain.data.images import ImageProcessorConfig, load_image
 from flashtrain.data.loader import PackedLoader, data_sources, image_grid
+from flashtrain.data.sources import default_sources
 from flashtrain.data.shards import Document, ReadStats, is_url, read_shard, write_shards
 
 SPEC = TokenSpec(vocab_size=512, image_token_id=496,
@@ -49,20 +50,21 @@ def test_pipe_url_shards_give_the_same_batches_as_local_paths(shards):
     local = DataConfig(seq_len=64, batch_size=2, pack_buffer=8,
                        text_shards=[str(out / "text-*.tar")], mm_shards=[str(out / "mm-*.tar")])
     url = dataclasses.replace(local, text_shards=_pipe(t), mm_shards=_pipe(m), tokenizer=str(out / "tokenizer.json"))
-    lt, lm, _ = data_sources(local, SPEC)
-    ut, um, tok = data_sources(url, SPEC)
-    assert (lt, lm) == (t, m) and (ut, um) == (_pipe(t), _pipe(m)) and tok == str(out / "tokenizer.json")
-    a, b = PackedLoader(local, SPEC, lt, lm), PackedLoader(url, SPEC, ut, um)
+    ls, _ = data_sources(local, SPEC)
+    us, tok = data_sources(url, SPEC)
+    assert ls == default_sources(t, m) and us == default_sources(_pipe(t), _pipe(m))
+    assert tok == str(out / "tokenizer.json")
+    a, b = PackedLoader(local, SPEC, ls), PackedLoader(url, SPEC, us)
     for i in range(40):  # past one epoch of the multimodal stream
         assert _batches_equal(next(a), next(b)), i
     assert a.counters() == b.counters() and a.counters()["corrupt_shards"] == 0
-    assert b.worker_states[0]["streams"][1]["epoch"] >= 1
+    assert b.worker_states[0]["sources"]["mm"]["stream"]["epoch"] >= 1
 
     # a URL loader's state restores exactly, from the saved position inside the current (piped) shard
     buf = io.BytesIO()
     torch.save(b.state_dict(), buf)
     buf.seek(0)
-    c = PackedLoader(url, SPEC, ut, um, state=torch.load(buf, weights_only=False))
+    c = PackedLoader(url, SPEC, us, state=torch.load(buf, weights_only=False))
     for i in range(6):
         assert _batches_equal(next(b), next(c)), i
 
@@ -183,7 +185,7 @@ def test_images_are_planned_from_the_header_and_decoded_once(shards, monkeypatch
     calls = []
     real = L.load_image
     monkeypatch.setattr(L, "load_image", lambda data, cfg: (calls.append(1), real(data, cfg))[1])
-    loader = PackedLoader(DataConfig(seq_len=64, batch_size=2, pack_buffer=8), SPEC, t, m)
+    loader = PackedLoader(DataConfig(seq_len=64, batch_size=2, pack_buffer=8), SPEC, default_sources(t, m))
     images = sum(len(r) for _ in range(30) for r in next(loader)["images"])
     assert images > 0 and len(calls) == images  # one decode per image emitted, none to plan
 
@@ -198,7 +200,7 @@ def test_an_image_whose_header_reads_but_pixels_do_not_is_dropped_and_counted(tm
     text = [Document([("text", np.arange(3, 30, dtype=np.int32))]) for _ in range(16)]
     tt = [str(tmp_path / e["path"]) for e in write_shards(text, tmp_path, "text", 8)]
     mt = [str(tmp_path / e["path"]) for e in write_shards(mm, tmp_path, "mm", 4)]
-    loader = PackedLoader(DataConfig(seq_len=32, batch_size=2, pack_buffer=4), SPEC, tt, mt)
+    loader = PackedLoader(DataConfig(seq_len=32, batch_size=2, pack_buffer=4), SPEC, default_sources(tt, mt))
     for _ in range(20):
         b = next(loader)
         for r in range(2):  # one START per emitted image, and only the good image is emitted

@@ -160,3 +160,12 @@ def test_a_resume_keeps_the_eval_event_of_its_step():
     assert resumed_lines(lines, 2) == 3  # the step-2 record and its eval event
     assert resumed_lines(lines, 3) == 4
     assert resumed_lines(lines, 1) == 1
+
+
+def test_evaluations_are_due_every_interval_and_at_the_schedules_last_step():
+    ev = Evaluator.__new__(Evaluator)
+    ev.cfg = EvalConfig(interval=50, tokens=8)
+    assert [s for s in range(1, 392) if ev.due(s, 391)] == [50, 100, 150, 200, 250, 300, 350, 391]
+    assert [s for s in range(1, 120) if ev.due(s)] == [50, 100]
+    ev.cfg = EvalConfig(interval=0, tokens=8)
+    assert not any(ev.due(s, 391) for s in range(1, 392))  # off is off

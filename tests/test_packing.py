@@ -7,6 +7,7 @@ import numpy as np
 from flashtrain.data.config import DataConfig
 from flashtrain.data.images import TEXT
 from flashtrain.data.loader import Piece, WorkerPipeline
+from flashtrain.data.sources import default_sources
 from flashtrain.train.config import token_spec
 
 
@@ -16,7 +17,8 @@ def piece(n: int, first: int) -> Piece:
 
 def test_best_fit_takes_an_exact_fit(tiny_cfg):
     # rows of seq_len + 1 = 10 positions; no shards: only the pieces placed in the buffer by hand
-    w = WorkerPipeline(DataConfig(seq_len=9, batch_size=1), token_spec(tiny_cfg), [], [], seed="0")
+    w = WorkerPipeline(DataConfig(seq_len=9, batch_size=1), token_spec(tiny_cfg), default_sources([], []), [[], []],
+                       seed="0")
     w.buffers[0] = [piece(4, 100), piece(6, 200), piece(5, 300), piece(3, 400)]
     w._refill = lambda: None  # no stream to refill from: the rule sees exactly these four pieces
     # row 1, worked by hand: opens with the oldest (4), room 6; the largest piece <= 6 is the 6 (exact)

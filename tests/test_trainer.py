@@ -101,6 +101,11 @@ def assert_records_match(ref, got):
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
         assert y["expert_load"] == x["expert_load"]
         assert y["padding_fraction"] == x["padding_fraction"]
+        assert y["per_source"].keys() == x["per_source"].keys() == {"text", "mm"}
+        for k, a in x["per_source"].items():  # tokens read exactly; the loss of each source's labels to rounding
+            b = y["per_source"][k]
+            assert b["tokens_seen"] == a["tokens_seen"]
+            assert (b["loss"] is None) == (a["loss"] is None) and b["loss"] == pytest.approx(a["loss"], rel=1e-6)
 
 
 def assert_evals_match(ref_run, run, steps):
@@ -179,6 +184,7 @@ def test_exact_resume_across_the_vit_unfreeze(tmp_path, corpus_args, procs, requ
     a, b = records(straight), records(resumed)
     assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["step"] for r in b] == [1, 2, 3, 4]
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["per_source"] for r in a] == [r["per_source"] for r in b]  # the per-source counts carried over
     assert [e["step"] for e in evals(straight)] == [2, 4] and evals(resumed) == evals(straight)  # exactly
     assert [r["vit_trainable"] for r in a] == [False, False, False, True]  # 0-based step 3 = the 4th
     ma, oa = final_model(straight, 4)
@@ -225,6 +231,43 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, cor
                                                                         "step_00000003"]
     straight = two_reader_reference[1]
     assert [r["loss"] for r in straight][1:3] == [r["loss"] for r in records(run)][-2:]
+
+
+@pytest.mark.slow
+def test_named_sources_report_per_source_and_resume_with_changed_weights(tmp_path, corpus_args, tiny_cfg):
+    """data.sources end to end: three sources cut from the default corpus (web, code: text; caps:
+    multimodal), 5 : 3 : 2; every record has each source's tokens read and loss, and the positions add up
+    to the rows' (with the padding); a resume with other weights is allowed, logged, and counts on."""
+    from flashtrain.data.config import DataConfig
+    from flashtrain.data.corpus import ensure_default_corpus
+    from flashtrain.train.config import token_spec
+
+    given = dict(a.removeprefix("data.").split("=") for a in corpus_args)
+    c = ensure_default_corpus(DataConfig(**{k: v if k == "corpus_dir" else int(v) for k, v in given.items()}),
+                              token_spec(tiny_cfg))
+
+    def sources(w):
+        return ("data.sources=[" + ",".join(
+            f"{{name:{n},shards:['{c}/{pat}'],weight:{x},modality:{m}}}"
+            for (n, pat, m), x in zip((("web", "text-0000[0-3].tar", "text"), ("code", "text-0000[4-7].tar", "text"),
+                                       ("caps", "mm-*.tar", "multimodal")), w)) + "]")
+
+    run = tmp_path / "run"
+    common = ("data.mix=null", f"data.val_shards=['{c}/val-*.tar']", *EVAL)
+    pretrain(run, corpus_args, "train.max_steps=2", sources((5, 3, 2)), *common)
+    second = pretrain(run, corpus_args, "train.max_steps=3", sources((1, 1, 1)), *common)
+    assert "data sources changed at this resume" in second.stdout + second.stderr
+    recs = records(run)
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    for r in recs:
+        assert r["per_source"].keys() == {"web", "code", "caps"}
+        assert all(v["loss"] is None or 0 < v["loss"] < 10 for v in r["per_source"].values())
+    rows = 4 * 129  # 512 tokens per step: 4 rows of seq_len + 1 = 129 positions
+    for before, r in zip([{"web": {"tokens_seen": 0}, "code": {"tokens_seen": 0}, "caps": {"tokens_seen": 0}}]
+                         + [x["per_source"] for x in recs], recs):
+        read = sum(v["tokens_seen"] - before[k]["tokens_seen"] for k, v in r["per_source"].items())
+        assert read == round(rows * (1 - r["padding_fraction"]))
+    assert [e["step"] for e in evals(run)] == [2] and evals(run)[0]["per_source"].keys() == {"text", "mm"}
 
 
 @pytest.mark.slow

@@ -220,9 +220,9 @@ def _sinkhorn_row_group_of(model, dims: ParallelDims):
     return lambda p: dims.dp_cp_group if id(p) in tables else None
 
 
-def build_loader(c: RunConfigs, text, mm, dims: ParallelDims) -> PackedLoader:
+def build_loader(c: RunConfigs, sources, dims: ParallelDims) -> PackedLoader:
     """This rank's loader; its workers die with this process (a SIGKILLed trainer leaves none behind)."""
-    return PackedLoader(c.data, c.spec, text, mm, dims.dp_rank, dims.dp,
+    return PackedLoader(c.data, c.spec, sources, dims.dp_rank, dims.dp,
                         worker_init_fn=functools.partial(die_with_parent, os.getpid()))
 
 

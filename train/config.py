@@ -127,11 +127,21 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 
 
 def _hydra_compose(overrides: list[str]) -> DictConfig:
+    """Hydra's compose, outside a Hydra app: `run_name`, which interpolates the Hydra runtime by default
+    (`${hydra:runtime.choices.model}`), is resolved here to the chosen model, so the config resolves
+    whole (train/build.py `read_configs`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from omegaconf import open_dict
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return hydra_compose(config_name="config", overrides=overrides)
+        cfg = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    model = cfg.hydra.runtime.choices.get("model")
+    with open_dict(cfg):
+        del cfg["hydra"]
+    if "run_name" in cfg and str(OmegaConf.to_container(cfg, resolve=False).get("run_name")).startswith("${hydra:"):
+        cfg.run_name = model
+    return cfg
 
 
 # ------------------------------------------------------------------------- Hydra's errors as one line

@@ -1,7 +1,7 @@
 """Held-out evaluation (DESIGN.md "Evaluation"; `train.eval.*`): the mean loss and bits per byte of a fixed
 held-out set (data/heldout.py), per source and per modality, through the run's own step runner.
 
-Every `train.eval.interval` steps the loop calls `Evaluator.run(step)`:
+Every `train.eval.interval` steps, and at the schedule's last step, the loop calls `Evaluator.run(step)`:
 - this rank's share of the set: the micro-batches padded with PAD micro-batches (nothing scored) to a
   multiple of dp x the runner's `eval_group` (a pipeline round), dp rank r taking every dp-th one, so
   every rank of a pipeline, context-parallel group or expert group runs the same micro-batches;
@@ -89,8 +89,10 @@ class Evaluator:
         n, unit = len(heldout.batches), dp * runner.eval_group
         self.mine = list(range(dp_rank, math.ceil(n / unit) * unit, dp))  # >= n: a PAD micro-batch
 
-    def due(self, step: int) -> bool:
-        return self.cfg.interval > 0 and step % self.cfg.interval == 0
+    def due(self, step: int, final_step: int | None = None) -> bool:
+        """Every `interval` steps, and at `final_step` (the schedule's last step: a run that completes
+        its schedule ends with an evaluation)."""
+        return self.cfg.interval > 0 and (step % self.cfg.interval == 0 or step == final_step)
 
     def sums(self) -> torch.Tensor:
         """This rank's [sources, 2] float64 sums over its share (not yet reduced); the RNG state is kept."""
@@ -198,7 +200,7 @@ def build_for_scoring(cfg, path: str) -> Scoring:
                  f"ep={dims.ep} cp={dims.cp}")
     for turn in (0, 1):  # rank 0 builds the default corpus / engram map first
         if (turn == 0) == (rank == 0):
-            _, _, tok = data_sources(c.data, c.spec)
+            _, tok = data_sources(c.data, c.spec)
             val = heldout_shards(c.data, c.spec)
             token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
         barrier()

@@ -43,14 +43,20 @@ class _TiledLogitsLoss(TiledFusedLogitsLoss):
 
 
 def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, tile_tokens: int,
-                  scale: float = 1.0, split=None) -> torch.Tensor:
+                  scale: float = 1.0, split=None, sources: torch.Tensor | None = None,
+                  source_ce: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [B, S, D] (after the final norm), labels [B, S] -> scale x mean CE over label positions.
 
     Context parallelism (`split`, model/sequence_split.py): hidden holds this rank's positions, labels
     the whole sequences; the loss is this rank's positions' CE sum over the whole batch's label count,
-    so the ranks' losses add up to the mean."""
+    so the ranks' losses add up to the mean.
+
+    `sources` [B, S] (the data source of each label, data/loader.py `label_sources`) with `source_ce`
+    (float64 [n_sources], on the device): each source's CE sum (unscaled, no gradient) is added to
+    `source_ce` as the tiles run -- the per-source training loss, without a host read."""
     if split is not None:
         labels = split.local(labels)
+        sources = None if sources is None else split.local(sources)
     # fake labels (the memory estimator, train/estimate.py) have no values: every position counts
     if split is not None:
         n_valid = split.seq_len * labels.shape[0] if simulated(labels) else max(
@@ -59,11 +65,17 @@ def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, t
         n_valid = labels.numel() if simulated(labels) else max(1, int((labels != IGNORE).sum()))
     tiles = max(1, math.ceil(labels.numel() / tile_tokens))
 
-    def tile_loss(head: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def tile_loss(head: nn.Linear, x: torch.Tensor, y: torch.Tensor, src: torch.Tensor | None = None) -> torch.Tensor:
         logits = head(x).float()
-        return F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum") * (scale / n_valid)
+        if src is None:
+            return F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum") * (scale / n_valid)
+        ce = F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="none")  # 0 at IGNORE
+        source_ce.index_add_(0, src, ce.detach().to(source_ce.dtype))
+        return ce.sum() * (scale / n_valid)
 
-    return _TiledLogitsLoss.apply(tile_loss, head, hidden, labels, None, tiles, [], "sum")
+    if sources is None or source_ce is None:
+        return _TiledLogitsLoss.apply(tile_loss, head, hidden, labels, None, tiles, [], "sum")
+    return _TiledLogitsLoss.apply(tile_loss, head, hidden, labels, sources, tiles, [], "sum")
 
 
 def heldout_sums(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, token_bytes: torch.Tensor,

@@ -53,11 +53,16 @@ class PipelineLoss:
         self.model, self.tile, self.accumulation = model, loss_tile_tokens, accumulation
         self.split = model.sequence_split(seq_len)
         self.token_bytes: torch.Tensor | None = None
+        self.source_ce: torch.Tensor | None = None  # while set, per-source CE sums (a [B, S, 2] target: labels, sources)
 
     def __call__(self, hidden, labels):
         if self.token_bytes is not None:
             return heldout_sums(hidden, self.model.head, labels, self.token_bytes, self.tile, self.split)
-        return tiled_lm_loss(hidden, self.model.head, labels, self.tile, 1.0 / self.accumulation, self.split)
+        sources = None
+        if labels.dim() == 3:  # the training target: labels and each label's data source (PipelineRunner)
+            labels, sources = labels[..., 0], labels[..., 1]
+        return tiled_lm_loss(hidden, self.model.head, labels, self.tile, 1.0 / self.accumulation, self.split,
+                             sources, self.source_ce)
 
 
 
@@ -78,6 +83,12 @@ class StepBatches:
 def _on(device, batch: dict):
     return (batch["tokens"].to(device), batch["token_types"].to(device),
             [[img.to(device) for img in row] for row in batch["images"]])
+
+
+def n_sources(batches: list[dict]) -> int:
+    """The data sources a step's batches count (data/loader.py `collate`); 0 for batches without them
+    (the memory estimator's)."""
+    return batches[0]["stream_tokens"].shape[1] if "stream_tokens" in batches[0] else 0
 
 
 class StepRunner:
@@ -138,7 +149,8 @@ class LocalRunner(StepRunner):
     def _passes(self, batches: list[dict], routes: list[dict] | None) -> tuple[StepValues, dict]:
         accum = self.accumulation
         loads: dict[int, torch.Tensor] = {}
-        sums = StepValues(self.device)
+        sums = StepValues(self.device, n_sources(batches))
+        source_ce = torch.zeros(sums.n_sources, dtype=torch.float64, device=self.device)
         for i, batch in enumerate(batches):
             if i == accum - 1:  # the gradients complete in this micro-batch (the head's in the loss forward,
                 self.reducer.mark_final()  # train/loss.py; the rest in the backward): reduce buckets as they do
@@ -146,8 +158,9 @@ class LocalRunner(StepRunner):
             tokens, types, images = _on(self.device, batch)
             hidden = self.model.final_hidden(self.model.run(tokens, types, images, stats, aux_grad_scale=1.0 / accum,
                                                             routes=None if routes is None else routes[i]))
+            sources = batch["label_sources"].to(self.device) if sums.n_sources else None
             loss = tiled_lm_loss(hidden, self.model.head, batch["labels"].to(self.device), self.loss_tile_tokens,
-                                 1.0 / accum, self.model.sequence_split(tokens.shape[1]))
+                                 1.0 / accum, self.model.sequence_split(tokens.shape[1]), sources, source_ce)
             loss.backward()
             accumulate_loads(loads, stats.expert_load)  # on the device: no host sync per micro-batch
             sums.add("ce", loss * accum)
@@ -156,6 +169,11 @@ class LocalRunner(StepRunner):
             if self.counts_data:
                 sums.add("pad_tokens", batch["pad_tokens"])
                 sums.add("positions", batch["tokens"].numel() + batch["tokens"].shape[0])
+                if sums.n_sources:
+                    sums.add_sources("source_tokens", batch["stream_tokens"])
+                    sums.add_sources("source_targets", batch["source_targets"])
+        if sums.n_sources:
+            sums.add_sources("source_ce", source_ce)
         return sums, loads
 
     def _record(self, batches: list[dict]) -> list[dict]:
@@ -188,10 +206,15 @@ class PipelineRunner(StepRunner):
         self.eval_group = round_microbatches
         self.loss_fn = loss_fn  # the schedule's: switched to the held-out scores while evaluating
 
-    def _round_inputs(self, batches: list[dict]):
+    def _round_inputs(self, batches: list[dict], with_sources: bool = False):
+        """A round's inputs concatenated; `with_sources`: the target [B, S, 2] holds each label's data
+        source beside it (the per-source loss, `PipelineLoss`)."""
         tokens = torch.cat([b["tokens"] for b in batches]).to(self.device)
         types = torch.cat([b["token_types"] for b in batches]).to(self.device)
-        labels = torch.cat([b["labels"] for b in batches]).to(self.device)
+        labels = torch.cat([b["labels"] for b in batches])
+        if with_sources:
+            labels = torch.stack([labels, torch.cat([b["label_sources"] for b in batches])], dim=-1)
+        labels = labels.to(self.device)
         images = [[img.to(self.device) for img in row] for b in batches for row in b["images"]]
         return tokens, types, labels, images
 
@@ -199,18 +222,28 @@ class PipelineRunner(StepRunner):
         accum, m = self.accumulation, self.round_microbatches
         self.pipe.set_aux_grad_scale(1.0 / accum)
         self.pipe.stats.reset()
-        sums = StepValues(self.device)
-        for r in range(self.rounds):
-            mine = batches[r * m:(r + 1) * m]
-            tokens, types, labels, images = self._round_inputs(mine)
-            losses = self.pipe.run_round(tokens, types, labels, images,
-                                         None if routes is None else routes[r * m:(r + 1) * m],
-                                         reducer=self.reducer if r == self.rounds - 1 else None)
-            if losses:  # the schedule's losses are CE / accum
-                sums.add("ce", torch.stack(losses) * accum)
-            if self.pp_rank == 0 and self.counts_data:
-                sums.add("pad_tokens", sum(b["pad_tokens"] for b in mine))
-                sums.add("positions", sum(b["tokens"].numel() + b["tokens"].shape[0] for b in mine))
+        sums = StepValues(self.device, n_sources(batches))
+        if sums.n_sources:
+            self.loss_fn.source_ce = torch.zeros(sums.n_sources, dtype=torch.float64, device=self.device)
+        try:
+            for r in range(self.rounds):
+                mine = batches[r * m:(r + 1) * m]
+                tokens, types, labels, images = self._round_inputs(mine, with_sources=bool(sums.n_sources))
+                losses = self.pipe.run_round(tokens, types, labels, images,
+                                             None if routes is None else routes[r * m:(r + 1) * m],
+                                             reducer=self.reducer if r == self.rounds - 1 else None)
+                if losses:  # the schedule's losses are CE / accum
+                    sums.add("ce", torch.stack(losses) * accum)
+                if self.pp_rank == 0 and self.counts_data:
+                    sums.add("pad_tokens", sum(b["pad_tokens"] for b in mine))
+                    sums.add("positions", sum(b["tokens"].numel() + b["tokens"].shape[0] for b in mine))
+                    if sums.n_sources:
+                        sums.add_sources("source_tokens", torch.stack([b["stream_tokens"].sum(0) for b in mine]))
+                        sums.add_sources("source_targets", torch.stack([b["source_targets"] for b in mine]))
+            if sums.n_sources:
+                sums.add_sources("source_ce", self.loss_fn.source_ce)
+        finally:
+            self.loss_fn.source_ce = None
         sums.add("balance_loss", self.pipe.stats.balance)
         sums.add("indexer_loss", self.pipe.stats.indexer)
         return sums, dict(self.pipe.stats.expert_load)

@@ -8,6 +8,8 @@ in one all-reduce at its end.
 | `balance_loss`, `indexer_loss` | the aux side channel (model/aux.py), every stage its own layers | micro-batch |
 | `pad_tokens`, `positions` | the batches (pipeline rank 0 only, so each is counted once per dp rank) | micro-batch |
 | loader counters (`LOADER_COUNTERS`) | the data loader's skip counts (pipeline rank 0) | step |
+| per source (`SOURCE_FIELDS`, one value per data source): `source_tokens` (positions read), `source_targets` (scored labels) | the batches (pipeline rank 0) | micro-batch |
+| `source_ce` (the CE sum of each source's labels) | the loss (the last pipeline stage; every cp rank its positions) | micro-batch |
 """
 
 from __future__ import annotations
@@ -17,18 +19,27 @@ import torch.distributed as dist
 
 LOADER_COUNTERS = ("skipped_empty", "skipped_bad_image", "skipped_oversized_image", "bad_samples", "corrupt_shards")
 FIELDS = ("ce", "balance_loss", "indexer_loss", "pad_tokens", "positions") + LOADER_COUNTERS
+SOURCE_FIELDS = ("source_tokens", "source_targets", "source_ce")
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 
 class StepValues:
-    def __init__(self, device: torch.device):
-        self.values = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
+    def __init__(self, device: torch.device, n_sources: int = 0):
+        self.n_sources = n_sources
+        self.values = torch.zeros(len(FIELDS) + len(SOURCE_FIELDS) * n_sources, dtype=torch.float64, device=device)
 
     def add(self, name: str, value) -> None:
         """Add a number or a (device) tensor to field `name`."""
         if torch.is_tensor(value):
             value = value.detach().to(self.values.device, torch.float64).sum()
         self.values[_INDEX[name]] += value
+
+    def add_sources(self, name: str, values: torch.Tensor) -> None:
+        """Add a per-source vector ([n_sources]; a [..., n_sources] tensor is summed down to it) to `name`
+        of SOURCE_FIELDS."""
+        at = len(FIELDS) + SOURCE_FIELDS.index(name) * self.n_sources
+        values = values.detach().to(self.values.device, torch.float64).reshape(-1, self.n_sources).sum(0)
+        self.values[at:at + self.n_sources] += values
 
     def all_reduce(self, group=None) -> "StepValues":
         """Sum over `group` (default: every rank), in place; the one collective of the step's values."""
@@ -44,6 +55,12 @@ class StepValues:
             dist.all_reduce(v)
         return v.item()
 
-    def read(self) -> dict[str, float]:
-        """The values on the host: the one device-to-host copy of the step's values."""
-        return dict(zip(FIELDS, self.values.tolist()))
+    def read(self) -> dict:
+        """The values on the host: the one device-to-host copy of the step's values (a per-source field
+        as a list)."""
+        values = self.values.tolist()
+        out: dict = dict(zip(FIELDS, values))
+        for i, name in enumerate(SOURCE_FIELDS):
+            at = len(FIELDS) + i * self.n_sources
+            out[name] = values[at:at + self.n_sources]
+        return out

@@ -93,6 +93,7 @@ class Trainer:
         self.plan = run_plan(c, world)
         self.max_steps = c.train.max_steps or self.schedule.total_steps
         self.step, self.tokens_seen, self._stop, self.op = 0, 0, False, Operation()
+        self.source_tokens: dict[str, int] = {}  # per data source, the positions read so far (every dp rank)
         if int(os.environ.get("RANK", "0")) == 0:  # one job per run directory (held until this process ends)
             self._run_lock = acquire_run_lock(self.run_dir)
         check_start(c, self.plan.dp)
@@ -110,7 +111,7 @@ class Trainer:
         # rank 0 builds the default corpus / engram map first; the others then find them cached
         for turn in (0, 1):
             if (turn == 0) == self.is_main:
-                text, mm, tok = data_sources(c.data, c.spec)
+                sources, tok = data_sources(c.data, c.spec)
                 val = heldout_shards(c.data, c.spec) if c.train.eval.interval else []
                 token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
             barrier()
@@ -120,7 +121,7 @@ class Trainer:
         self.counts_data = counts_data(self.dims)
         self.guard = StabilityGuard(c.train.spike, c.train.anticipatory_routing, self.model, self.optim.optimizers,
                                     self.device, self.op, self.is_main)
-        self.loader = build_loader(c, text, mm, self.dims)
+        self.loader = build_loader(c, sources, self.dims)
         self.batches = StepBatches(self.loader, self.plan.accumulation)
         self.evaluator = build_evaluator(c, self.dims, self.runner, val, tok, self.device, self.is_main)
         self.checkpoints = CheckpointWriter(self.run_dir, c.train.checkpoint.keep, c.train.checkpoint.async_save)
@@ -140,6 +141,7 @@ class Trainer:
                          f"optimizer state")
             return
         self.loader.load_state_dict(mine["data"])
+        self.source_tokens = dict(meta.get("source_tokens", {}))
         set_rng_state(mine["rng"])
         self.guard.load_state_dict(mine, mine.get("own"))
         if self.is_main:
@@ -153,6 +155,7 @@ class Trainer:
 
         hasher = getattr(self.model, "engram_hasher", None)
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg.cfg_dict,
+                "source_tokens": dict(self.source_tokens),
                 "engram_compressed_vocab_size": None if hasher is None else hasher.compressed_vocab}
         rank_state = {"data": self.loader.state_dict(), "rng": rng_state(), **self.guard.state_dict()}
         self.checkpoints.save(self.step, self.model, self.optim.optimizers, meta, rank_state, self.dims.dp_rank,
@@ -187,6 +190,7 @@ class Trainer:
             "spike": out.spike, "anticipatory_routing": out.routed,
             "spikes_skipped": self.guard.counts["skipped"], "rollbacks": self.guard.counts["rolled_back"],
             "expert_load": load_statistics(out.loads),
+            "per_source": self._per_source(v),
             # model FLOPs (forward + backward) per token at data.seq_len, and MFU = flops_per_token * tokens_per_s
             # / (peak per device * world), null without a known peak (train/flops.py; train.peak_tflops)
             "flops_per_token": (fpt := flops_per_token(self.cfg.model, self.cfg.data.seq_len)),
@@ -194,6 +198,20 @@ class Trainer:
                        peak_flops(self.device, self.cfg.train.peak_tflops, self.is_main)[0], self.dims.world),
         }
         return record, out.loads
+
+    def _per_source(self, v: dict) -> dict:
+        """Per data source (data/sources.py): `tokens_seen`, the positions of its documents read so far
+        (rows of seq_len + 1 positions, over every dp rank; a rolled-back step's reads stay counted, the
+        data moves on), and `loss`, this step's mean CE over its labels (null: none in this step)."""
+        out = {}
+        for source, tokens, targets, ce in zip(self.loader.sources, v["source_tokens"], v["source_targets"],
+                                               v["source_ce"]):
+            if not source.shards:
+                continue
+            self.source_tokens[source.name] = self.source_tokens.get(source.name, 0) + int(tokens)
+            out[source.name] = {"tokens_seen": self.source_tokens[source.name],
+                                "loss": ce / targets if targets else None}
+        return out
 
     def forward_backward_update(self) -> StepOutcome:
         """One optimizer step's computation, communication and update, without host syncs (but the spike
@@ -273,7 +291,7 @@ class Trainer:
                 raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping (the last "
                                          f"checkpoint is intact; train.spike.action=skip or rollback survives this)")
             metrics.log(self.step, record, loads, wandb_step=self.step + self.guard.rolled_back_steps)
-            if self.evaluator is not None and self.evaluator.due(self.step):
+            if self.evaluator is not None and self.evaluator.due(self.step, self.schedule.total_steps):
                 self.op.name = "the held-out evaluation"
                 metrics.eval(self.evaluator.run(self.step), wandb_step=self.step + self.guard.rolled_back_steps)
             self.op.step = self.step  # the stop flag and the checkpoint belong to the step just done
