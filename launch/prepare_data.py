@@ -235,8 +235,9 @@ def summary_table(totals: dict, skipped: dict, labels: dict | None = None) -> st
     for source in ("text", "mm"):
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped[source].items()))
         n_skipped = f"{sum(skipped[source].values())}" + (f" ({why})" if why else "")
-        rows.append(((labels or {}).get(source, source), f"{totals[source]['documents']:,}", f"{totals[source]['text_tokens']:,}",
-                     f"{totals[source]['images']:,}", n_skipped))
+        t = totals[source]
+        rows.append(((labels or {}).get(source, source), f"{t['documents']:,}", f"{t['text_tokens']:,}",
+                     f"{t['images']:,}", n_skipped))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r[:4], widths)))
                      + "  " + r[4] for r in rows)

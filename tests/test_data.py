@@ -15,8 +15,8 @@ from PIL import Image
 from flashtrain.data.config import DataConfig, TokenSpec
 from flashtrain.data.images import ImageProcessorConfig
 from flashtrain.data.loader import Counters, PackedLoader, ShardStream, data_sources, heldout_shards, split_shards
-from flashtrain.data.sources import default_sources
 from flashtrain.data.shards import Document, ReadStats, read_shard, write_shards
+from flashtrain.data.sources import default_sources
 from flashtrain.data.tokenizer import IMAGE_TOKEN, train_tokenizer
 
 pytestmark = pytest.mark.xdist_group("data")  # its module-scoped reference runs are shared
@@ -363,8 +363,8 @@ def test_prepare_data_writes_named_sources_that_data_sources_reads(tmp_path, cap
     entry = json.loads(printed[-1])["source"]
     assert entry == {"name": "code", "shards": [str(out.resolve() / "code-*.tar")], "weight": 1,
                      "modality": "multimodal"}
-    cfg = DataConfig(seq_len=32, batch_size=2, sources=[{"name": "web", "shards": [str(out / "web-*.tar")], "weight": 3},
-                                                       dict(entry)])
+    web = {"name": "web", "shards": [str(out / "web-*.tar")], "weight": 3}
+    cfg = DataConfig(seq_len=32, batch_size=2, sources=[web, dict(entry)])
     cfg.validate()
     sources, tok = data_sources(cfg, SPEC)
     assert [s.name for s in sources] == ["web", "code"] and tok == str(out / "tokenizer.json")

@@ -8,8 +8,10 @@ in one all-reduce at its end.
 | `balance_loss`, `indexer_loss` | the aux side channel (model/aux.py), every stage its own layers | micro-batch |
 | `pad_tokens`, `positions` | the batches (pipeline rank 0 only, so each is counted once per dp rank) | micro-batch |
 | loader counters (`LOADER_COUNTERS`) | the data loader's skip counts (pipeline rank 0) | step |
-| per source (`SOURCE_FIELDS`, one value per data source): `source_tokens` (positions read), `source_targets` (scored labels) | the batches (pipeline rank 0) | micro-batch |
-| `source_ce` (the CE sum of each source's labels) | the loss (the last pipeline stage; every cp rank its positions) | micro-batch |
+| per source (`SOURCE_FIELDS`): `source_tokens`, `source_targets` | the batches (pp rank 0) | micro-batch |
+| `source_ce` (each source's CE sum) | the loss (the last stage; every cp rank its positions) | micro-batch |
+
+`source_tokens` counts the positions read, `source_targets` the scored labels.
 """
 
 from __future__ import annotations
