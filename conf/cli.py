@@ -48,16 +48,19 @@ def exit_on_user_error(main, *args, **kwargs):
 HELP_FLAGS = ("-h", "--help")
 
 
-def overrides_help() -> str:
+def overrides_help(more: str = "") -> str:
     """The paragraph every tool that composes the configuration shows under --help: +exp=NAME, Hydra
-    overrides, where each default is written."""
+    overrides, where each default is written (and `more`), wrapped."""
+    import textwrap
+
     exps = ", ".join(sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml")))
     groups = ", ".join(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "exp"
                               and any(p.glob("*.yaml"))))
-    return (f"Configuration: +exp=NAME selects an experiment ({exps}; conf/exp/NAME.yaml), and Hydra overrides "
+    text = (f"Configuration: +exp=NAME selects an experiment ({exps}; conf/exp/NAME.yaml), and Hydra overrides "
             f"key=value set single values on top of it (data.seq_len=1024 parallel.pp=2 train.recompute=full). "
             f"Every key has its default, with a comment saying what it means, in conf/GROUP/*.yaml (groups: "
             f"{groups}); a misspelt key or exp is an error naming the nearest valid one.")
+    return textwrap.fill(text + (f" {more}" if more else ""), 108)
 
 
 def exit_with_help(doc: str, argv: list[str], overrides: bool = True) -> None:
@@ -67,8 +70,6 @@ def exit_with_help(doc: str, argv: list[str], overrides: bool = True) -> None:
     `if __name__ == "__main__": exit_with_help(__doc__, sys.argv[1:])`."""
     if not any(a in HELP_FLAGS for a in argv):
         return
-    import textwrap
-
-    print(doc.strip() + ("\n\n" + textwrap.fill(overrides_help(), 108) if overrides else ""))
+    print(doc.strip() + ("\n\n" + overrides_help() if overrides else ""))
     raise SystemExit(0)
 

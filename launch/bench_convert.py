@@ -66,9 +66,9 @@ def _run(script: str, *args: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     from flashtrain.config.cli import overrides_help
 
-    ap = argparse.ArgumentParser(prog="launch/bench_convert.py", description=__doc__, epilog=overrides_help() +
-                                 " Default: +exp=flash_small.", formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 allow_abbrev=False)
+    ap = argparse.ArgumentParser(prog="launch/bench_convert.py", description=__doc__, allow_abbrev=False,
+                                 epilog=overrides_help("Default: +exp=flash_small."),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shard-gb", type=float, nargs="+", default=[0.05, 0.2],
                     help="shard sizes (GiB) to export and import with, one pair of processes each (default 0.05 0.2)")
     ap.add_argument("--dir", default="/tmp/bench_convert",

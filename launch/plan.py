@@ -292,7 +292,9 @@ def format_verify(v: dict, r: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    from flashtrain.config.cli import overrides_help
+
+    ap = argparse.ArgumentParser(epilog=overrides_help("Default: the defaults of conf/config.yaml (flash_small)."),
         prog="launch/plan.py", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         usage="python launch/plan.py [+exp=NAME] [HYDRA OVERRIDES...] [--json] [--device cuda|cpu] [--world N]\n"
               "       python launch/plan.py +exp=NAME --gpus N --gpu-memory GB [--seq S] [--verify] [--json]",
