@@ -198,6 +198,7 @@ def propose(overrides: list[str], gpus: int, gpu_memory_gb: float, seq: int | No
     own = search.configured_layout(gpus)
     args = (gpus, search.seq_len, search.budget_gb)
     report = {"gpus": gpus, "gpu_memory_gb": gpu_memory_gb, "budget_gb": search.budget_gb,
+              "usable_gb": search.usable / 1e9,
               "headroom": search.plan.headroom, "seq_len": search.seq_len,
               "global_sequences": search.global_sequences, "overrides": overrides, "considered": result.considered,
               "cost_model_error": search.plan.cost_model_error,
@@ -206,7 +207,7 @@ def propose(overrides: list[str], gpus: int, gpu_memory_gb: float, seq: int | No
               "ruled_out": {reason: {"count": len(xs), "example": _closest(xs).as_dict(*args)}
                             for reason, xs in sorted(result.by_reason().items(), key=lambda kv: -len(kv[1]))}}
     if not result.fitting:
-        report["smallest_gpu_memory_gb"] = result.smallest_memory_gb(search.plan.headroom)
+        report["smallest_gpu_memory_gb"] = result.smallest_memory_gb(search.plan)
         report["smallest_gpus"] = search.smallest_world(gpus)
     report["show"] = search.plan.show
     return report
@@ -221,9 +222,12 @@ def _closest(layouts):
 def format_proposals(r: dict) -> str:
     from flashtrain.train.layouts import REASONS
 
-    lines = [f"layouts for {r['gpus']} GPUs of {r['gpu_memory_gb']:g} GB: budget {r['budget_gb']:g} GB per GPU "
-             f"({100 * r['headroom']:g}% left to the allocator and communication buffers, plan.headroom); "
-             f"data.seq_len={r['seq_len']}, global batch {r['global_sequences']} sequences",
+    low = r["cost_model_error"][0]
+    lines = [f"layouts for {r['gpus']} GPUs of {r['gpu_memory_gb']:g} GB, data.seq_len={r['seq_len']}, global batch "
+             f"{r['global_sequences']} sequences: a rank's peak may reach {gb(r['usable_gb'] * 1e9)} GB "
+             f"({100 * r['headroom']:g}% left to the allocator and communication buffers, plan.headroom), so its "
+             f"cost-model figure {r['budget_gb']:g} GB (the cost model may be {-100 * low:g}% below the estimator, "
+             f"plan.cost_model_error)",
              f"{r['considered']} layouts considered, {len(r['layouts'])} fit (per pp, schedule and recompute mode: "
              f"the smallest cp, then ep, that fits)"]
     shown = r["layouts"][:r["show"]]
@@ -308,7 +312,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus", type=int, default=None,
                     help="propose layouts for this many GPUs (needs --gpu-memory); default: no search")
     ap.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
-                    help="memory of one GPU in GB (1e9 bytes), e.g. 80; a layout fits within GB x (1 - plan.headroom)")
+                    help="memory of one GPU in GB (1e9 bytes), e.g. 80; a layout fits when its cost-model peak is "
+                         "within GB x (1 - plan.headroom) x (1 + plan.cost_model_error[0]): 80 -> 64.8")
     ap.add_argument("--seq", type=int, default=None, metavar="S",
                     help="sequence length of the search (data.seq_len=S); default: the config's data.seq_len")
     ap.add_argument("--verify", action="store_true",

@@ -92,17 +92,22 @@ def _check_fits(report: dict, exp: str, budget: float) -> dict:
 
 @pytest.mark.slow
 def test_flash_on_2048_gpus_of_80gb_at_64k():
-    """The published model at 64K on 2048 x 80 GB: the first proposal's worst rank is within 72 GB in the
-    trainer's own partition of the pasted overrides, and it is estimated no slower than exp=flash_2048gpu's
-    layout (pp=8 x cp=8, ep=64, 1F1B, full recomputation), which the same search also evaluates."""
+    """The published model at 64K on 2048 x 80 GB: the first proposal's worst rank, in the trainer's own
+    partition of the pasted overrides, is within 64.8 GB of cost model -- 72 GB (80 less 10%) for the
+    real peak even if the cost model is 10% below it, its stated error (docs/parallelism.md has the
+    estimator's figure for it). And it is estimated no slower than exp=flash_2048gpu's layout (pp=8 x cp=8,
+    ep=64, 1F1B, full recomputation; measured 69.6 GB), evaluated by the same search with that exp's own
+    budget (74 GB of cost model)."""
     from flashtrain.train.config import compose
     from flashtrain.train.layouts import LayoutSearch
 
     report = plan_tool.propose(["+exp=flash"], 2048, 80, 65536)
-    assert report["budget_gb"] == 72 and report["global_sequences"] == 1536
-    best = _check_fits(report, "+exp=flash", 72e9)
+    assert report["budget_gb"] == 64.8 and report["usable_gb"] == pytest.approx(72) \
+        and report["global_sequences"] == 1536
+    best = _check_fits(report, "+exp=flash", 64.8e9)
     assert {"pp", "cp", "ep"} <= set(best) and best["pp"] * best["cp"] * best["dp"] == 2048
-    launched = LayoutSearch(compose(["+exp=flash_2048gpu"]), 80).configured_layout(2048)
+    own_budget = ["plan.headroom=0", "plan.cost_model_error=[0,0.31]"]  # 74 GB of GPU = 74 GB of cost model
+    launched = LayoutSearch(compose(["+exp=flash_2048gpu", *own_budget]), 74).configured_layout(2048)
     assert (launched.pp, launched.cp, launched.ep) == (8, 8, 64) and launched.fits
     assert best["step_s"] <= launched.time.step_s
     reasons = set(report["ruled_out"])
@@ -115,13 +120,13 @@ def test_flash_node_on_one_node_and_the_smallest_degrees():
     """exp=flash_node on 8 x 80 GB: the first proposal fits in the trainer's partition; its ep is the
     smallest that fits at its cp, and no smaller cp fits at any ep (the search's rule)."""
     report = plan_tool.propose(["+exp=flash_node"], 8, 80, None)
-    best = _check_fits(report, "+exp=flash_node", 72e9)
+    best = _check_fits(report, "+exp=flash_node", 64.8e9)
     keep = [o for o in best["overrides"] if not o.startswith(("parallel.ep=", "parallel.cp="))]
 
     def fits(cp, ep):
         try:
             return max(trainer_rank_bytes(["+exp=flash_node", *keep, f"parallel.cp={cp}", f"parallel.ep={ep}"], 8)) \
-                <= 72e9
+                <= 64.8e9
         except ConfigError:  # no split fits parallel.gpu_memory_gb, or the degrees do not divide
             return False
 
@@ -134,11 +139,11 @@ def test_flash_node_on_one_node_and_the_smallest_degrees():
 def test_nothing_fits_names_the_smallest_gpus_and_memory(capsys):
     """Too little memory for any layout: exit 2 with one line naming the smallest power-of-two GPU count
     and the smallest memory that fit -- and they do: the search finds a layout there, and none at half
-    the GPUs or 5% less memory."""
+    the GPUs or 5% less memory. The budget: 0.004 GB less 10% headroom, less the cost model's 10%."""
     with pytest.raises(ConfigError) as e:
         plan_tool.main([*TINY, "--gpus", "2", "--gpu-memory", "0.004"])
     msg = str(e.value)
-    assert msg.startswith("no layout fits 2 GPUs of 0.004 GB (budget 0.0036 GB per GPU, cost model)"), msg
+    assert msg.startswith("no layout fits 2 GPUs of 0.004 GB (budget 0.00324 GB per GPU, cost model)"), msg
     report = plan_tool.propose(TINY, 2, 0.004, None)
     gpus, memory = report["smallest_gpus"], report["smallest_gpu_memory_gb"]
     assert f"the smallest that would fit: {gpus} GPUs of 0.004 GB, or 2 GPUs of {memory} GB" in msg
@@ -170,3 +175,23 @@ def test_plan_options_are_checked():
         plan_tool.main([*TINY, "--verify"])
     with pytest.raises(ConfigError, match="unknown option"):
         plan_tool.main([*TINY, "--gpu", "2"])
+
+
+def test_the_prefix_sum_cost_table_is_the_stage_cost():
+    """parallel/partition.py `_cost_table` (prefix sums, what makes the search affordable) against
+    `_stage_cost` (the sum over a stage's blocks, written plainly) on flash_tiny's real per-block costs: the
+    first block of a stage holds its whole input carry, the later ones what their predecessor wrote."""
+    from flashtrain.parallel.construct import model_template
+    from flashtrain.parallel.partition import PartitionCosts, _cost_table, _stage_cost, unit_costs
+    from flashtrain.train.config import compose, model_config, optim_config
+    from flashtrain.train.stages import optimizers_of
+
+    conf = compose(["+exp=flash_tiny"])
+    m = model_config(conf)
+    template = model_template(m)
+    units = unit_costs(template, m, optimizers_of(template, m, optim_config(conf)), 128, 1,
+                       PartitionCosts(recompute="selective", ep=2, dp=4, zero=True), 64)
+    assert any(u["carry_bytes"] != u["new_carry_bytes"] for u in units)  # the first block's carry differs
+    flight = [5, 3, 2, 1]
+    table = _cost_table(units, 4, flight)
+    assert len(table) > 1000 and all(v == _stage_cost(units, i, j, flight[s - 1]) for (s, i, j), v in table.items())

@@ -8,10 +8,10 @@ For every pp (a divisor of N) and cp (a divisor of N / pp), dp = N / (pp x cp) r
 batch of G = train.global_batch_tokens / data.seq_len sequences: M = G / dp micro-batches of one sequence
 per pipeline, in one round. For each pp, recompute mode and schedule (`plan.recompute`, `plan.schedules`),
 the smallest cp and, at it, the smallest ep (a divisor of dp x cp and of the routed experts) whose
-layout fits: every rank's
-cost-model bytes (the sum of its two stages for the interleaved and V-shaped schedules) within the budget
---gpu-memory x (1 - `plan.headroom`), under the partition the trainer builds with
-parallel.gpu_memory_gb set to that budget (the fastest slowest stage among the splits that fit). The
+layout fits: every rank's cost-model bytes (the sum of its two stages for the interleaved and V-shaped
+schedules) within the budget (`budget_bytes`: --gpu-memory less `plan.headroom`, less the cost model's
+largest stated under-estimate, `plan.cost_model_error`: 80 GB -> 72 -> 64.8), under the partition the
+trainer builds with parallel.gpu_memory_gb set to that budget (the fastest slowest stage among the splits that fit). The
 smallest cp and ep because memory falls as they grow while their exchanges grow, and smaller pieces of
 work per rank run less efficiently (which the step-time estimate does not model). These layouts are then
 ranked by the step-time estimate.
@@ -178,6 +178,15 @@ def round_sig(x: float, how=round, digits: int = 3) -> float:
     return float(f"{how(x / unit) * unit:.{digits}g}")
 
 
+def budget_bytes(gpu_memory_gb: float, plan: PlanConfig) -> float:
+    """The cost-model bytes a rank may use on a GPU of `gpu_memory_gb`: the GPU less `plan.headroom` (the
+    allocator, communication buffers) is what its real peak may reach, and the cost model may lie as far
+    below the estimator's simulation as its stated error says (`plan.cost_model_error`, the first: -10%),
+    so its figure must stay that much lower: 80 GB -> 72 GB -> 64.8 GB. Rounded down to 3 significant
+    digits: the parallel.gpu_memory_gb a proposal pastes, in GB."""
+    return round_sig(gpu_memory_gb * 1e9 * (1 - plan.headroom) * (1 + plan.cost_model_error[0]), math.floor)
+
+
 def gb(n: float) -> str:
     """Bytes as GB: one decimal, or three significant digits below 1 GB."""
     return f"{n / 1e9:.1f}" if n >= 1e9 else f"{n / 1e9:.3g}"
@@ -212,8 +221,8 @@ class LayoutSearch:
         self.seq_len = int(conf.data.seq_len)
         self.global_sequences = global_sequences(float(conf.train.global_batch_tokens), self.seq_len)
         self.gpu_memory_gb = gpu_memory_gb
-        # bytes per rank, rounded down to 3 significant digits: the parallel.gpu_memory_gb a proposal pastes
-        self.budget = round_sig(gpu_memory_gb * 1e9 * (1 - self.plan.headroom), math.floor)
+        self.usable = gpu_memory_gb * 1e9 * (1 - self.plan.headroom)  # what a rank's real peak may reach
+        self.budget = budget_bytes(gpu_memory_gb, self.plan)  # what its cost-model peak may reach
         template = model_template(self.model_cfg)
         self.inventory = UnitInventory(template, self.model_cfg, optimizers_of(template, self.model_cfg,
                                                                                self.optim_cfg))
@@ -422,14 +431,14 @@ class SearchResult:
             out.setdefault(layout.reason, []).append(layout)
         return out
 
-    def smallest_memory_gb(self, headroom: float) -> float | None:
+    def smallest_memory_gb(self, plan: PlanConfig) -> float | None:
         """The GPU memory (GB) at which the least demanding buildable layout would fit."""
         peaks = [x.peak_bytes for x in self.ruled_out if x.reason != "divisibility" and x.rank_bytes]
         peaks += [x.peak_bytes for x in self.fitting]
         if not peaks:
             return None
         need = min(peaks)
-        gb_ = round_sig(need / (1 - headroom) / 1e9, math.ceil)
-        while round_sig(gb_ * 1e9 * (1 - headroom), math.floor) < need:  # the budget is rounded down
+        gb_ = round_sig(need / (1 - plan.headroom) / (1 + plan.cost_model_error[0]) / 1e9, math.ceil)
+        while budget_bytes(gb_, plan) < need:  # the budget is rounded down
             gb_ = round_sig(gb_ * 1.001, math.ceil)
         return gb_

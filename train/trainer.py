@@ -276,14 +276,14 @@ class Trainer:
             self._loop(metrics, profiler)
             self.op.name = "finishing the last checkpoint write"
             self.checkpoints.wait()  # (a SIGTERM stop leaves the last one in flight)
-            if self.is_main:
-                log.info(self.last_line())
         except RuntimeError as e:
             raise collective_error(e, self.op, self.rank, self.cfg.parallel.timeout_s) from e
         finally:
             profiler.close()  # a trace / memory history still open (SIGTERM, a stop, a short run): write what it has
             metrics.close()
             signal.signal(signal.SIGTERM, previous)
+        if self.is_main:  # after the progress bar has closed: a line of its own
+            log.info(self.last_line())
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
