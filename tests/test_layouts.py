@@ -5,12 +5,16 @@ functions (the partition train/build.py builds for the pasted overrides, and its
 rank); nothing fitting exits 2 naming the smallest GPU count and memory that would, both checked;
 --verify against launch/estimate.py on a small exp."""
 
+import functools
+import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from flashtrain.config.errors import ConfigError
+from flashtrain.model.config import ModelConfig
 from flashtrain.parallel.step_time import Hardware, bubble_microbatches, step_time
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +69,6 @@ def test_step_time_by_hand():
 def trainer_rank_bytes(overrides: list[str], world: int) -> list[int]:
     """Per pipeline position, the cost-model bytes of the partition the trainer builds for `overrides` on
     `world` processes, through train/build.py's functions (which also check that the layout builds)."""
-    from flashtrain.parallel.construct import model_template
     from flashtrain.parallel.partition import in_flight_microbatches, partition_report
     from flashtrain.parallel.pipeline import stage_ids
     from flashtrain.train.build import read_configs, run_plan
@@ -74,12 +77,21 @@ def trainer_rank_bytes(overrides: list[str], world: int) -> list[int]:
 
     c = read_configs(compose(overrides))
     dims = run_plan(c, world).dims
-    units = stage_units(model_template(c.model), c.model, c.optim, c.parallel, c.data.seq_len, c.data.batch_size,
-                        c.train.recompute, True, dims.dp_cp, dims.cp)
+    units = stage_units(_template(json.dumps(asdict(c.model))), c.model, c.optim, c.parallel, c.data.seq_len,
+                        c.data.batch_size, c.train.recompute, True, dims.dp_cp, dims.cp)
     bounds = plan_stages(units, c.parallel) if dims.pp > 1 else [(0, len(units))]
     flight = in_flight_microbatches(dims.pp, c.parallel.pipeline_schedule)
     stages = partition_report(units, bounds, flight)["stages"]
     return [sum(stages[s]["bytes"] for s in stage_ids(c.parallel, r)) for r in range(dims.pp)]
+
+
+@functools.lru_cache(maxsize=4)
+def _template(model_json: str):
+    """The model's meta-device template, once per model config (shapes only; nothing modifies it here)."""
+    from flashtrain.config.typed import typed_config
+    from flashtrain.parallel.construct import model_template
+
+    return model_template(typed_config(ModelConfig, json.loads(model_json), "model"))
 
 
 def _check_fits(report: dict, exp: str, budget: float) -> dict:
@@ -117,22 +129,29 @@ def test_flash_on_2048_gpus_of_80gb_at_64k():
 
 @pytest.mark.slow
 def test_flash_node_on_one_node_and_the_smallest_degrees():
-    """exp=flash_node on 8 x 80 GB: the first proposal fits in the trainer's partition; its ep is the
-    smallest that fits at its cp, and no smaller cp fits at any ep (the search's rule)."""
+    """exp=flash_node on 8 x 80 GB: the first proposal fits in the trainer's partition; every proposal shown
+    has the smallest ep that fits at its cp, and the next smaller cp does not fit at any ep (the search's
+    rule), each checked in the trainer's partition."""
     report = plan_tool.propose(["+exp=flash_node"], 8, 80, None)
-    best = _check_fits(report, "+exp=flash_node", 64.8e9)
-    keep = [o for o in best["overrides"] if not o.startswith(("parallel.ep=", "parallel.cp="))]
+    _check_fits(report, "+exp=flash_node", 64.8e9)
 
-    def fits(cp, ep):
+    def fits(x, cp, ep):
+        keep = [o for o in x["overrides"] if not o.startswith(("parallel.ep=", "parallel.cp="))]
         try:
             return max(trainer_rank_bytes(["+exp=flash_node", *keep, f"parallel.cp={cp}", f"parallel.ep={ep}"], 8)) \
                 <= 64.8e9
         except ConfigError:  # no split fits parallel.gpu_memory_gb, or the degrees do not divide
             return False
 
-    smaller_ep = [e for e in (1, 2, 4, 8) if e < best["ep"]]
-    assert not any(fits(best["cp"], e) for e in smaller_ep)
-    assert not any(fits(c, e) for c in (1, 2, 4, 8) if c < best["cp"] for e in (1, 2, 4, 8))
+    for x in report["layouts"][:report["show"]]:
+        assert fits(x, x["cp"], x["ep"]), x
+        smaller_ep = [e for e in (1, 2, 4, 8) if e < x["ep"] and (8 // x["pp"]) % e == 0]
+        if smaller_ep:
+            assert not fits(x, x["cp"], smaller_ep[-1]), x  # memory falls as ep grows: the next smaller
+        smaller_cp = [c for c in (1, 2, 4, 8) if c < x["cp"]]
+        if smaller_cp:  # at the largest ep its dp x cp allows (the least memory)
+            cp = smaller_cp[-1]
+            assert not fits(x, cp, max(e for e in (1, 2, 4, 8) if (8 // x["pp"]) % e == 0)), x
     assert report["own"]["fits"]  # its own layout (pp=1, ep=8, full) fits too, and is ranked against them
 
 

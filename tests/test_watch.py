@@ -102,29 +102,30 @@ def test_the_progress_bar_shows_the_step_it_just_finished(tmp_path):
 @pytest.mark.slow
 def test_a_truncated_shard_is_named_at_start_up_and_counted(tmp_path):
     """A shard list with one truncated tar: the start-up check names it before step 1, and every record
-    carries corrupt_shards 1 -- counted once, whether or not the step also opens it; with the other start-up and
-    closing lines (a rounded global batch, the MFU peak's source, the last line)."""
+    carries corrupt_shards 1 although the one step never opens it (a 4-piece packing buffer reads one
+    shard); with the other start-up and closing lines (a rounded global batch, the MFU peak's source, the
+    last line)."""
     src = tmp_path / "docs.txt"
-    src.write_text("".join(f"document {i}: the quick brown fox jumps over the lazy dog {i} times\n" for i in range(80)))
+    src.write_text("".join(f"document {i}: the quick brown fox jumps over the dog {i} times\n" for i in range(400)))
     data = tmp_path / "data"
-    assert run_prepare(str(data), "+exp=flash_tiny", "--text", str(src), "--lines", "--docs-per-shard", "10") == 0
+    assert run_prepare(str(data), "+exp=flash_tiny", "--text", str(src), "--lines", "--docs-per-shard", "40") == 0
     shards = sorted(data.glob("text-*.tar"))
-    assert len(shards) == 8
-    cut = data / "text-00099.tar"  # sorts last: the loader's first shards are whole
+    assert len(shards) == 10
+    cut = data / "text-00099.tar"
     shutil.copy(shards[3], cut)
     cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2 + 100])  # inside a member
     run = tmp_path / "run"
     out = pretrain(run, [], f"data.text_shards=[{data}/text-*.tar]", "data.mm_shards=[]", "data.mix=null",
-                   "train.max_steps=1", "train.eval.interval=0", "train.global_batch_tokens=500",
+                   "data.pack_buffer=4", "train.max_steps=1", "train.eval.interval=0", "train.global_batch_tokens=500",
                    "train.peak_tflops.cpu=0.5", plan=FOUR_LAYERS)
     log = (run / "pretrain.log").read_text()
     assert re.search(rf"shard {re.escape(str(cut))}: truncated: .*; its complete samples are read", log), log[-3000:]
-    assert "start-up check of the shards' tar indexes: 9 shard(s), 1 unreadable" in log
+    assert "start-up check of the shards' tar indexes: 11 shard(s), 1 unreadable" in log
+    assert "reading its complete samples only" not in log  # the step never opened it: counted at start-up
     assert log.index("start-up check") < log.index("MFU peak")  # before the first step
     got = records(run)
     assert [r["step"] for r in got] == [1]
-    bad = log.count("skipping bad sample")  # the cut member's sample, if the step read that far
-    assert all(r["corrupt_shards"] == 1 and r["skipped_samples"] == bad and r["skipped_images"] == 0 for r in got)
+    assert all(r["corrupt_shards"] == 1 and r["skipped_samples"] == 0 and r["skipped_images"] == 0 for r in got)
     assert ("train.global_batch_tokens=500 is not a whole number of data.seq_len=128 sequences: each step uses 4 "
             "sequences = 512 tokens instead") in log
     assert "MFU peak per device (cpu): 0.500 TFLOP/s, train.peak_tflops.cpu" in log
