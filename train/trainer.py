@@ -328,6 +328,7 @@ class Trainer:
                 self.save()
                 last_saved = self.step
             if stop.item():
+                self._stop = True  # (the rank that got the signal may be another: the flag is all-reduced)
                 if self.is_main:
                     log.info(f"SIGTERM: saved step {self.step}, exiting")
                 return
