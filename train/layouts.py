@@ -111,6 +111,7 @@ class Layout:
     recompute: str
     microbatches: int
     stage_layers: list[int] = field(default_factory=list)
+    bounds: list[tuple[int, int]] = field(default_factory=list)  # each stage's [start, end) blocks
     stages_of_rank: list[list[int]] = field(default_factory=list)
     rank_bytes: list[int] = field(default_factory=list)
     rank_state: list[int] = field(default_factory=list)
@@ -293,12 +294,12 @@ class LayoutSearch:
                              for r in ranks]
         layout.rank_flops = [sum(u["flops_per_token"] for s in r for u in units[bounds[s][0]:bounds[s][1]])
                              for r in ranks]
-        self._bounds = bounds
+        layout.bounds = bounds
         return True
 
     def _time(self, layout: Layout, world: int) -> None:
         units = self.units(world, layout.pp, layout.cp, layout.ep, layout.recompute)
-        layout.time = step_time(self.model_cfg, units, self._bounds, layout.stages_of_rank, layout.schedule,
+        layout.time = step_time(self.model_cfg, units, layout.bounds, layout.stages_of_rank, layout.schedule,
                                 world=world, pp=layout.pp, cp=layout.cp, ep=layout.ep, micro_batch=1,
                                 seq_len=self.seq_len, microbatches=layout.microbatches, recompute=layout.recompute,
                                 hw=self.plan.hardware)
