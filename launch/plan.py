@@ -9,7 +9,8 @@ fit a cluster.
     python launch/plan.py +exp=flash_2048gpu     # --world defaults to parallel.world; with parallel.cp:
                                                 # per-rank tokens, attention imbalance of the chunkings
     python launch/plan.py +exp=flash --gpus 2048 --gpu-memory 80 --seq 65536   # layouts that fit
-    python launch/plan.py +exp=flash_node --gpus 8 --gpu-memory 80 --verify    # ... and the estimator's check
+    python launch/plan.py +exp=flash_node --gpus 8 --gpu-memory 80             # one node
+    python launch/plan.py +exp=flash --gpus 2048 --gpu-memory 80 --verify      # ... and the estimator's check
 
 Takes `+exp=NAME` and any Hydra override (`model.dim=1024`, `parallel.pp=8`); builds nothing.
 
@@ -29,7 +30,9 @@ each constraint rules out (world-size / batch divisibility, state, the Engram st
 the example closest to fitting. Nothing fits: it says so, names the smallest GPU count (a power-of-two
 multiple of N) and the smallest GPU memory that would fit, and exits 2. `--verify` then runs
 launch/estimate.py on the first layout's worst rank (a few minutes for exp=flash on a CPU) and prints the
-simulated peak next to the cost model's figure and the cost model's stated error (`plan.cost_model_error`).
+simulated peak next to the cost model's figure and the cost model's stated error (`plan.cost_model_error`); the
+estimator shortens 1F1B steps to the micro-batches that set the peak and simulates other schedules whole
+(hours for hundreds of micro-batches).
 
 The cost model is a fast analytic view; per-GPU memory of a real step is launch/estimate.py's measurement.
 """
@@ -272,7 +275,10 @@ def verify(r: dict, overrides: list[str], device: str) -> dict:
     x = r["layouts"][0]
     cmd = [sys.executable, str(ROOT / "launch" / "estimate.py"), *overrides, *x["overrides"], "--world",
            str(r["gpus"]), "--rank", str(x["worst_rank"]), "--device", device, "--json"]
-    print(f"verify: launch/estimate.py on rank {x['worst_rank']} ...", file=sys.stderr, flush=True)
+    print(f"verify: launch/estimate.py on rank {x['worst_rank']} ..." + (
+        "" if x["pipeline_schedule"] == "1f1b" or x["pp"] == 1 else
+        f" ({x['pipeline_schedule']} is simulated whole: {x['microbatches']} micro-batches, which may take hours)"),
+        file=sys.stderr, flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode == EXIT_USER_ERROR:
         raise ConfigError(out.stderr.strip().splitlines()[-1].removeprefix("error: "))
