@@ -127,8 +127,12 @@ def test_inputs_stream_compressed_jsonl_and_parquet_and_count_what_they_skip(tmp
     stats = InputStats()
     assert list(iter_texts(text_files([str(src)]), False, stats)) == ["gz one", "gz two", "zst one", "pq one", "pq two"]
     assert stats.documents == 5 and dict(stats.skipped) == {
-        "not a JSON object with a text field": 2, "text field not a string": 1,
+        "not JSON": 1, "no text field": 1, "text field not a string": 1,
         "parquet row whose text is not a string": 1, "empty document": 1}
+    assert stats.named == {"not JSON": [f"{src}/a.jsonl.gz:2"], "no text field": [f"{src}/a.jsonl.gz:4"],
+                           "text field not a string": [f"{src}/b.jsonl.zst:2"],
+                           "parquet row whose text is not a string": [f"{src}/c.parquet:row 2"],
+                           "empty document": [f"{src}/c.parquet:row 4"]}
 
     rng = np.random.default_rng(0)  # incompressible text: the cut falls well inside the documents
     texts = ["".join(rng.choice(list("abcdefghij"), 60)) for _ in range(20000)]
