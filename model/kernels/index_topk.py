@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtrain.model.kernels.select import HAS_TRITON, interpreting
+from flashtrain.model.kernels.select import HAS_TRITON, interpreting, kernel_op, launch
 
 if HAS_TRITON:
     import triton
@@ -320,12 +320,12 @@ def index_topk_triton(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, n_vis: 
         h_p2 = max(h_p2, 16 >> log_m)  # tl.dot wants >= 16 rows: pad heads (zero weights)
         do_topk = topk > 0 and not restrict
 
-        def launch(t0, t1, bmax, seg, nblocks, write):
+        def run(t0, t1, bmax, seg, nblocks, write):
             grid = (triton.cdiv(t1 - t0, 1 << log_m), B)
             sm = bmax.stride()[:2] if write else (0, 0)
-            _index_topk_kernel[grid](q, w, k, n_vis, idx, vals, bmax, t0, t1, N, H, d, topk, seg, nblocks,
-                                     *qs, *ws, *ks, *outs, *sm, LOG_M=log_m, H_P2=h_p2,
-                                     LOG_SEG=_log2_p2(seg), DO_TOPK=do_topk, WRITE_BLOCKS=write, **common)
+            launch(_index_topk_kernel, grid, q, w, k, n_vis, idx, vals, bmax, t0, t1, N, H, d, topk, seg, nblocks,
+                   *qs, *ws, *ks, *outs, *sm, LOG_M=log_m, H_P2=h_p2,
+                   LOG_SEG=_log2_p2(seg), DO_TOPK=do_topk, WRITE_BLOCKS=write, **common)
 
         if source_blocks:
             from flashtrain.model.attention import top_indices  # the reference's ranking (that module imports this one)
@@ -336,15 +336,25 @@ def index_topk_triton(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, n_vis: 
             for t0 in range(0, S, rows):
                 t1 = min(S, t0 + rows)
                 bmax = torch.full((B, t1 - t0, nb), float("-inf"), dtype=torch.float32, device=dev)
-                launch(t0, t1, bmax, block, nb, True)
+                run(t0, t1, bmax, block, nb, True)
                 newest = ((n_vis[t0:t1] - 1) // block).unsqueeze(-1)  # -1: nothing visible, nothing pinned
                 bmax.masked_fill_(torch.arange(nb, device=dev) == newest, float("inf"))
                 cands[:, t0:t1] = top_indices(bmax, cands.shape[-1]).to(torch.int32)
         else:
-            launch(0, S, vals, 1, 0, False)
+            run(0, S, vals, 1, 0, False)
     if restrict:
         cand = candidates.to(device=dev, dtype=torch.int32)
-        _index_topk_pool_kernel[(S, B)](q, w, k, n_vis, cand, idx, vals, N, H, d, topk, block, cand.shape[-1],
-                                        *qs, *ws, *ks, *cand.stride(), *outs, H_P2=max(16, 1 << _log2_p2(H)),
-                                        LOG_SEG=_log2_p2(block), **common)
+        launch(_index_topk_pool_kernel, (S, B), q, w, k, n_vis, cand, idx, vals, N, H, d, topk, block,
+               cand.shape[-1], *qs, *ws, *ks, *cand.stride(), *outs, H_P2=max(16, 1 << _log2_p2(H)),
+               LOG_SEG=_log2_p2(block), **common)
     return idx, vals, cands
+
+
+@kernel_op("index_topk")
+def index_topk_op(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, n_vis: torch.Tensor, topk: int, chunk: int,
+                  candidates: torch.Tensor | None, block: int, source_blocks: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`index_topk_triton` as a torch.library custom op (model/kernels/select.py `kernel_op`: opaque to
+    torch.compile), with an empty int32 candidate tensor [0] where it has none."""
+    idx, vals, cands = index_topk_triton(q, w, k, n_vis, topk, chunk, candidates, block, source_blocks)
+    return idx, vals, torch.empty(0, dtype=torch.int32, device=q.device) if cands is None else cands
