@@ -43,7 +43,10 @@ def test_compiled_blocks_equal_eager():
     mHC `base` gradients sum softmax gradients that add up to zero over a row, so they lose digits in any
     reordering (measured: 1.6e-4 of the norm for one; the loss and the others ~1e-6); each gradient in norm
     within 3e-3, all together within 1e-5; a wrong graph moves them by order one."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     cfg = model_config(compose(["+exp=flash_tiny", *FOUR_LAYERS]))
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(3, cfg.image_token_id, (1, SEQ + 1), generator=gen)
@@ -60,6 +63,8 @@ def test_compiled_blocks_equal_eager():
             loss_module.compile_tile(True)
             loss_c, stats_c, grads_c = _step(compiled, recompute, tokens, labels)
             loss_module.compile_tile(False)
+            # the compiled model really ran compiled graphs: at least one per block and the loss tile
+            assert counters["stats"]["unique_graphs"] >= cfg.n_layers + 1, dict(counters["stats"])
             torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=0)
             assert set(grads_c) == set(grads_e) and len(grads_e) > 40
             total = sum((grads_c[n] - g).square().sum() for n, g in grads_e.items()).sqrt()
