@@ -70,7 +70,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-def compare(fn, inputs: list[torch.Tensor], rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+def compare(fn, inputs: list[torch.Tensor], rounds: int, warmup: int = 1) -> tuple[dict, dict]:
     """fn(use_triton, *leaves) -> outputs (a tuple); differences of outputs and input gradients (kernel vs
     reference, same upstream gradients) and the median time of forward+backward for each side."""
     gen = torch.Generator(device=inputs[0].device).manual_seed(1)
@@ -85,7 +85,7 @@ def compare(fn, inputs: list[torch.Tensor], rounds: int) -> tuple[dict[str, floa
         torch.autograd.backward(outs, grads_out)
         results[flag] = ([o.detach() for o in outs], [x.grad for x in leaves if x.requires_grad])
 
-    times = alternate({"kernel": lambda: run(True), "reference": lambda: run(False)}, rounds, warmup=1)
+    times = alternate({"kernel": lambda: run(True), "reference": lambda: run(False)}, rounds, warmup=warmup)
     (ko, kg), (ro, rg) = results[True], results[False]
     diffs = {f"out{i}": rel(a, b) for i, (a, b) in enumerate(zip(ko, ro))}
     diffs |= {f"grad{i}": rel(a, b) for i, (a, b) in enumerate(zip(kg, rg)) if b is not None}
@@ -137,9 +137,11 @@ def compile_only(argv: list[str]) -> int:
     return 1 if bad else 0
 
 
-def check(cfg, S: int, dtype: torch.dtype, rounds: int, dev: torch.device) -> dict[str, tuple[dict, dict]]:
+def check(cfg, S: int, dtype: torch.dtype, rounds: int, dev: torch.device,
+          warmup: int = 1) -> dict[str, tuple[dict, dict]]:
     """Every kernel against its reference at the widths of `cfg` (one sequence of S tokens) in `dtype`:
-    {kernel: ({output / gradient: relative difference}, {"kernel": s, "reference": s})}."""
+    {kernel: ({output / gradient: relative difference}, {"kernel": s, "reference": s})}; `warmup` untimed
+    rounds first (launch/bench_util.py)."""
     report: dict[str, tuple[dict, dict]] = {}
 
     def rand(*shape, scale=1.0):
@@ -160,7 +162,7 @@ def check(cfg, S: int, dtype: torch.dtype, rounds: int, dev: torch.device) -> di
     def attn(flag, q, win, comp, sink):
         return sparse_attention_lean(q, win, comp, topk, sink, W, D ** -0.5, cfg.attn_chunk_size, 0, flag)[:1]
 
-    report["sparse_attention"] = compare(attn, [q, win, comp, sink], rounds)
+    report["sparse_attention"] = compare(attn, [q, win, comp, sink], rounds, warmup)
 
     # indexer selection (no gradient): indices and the picks' scores
     Hi, di = cfg.index_n_heads, cfg.index_head_dim
@@ -168,7 +170,7 @@ def check(cfg, S: int, dtype: torch.dtype, rounds: int, dev: torch.device) -> di
     args = (qi, wi, ki, n_vis, kk, cfg.attn_chunk_size, None, cfg.candidate_block_size, cfg.candidate_topk_blocks)
     with torch.no_grad():
         times = alternate({"kernel": lambda: index_topk_triton(*args), "reference": lambda: index_select(*args)},
-                          rounds, warmup=1)
+                          rounds, warmup=warmup)
         idx_k, vals, cands_k = index_topk_triton(*args)
         idx_r, cands_r = index_select(*args)
     from flashtrain.model.attention import index_scores
@@ -187,12 +189,12 @@ def check(cfg, S: int, dtype: torch.dtype, rounds: int, dev: torch.device) -> di
     scale, base = torch.ones(3, device=dev), torch.randn((2 + n) * n, device=dev) * 0.5
     eps = (cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
     report["hc_mixes"] = compare(lambda f, h, fn, sc, b: hc_mixes(h, fn, sc, b, *eps, use_triton=f),
-                                 [h, fn, scale, base], rounds)
+                                 [h, fn, scale, base], rounds, warmup)
     pre, post = torch.rand(1, S, n, device=dev), torch.rand(1, S, n, device=dev) * 2
     comb = torch.rand(1, S, n, n, device=dev)
-    report["hc_collapse"] = compare(lambda f, h, p: (hc_collapse(h, p, f),), [h, pre], rounds)
+    report["hc_collapse"] = compare(lambda f, h, p: (hc_collapse(h, p, f),), [h, pre], rounds, warmup)
     report["hc_expand"] = compare(lambda f, y, h, p, c: (hc_expand(y, h, p, c, f),), [rand(1, S, Dm), h, post, comb],
-                                  rounds)
+                                  rounds, warmup)
 
     # experts: grouped GEMM against the per-expert loop, the same weights
     ex = RoutedExperts(dataclasses.replace(cfg, use_triton=None)).to(dev)
@@ -210,13 +212,14 @@ def check(cfg, S: int, dtype: torch.dtype, rounds: int, dev: torch.device) -> di
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16 and dev.type == "cuda"):
             return (ex(x, weights, picks.indices),)
 
-    report["experts"] = compare(experts, [x], rounds)
+    report["experts"] = compare(experts, [x], rounds, warmup)
 
-    report.update(check_optimizer(cfg, dtype, rounds, dev))
+    report.update(check_optimizer(cfg, dtype, rounds, dev, warmup))
     return report
 
 
-def check_optimizer(cfg, dtype: torch.dtype, rounds: int, dev: torch.device) -> dict[str, tuple[dict, dict]]:
+def check_optimizer(cfg, dtype: torch.dtype, rounds: int, dev: torch.device,
+                    warmup: int = 1) -> dict[str, tuple[dict, dict]]:
     """The optimizer's kernels against their references: batched Newton-Schulz on a stack of 4 routed-expert
     matrices [moe_inter_dim, dim] (its iterations in `dtype`), and the Sinkhorn update of an embedding-wide
     table [min(vocab, 32768), dim] (fp32: the master weights and their gradients are fp32)."""
@@ -228,7 +231,7 @@ def check_optimizer(cfg, dtype: torch.dtype, rounds: int, dev: torch.device) -> 
     res = {}
     times = alternate({"kernel": lambda: res.__setitem__("k", newton_schulz_triton(G, dtype=dtype)),
                        "reference": lambda: res.__setitem__("r", newton_schulz_reference(G, dtype=dtype))},
-                      rounds, warmup=1)
+                      rounds, warmup=warmup)
     out["newton_schulz"] = ({"out0": rel(res["k"], res["r"])}, {k: statistics.median(v) for k, v in times.items()})
     if dtype == torch.float32:
         rows = min(cfg.vocab_size, 32768)
@@ -242,7 +245,7 @@ def check_optimizer(cfg, dtype: torch.dtype, rounds: int, dev: torch.device) -> 
             state[key] = (W - W0, M)
 
         times = alternate({"kernel": lambda: run(sinkhorn_update_triton, "k"),
-                           "reference": lambda: run(sinkhorn_update_reference, "r")}, rounds, warmup=1)
+                           "reference": lambda: run(sinkhorn_update_reference, "r")}, rounds, warmup=warmup)
         (dw_k, m_k), (dw_r, m_r) = state["k"], state["r"]
         out["sinkhorn"] = ({"update": rel(dw_k, dw_r), "momentum": rel(m_k, m_r)},
                            {k: statistics.median(v) for k, v in times.items()})
