@@ -34,6 +34,9 @@ def test_occupancy_by_the_calculators_rules():
     # 100 KiB of shared memory: 101 KiB per block with the reserve -> 2 blocks of 228 KiB
     occ = gate.occupancy(32, 4, 100 * 1024, h100)
     assert (occ["blocks_per_sm"], occ["limited_by"]) == (2, "shared memory")
+    # 113.5 KiB: with the 1 KiB reserve 114.5 KiB per block, one fits in 228 KiB (two would without it)
+    occ = gate.occupancy(32, 4, 116224, h100)
+    assert (occ["blocks_per_sm"], occ["limited_by"]) == (1, "shared memory")
     # one byte over 227 KiB, or 16 warps of 255 registers, does not launch at all
     assert not gate.occupancy(32, 4, 227 * 1024 + 1, h100)["launchable"]
     assert gate.occupancy(32, 4, 227 * 1024, h100)["launchable"]
