@@ -64,6 +64,14 @@ if HAS_TRITON:
     # 164-187 registers and no spill. Wider tiles amortise the buffer merge (log2 K stages a tile).
     _CONFIGS = ([triton.Config({"LOG_N": 4})] if interpreting() else
                 [triton.Config({"LOG_N": n}, num_warps=w, num_stages=2) for n, w in ((6, 8), (6, 4), (7, 8))])
+    # A program's running buffer is 2^(LOG_M + LOG_K) int64 keys in registers. The compile gate (sm_90a,
+    # train/compile_gate.py): at 1024 keys (exp=flash, 2 queries x top-512) 4 warps take 254-255 registers and
+    # no spill; at 2048 (flash_node, 4 queries x top-512) they spill 80-160 bytes: 4 warps only up to 1024 keys.
+    _MAX_KEYS_4_WARPS = 1024
+
+    def _prune_configs(configs, named_args, **kwargs):
+        keys = 1 << (int(kwargs["LOG_M"]) + int(kwargs["LOG_K"]))
+        return [c for c in configs if c.num_warps >= 8 or keys <= _MAX_KEYS_4_WARPS] or configs
 
     @triton.jit
     def _pack(score, j):
@@ -194,7 +202,8 @@ if HAS_TRITON:
         tl.store(IDX + b * sib + t[:, None] * sis + col[None, :], tl.where(ok, j, -1), mask=m)
         tl.store(VAL + b * svb + t[:, None] * svs + col[None, :], tl.where(ok, score, 0.0), mask=m)
 
-    @triton.autotune(configs=_CONFIGS, key=["N", "H", "D", "TOPK", "SEG"])
+    @triton.autotune(configs=_CONFIGS, key=["N", "H", "D", "TOPK", "SEG"],
+                     prune_configs_by={"early_config_prune": _prune_configs})
     @triton.jit
     def _index_topk_kernel(Q, W, K, NVIS, IDX, VAL, BMAX, T0, T1, N, H, D, TOPK, SEG, NB,
                            sqb, sqs, sqh, sqd, swb, sws, swh, skb, skn, skd, sib, sis, svb, svs, smb, sms,

@@ -75,9 +75,9 @@ if HAS_TRITON:
                              [({"BLOCK_T": 4, "BLOCK_D": 128}, 4), ({"BLOCK_T": 4, "BLOCK_D": 256}, 4),
                               ({"BLOCK_T": 8, "BLOCK_D": 128}, 4), ({"BLOCK_T": 8, "BLOCK_D": 256}, 8)])
     # the expand backward holds dh [BLOCK_T, 4, BLOCK_D] and dcomb [BLOCK_T, 4, 4] besides its loads: with 8 tokens
-    # a block it spilled 32-176 bytes (compile gate), so 4
-    _EXPAND_BWD_CONFIGS = _configs({"BLOCK_T": 8, "BLOCK_D": 32},
-                                   [({"BLOCK_T": 4, "BLOCK_D": 128}, 4), ({"BLOCK_T": 4, "BLOCK_D": 256}, 4)])
+    # a block it spilled 32-176 bytes, with (4, 256) 64-204 (compile gate, sm_90a and sm_100a); (4, 128): 133-168
+    # registers, none
+    _EXPAND_BWD_CONFIGS = _configs({"BLOCK_T": 8, "BLOCK_D": 32}, [({"BLOCK_T": 4, "BLOCK_D": 128}, 4)])
 
     # ---------------------------------------------------------------- Sinkhorn on [BLOCK_T, 4, 4] tiles
 
