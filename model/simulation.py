@@ -29,9 +29,14 @@ code runs on fake tensors instead of the reference, its launches recorded instea
 
 from __future__ import annotations
 
+import torch
 from torch._subclasses.fake_tensor import is_fake
 
 
 def simulated(t) -> bool:
-    """True for the memory estimator's fake tensors (no values to read)."""
+    """True for the memory estimator's fake tensors (no values to read). Inside a function torch.compile
+    traces (train/compile.py) False: the traced tensors are real ones when the graph runs, and the estimator
+    never compiles (dynamo cannot trace `is_fake`, and would break the graph at every kernel's dispatch)."""
+    if torch.compiler.is_compiling():
+        return False
     return is_fake(t)

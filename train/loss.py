@@ -56,11 +56,15 @@ def tile_cross_entropies(head: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> t
 _TILE = {"sum": tile_cross_entropy, "each": tile_cross_entropies}
 
 
+_COMPILED: dict = {}  # the compiled tile functions, made once (a new wrapper each time would recompile)
+
+
 def compile_tile(on: bool = True) -> None:
     """torch.compile the loss tile's head + cross-entropy (train/compile.py `apply_compile`); on=False: back to
     eager."""
-    _TILE["sum"] = torch.compile(tile_cross_entropy) if on else tile_cross_entropy
-    _TILE["each"] = torch.compile(tile_cross_entropies) if on else tile_cross_entropies
+    if on and not _COMPILED:
+        _COMPILED.update(sum=torch.compile(tile_cross_entropy), each=torch.compile(tile_cross_entropies))
+    _TILE.update(_COMPILED if on else {"sum": tile_cross_entropy, "each": tile_cross_entropies})
 
 
 def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, tile_tokens: int,

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from flashtrain.model.simulation import simulated
 
@@ -61,7 +62,7 @@ def recording():
 
 def launch(kernel, grid, *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)`; on fake tensors skipped (recorded while `recording()`)."""
-    if any(isinstance(a, torch.Tensor) and simulated(a) for a in args):
+    if any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
         if _RECORDED is not None:
             _RECORDED.append(Launch(kernel, args, dict(kwargs)))
         return
