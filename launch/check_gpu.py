@@ -30,8 +30,9 @@ out is recorded as skipped); subprocesses get the time that is left:
    `memory_peak_bytes` of steps 3-20, when the optimizer state exists).
 
 The reduced form (`--cpu`, under TRITON_INTERPRET=1): flash_tiny on the 4-layer plan everywhere, the kernels
-in fp32 only (the interpreter's), 2 training steps on gloo with the references, bench_model without the
-compiled variant, the flash_node-width bench left out, and no device peak to compare the estimate with.
+in fp32 only (the interpreter's; one call a side), 2 training steps on gloo and bench_model (reference and
+the CPU default, without the compiled variant) with the references as any CPU run (TRITON_INTERPRET=0 for
+them), the flash_node-width bench left out, and no device peak to compare the estimate with.
 It runs every section's code, so the script is known to work when a GPU comes.
 
 Output: DIR/check_gpu.json ({"device", "sections": {name: {"status": ok | error | skipped, "seconds",
@@ -110,7 +111,7 @@ def train(plan: dict, budget: Budget, out_dir: Path) -> dict:
     run = out_dir / "train"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            str(ROOT / "launch" / "pretrain.py"), *plan["train"], f"hydra.run.dir={run}"]
-    _run(cmd, budget, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")})
+    _run(cmd, budget, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4"), **plan["env"]})
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if "loss" in r and "step" in r and r.get("event") is None]
     log = (run / "pretrain.log").read_text() if (run / "pretrain.log").exists() else ""
@@ -127,8 +128,8 @@ def train(plan: dict, budget: Budget, out_dir: Path) -> dict:
             "overrides": plan["train"]}
 
 
-def bench(args: list[str], budget: Budget) -> dict:
-    out = _run([sys.executable, str(ROOT / "launch" / "bench_model.py"), *args], budget)
+def bench(args: list[str], budget: Budget, env: dict) -> dict:
+    out = _run([sys.executable, str(ROOT / "launch" / "bench_model.py"), *args], budget, env)
     res = _last_json(out.stdout)
     keep = ("exp", "seq", "params", "device", "peak_flops", "flops_per_token", "variants", "compile_s",
             "compiled_vs_eager_speedup", "kernels_vs_reference_speedup", "compiled_eager_variant")
@@ -140,7 +141,7 @@ def bench_node(plan: dict, budget: Budget) -> dict:
     for experts in plan["node_experts"]:
         try:
             return {"n_routed_experts": experts, **bench([*plan["node"], f"model.n_routed_experts={experts}"],
-                                                         budget)}
+                                                         budget, plan["env"])}
         except Exception as e:  # noqa: BLE001 - out of memory: the next, smaller configuration
             errors.append(f"{experts} experts: {_error(e)}")
             if budget.left() <= 0:
@@ -178,7 +179,9 @@ def plan_for(cpu: bool, out_dir: Path) -> dict:
                           "data.corpus_shards=4", "train.profile.memory_snapshot=true", "train.profile.memory_steps=1",
                           *common],
                 "estimate": [*tiny, "--device", "cpu"],
-                "small": [*tiny, "--seq", "64", "--rounds", "1", "--no-optim"], "node": None, "node_experts": ()}
+                "small": [*tiny, "--seq", "64", "--rounds", "1", "--no-optim"], "node": None, "node_experts": (),
+                # the training run and the benchmark as on a CPU: the references (the interpreter only for the kernels)
+                "env": {"TRITON_INTERPRET": "0"}}
     return {"kernel_exps": {e: [f"+exp={e}"] for e in ("flash", "flash_node", "flash_small")},
             "kernel_dtypes": ["bfloat16", "float32"], "kernel_seq": 4096, "kernel_rounds": 3, "kernel_warmup": 1,
             "train": ["+exp=flash_small", "train.max_steps=20", "train.profile.memory_snapshot=true",
@@ -187,7 +190,7 @@ def plan_for(cpu: bool, out_dir: Path) -> dict:
             "small": ["+exp=flash_small", "--seq", "512", "--rounds", "3", "--compile"],
             "node": ["+exp=flash_node", "--seq", "16384", "--rounds", "2", "--no-optim", "--compile",
                      "--variants", "kernels"],
-            "node_experts": NODE_EXPERTS}
+            "node_experts": NODE_EXPERTS, "env": {}}
 
 
 def summary(report: dict) -> str:
@@ -249,7 +252,7 @@ def main(argv: list[str]) -> int:
          "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "0"})}
     sections = [("kernels", lambda: kernels(plan, budget)), ("train", lambda: train(plan, budget, out_dir)),
-                ("bench_small", lambda: bench(plan["small"], budget)),
+                ("bench_small", lambda: bench(plan["small"], budget, plan["env"])),
                 ("bench_node", (lambda: bench_node(plan, budget)) if plan["node"] else None),
                 ("estimator", lambda: estimator(started, report["sections"].get("train", {}).get("result"), budget))]
     for name, fn in sections:

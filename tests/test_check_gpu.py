@@ -37,7 +37,7 @@ def test_reduced_form_runs_every_section(tmp_path):
     assert train["steps"] == 2 and train["process_group"] == "gloo" and len(train["loss"]) == 2
     assert train["memory_peak_bytes"] is None  # on the CPU: no device peak
     bench = sections["bench_small"]["result"]
-    assert {"reference", "kernels"} <= set(bench["variants"])
+    assert {"reference", "default"} <= set(bench["variants"])
     est = sections["estimator"]["result"]
     assert est["estimate_peak_bytes"] > 0 and est["estimate_over_real"] is None
     summary = (tmp_path / "summary.txt").read_text()
