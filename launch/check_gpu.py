@@ -5,6 +5,13 @@ minutes on one H200, writing a JSON report and a short text summary. A measureme
     python launch/check_gpu.py [--out DIR] [--budget-s 480]
     TRITON_INTERPRET=1 python launch/check_gpu.py --cpu [--out DIR] [--budget-s 1800]   # the reduced form
 
+Options: `--out DIR` where the report goes (default runs/check_gpu); `--budget-s S` the time budget in
+seconds for all sections together (default 480 on a GPU, 1800 for --cpu); `--cpu` the reduced form on the
+CPU (needs TRITON_INTERPRET=1). It takes no +exp= or Hydra overrides: the exps (flash, flash_node,
+flash_small; flash_tiny for --cpu) and their overrides are fixed in `plan_for` below, so that every run
+of the check measures the same thing. Run it on a GPU under a timeout of its budget plus a few minutes
+(`timeout 660 python launch/check_gpu.py`): every section writes the report as it ends.
+
 Sections, in this order, each guarded (an error is recorded with its traceback's last line and the next
 section runs) and each started only while the global time budget (`--budget-s`) lasts (a section left
 out is recorded as skipped); subprocesses get the time that is left:
@@ -52,6 +59,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launch"))
+
+from flashtrain.config.cli import exit_on_user_error, exit_with_help  # noqa: E402 - imports nothing heavy
+from flashtrain.config.errors import FlashtrainError  # noqa: E402
+
+if __name__ == "__main__":
+    exit_with_help(__doc__, sys.argv[1:], overrides=False)  # --help: this docstring, before the slow imports
 
 FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
                "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
@@ -229,20 +242,37 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    cpu = "--cpu" in argv
-    out_dir = Path(argv[argv.index("--out") + 1] if "--out" in argv else ROOT / "runs" / "check_gpu")
+def parse(argv: list[str]) -> tuple[bool, Path, float]:
+    """(--cpu, --out, --budget-s); anything else is an error naming it."""
+    cpu, out, budget, rest = False, ROOT / "runs" / "check_gpu", None, list(argv)
+    while rest:
+        a = rest.pop(0)
+        if a == "--cpu":
+            cpu = True
+        elif a in ("--out", "--budget-s") and rest:
+            v = rest.pop(0)
+            if a == "--out":
+                out = Path(v)
+            else:
+                try:
+                    budget = float(v)
+                except ValueError:
+                    raise FlashtrainError(f"--budget-s takes seconds, not {v!r}") from None
+        else:
+            raise FlashtrainError(f"unknown argument {a!r} (options: --cpu, --out DIR, --budget-s S; see --help)")
     # the GPU form's ~8 minutes; the reduced form runs the kernels in the interpreter on a (shared) CPU
-    budget_s = float(argv[argv.index("--budget-s") + 1]) if "--budget-s" in argv else 1800.0 if cpu else 480.0
+    return cpu, out, budget if budget is not None else 1800.0 if cpu else 480.0
+
+
+def main(argv: list[str]) -> int:
+    cpu, out_dir, budget_s = parse(argv)
     out_dir.mkdir(parents=True, exist_ok=True)
     import torch
 
     if not cpu and not torch.cuda.is_available():
-        print("error: no CUDA device (run with --cpu under TRITON_INTERPRET=1 for the reduced form)", file=sys.stderr)
-        return 2
+        raise FlashtrainError("no CUDA device (run with --cpu under TRITON_INTERPRET=1 for the reduced form)")
     if cpu and os.environ.get("TRITON_INTERPRET") != "1":
-        print("error: --cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
+        raise FlashtrainError("--cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
     t_start, budget = time.monotonic(), Budget(budget_s)
     plan = plan_for(cpu, out_dir)
     report = {"device": torch.cuda.get_device_name() if not cpu else "CPU (reduced form, Triton interpreter)",
@@ -283,4 +313,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(exit_on_user_error(main, sys.argv[1:]))

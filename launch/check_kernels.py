@@ -2,8 +2,13 @@
 (a measurement script, not a test; the interpreter tests check the kernels in CI), and the offline
 compile gate of every Triton kernel (`--compile-only`, no GPU needed; tests/test_compile_gate.py runs it).
 
-    python launch/check_kernels.py [+exp=flash_small] [--seq 4096] [--dtype float32|bfloat16] [--seed 0]
+    python launch/check_kernels.py [+exp=flash_small] [hydra overrides...] [--seq 4096]
+                                   [--dtype float32|bfloat16] [--seed 0] [--rounds 3] [--tol 1e-4]
     python launch/check_kernels.py --compile-only [--json] [+exp=flash ...] [--arch sm_90a,sm_100a] [--jobs N]
+
+`+exp=NAME` and overrides give the widths (default `+exp=flash_small`); `--seq` tokens of the one sequence
+(default 4096); `--dtype` of the inputs (default float32); `--seed` of the random inputs (default 0);
+`--rounds` timed rounds per side (default 3); `--tol` the largest float32 difference allowed (default 1e-4).
 
 `--compile-only` (train/compile_gate.py): traces one simulated training step of each exp (default: flash,
 flash_node and flash_small; `+exp=NAME`, repeatable, picks some) with the CUDA path's launches recorded,
@@ -12,8 +17,9 @@ Triton wheel's ptxas; prints one line per compilation (registers per thread, spi
 resident blocks and occupancy on H100 for sm_90a, on B200 for sm_100a), or with `--json` one JSON
 object: {"entries": [{"kernel", "config", "arch", "registers", "spill_bytes", "shared_bytes", ...}, ...],
 "failures": [...], "timings": {...}, "devices": {...}}. Exits 1 when a kernel does not compile, a config
-cannot launch or a spill is not declared (train/compile_gate.py `failures`). `--jobs` compiles in that
-many worker processes (default: the CPU count).
+cannot launch or a spill is not declared (train/compile_gate.py `failures`). `--arch` the architectures,
+comma-separated (default sm_90a,sm_100a); `--jobs` compiles in that many worker processes (default: the
+CPU count).
 
 For each kernel it builds random inputs of the exp's widths (one sequence of --seq tokens), runs the
 kernel path and the reference path of the same function on the same inputs with the same upstream
@@ -42,6 +48,11 @@ import dataclasses
 import json
 import statistics
 import sys
+
+from flashtrain.config.cli import exit_with_help  # noqa: E402 - imports nothing heavy
+
+if __name__ == "__main__":
+    exit_with_help(__doc__, sys.argv[1:])  # --help: this docstring, before the slow imports
 
 import torch  # noqa: E402
 from bench_util import alternate  # noqa: E402

@@ -49,7 +49,8 @@ def test_kernels_compile_as_one_graph_and_equal_eager():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
     # the indexer's selection (no gradient) as one opaque op as well
-    qi, wi, ki = torch.randn(B, S, 2, 8, generator=g), torch.randn(B, S, 2, generator=g), torch.randn(B, N, 8, generator=g)
+    qi, wi = torch.randn(B, S, 2, 8, generator=g), torch.randn(B, S, 2, generator=g)
+    ki = torch.randn(B, N, 8, generator=g)
     n_vis = (torch.arange(S) + 1) // 2
     args = (qi, wi, ki, n_vis, 4, 8, None, 2, 3)
     eager = index_topk_op(*args)
