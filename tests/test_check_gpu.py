@@ -85,3 +85,85 @@ def test_the_time_budget_skips_what_is_left(tmp_path, monkeypatch):
     sections = json.loads((tmp_path / "check_gpu.json").read_text())["sections"]
     assert sections["kernels"]["status"] == "skipped" and sections["train"]["status"] == "skipped"
     assert sections["estimator"]["status"] == "ok"  # it only collects what was started
+
+
+def test_options_only_shares_and_user_errors(monkeypatch):
+    """--only picks sections, the rest are reported as skipped; unknown arguments and sections are one-line
+    user errors; on a GPU a section's deadline is its share of the budget, never past the budget's end."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import check_gpu
+
+    from flashtrain.config.errors import FlashtrainError
+
+    cpu, out, budget, only = check_gpu.parse(["--cpu", "--only", "train,estimator", "--budget-s", "90"])
+    assert (cpu, budget, only) == (True, 90.0, ("train", "estimator"))
+    assert check_gpu.parse([])[2:] == (480.0, check_gpu.SECTIONS)
+    for bad in (["--only", "train,bogus"], ["--frobnicate"], ["--budget-s", "soon"]):
+        with pytest.raises(FlashtrainError):
+            check_gpu.parse(bad)
+    b = check_gpu.Budget(100.0, {"kernels": 30.0})
+    b.start("kernels")
+    assert 29.0 < b.section_left() <= 30.0 and b.left() > 99.0
+    b.start("train")  # no share: the budget's end
+    assert b.section_left() > 99.0
+    b = check_gpu.Budget(10.0, {"kernels": 30.0})
+    b.start("kernels")
+    assert b.section_left() <= 10.0
+
+
+def test_only_runs_the_named_sections(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "launch"))
+    import check_gpu
+
+    calls = []
+    monkeypatch.setattr(check_gpu, "kernels", lambda *a: calls.append("kernels") or {})
+    monkeypatch.setattr(check_gpu, "train", lambda *a: calls.append("train") or {})
+    monkeypatch.setattr(check_gpu, "summary", lambda report: "summary")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert check_gpu.main(["--cpu", "--out", str(tmp_path), "--only", "train"]) == 0
+    sections = json.loads((tmp_path / "check_gpu.json").read_text())["sections"]
+    assert calls == ["train"] and sections["train"]["status"] == "ok"
+    assert all(sections[s] == {"status": "skipped", "reason": "not in --only"} for s in sections if s != "train")
+
+
+def test_kernels_killed_at_the_end_of_the_share_keep_what_finished(tmp_path, monkeypatch):
+    """The kernel worker writes each exp x dtype as it ends; killed mid-way, the finished one is kept, the
+    running one is an error that says so, the rest are skipped."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import check_gpu
+
+    def killed(cmd, budget, env=None):
+        lines = Path(cmd[-1])
+        lines.write_text(json.dumps({"key": "a/float32", "started": True}) + "\n"
+                         + json.dumps({"key": "a/float32", "status": "ok", "seconds": 1.0, "report": {}}) + "\n"
+                         + json.dumps({"key": "b/bfloat16", "started": True}) + "\n")
+        raise subprocess.TimeoutExpired(cmd, 150)
+
+    monkeypatch.setattr(check_gpu, "_run", killed)
+    plan = {"kernel_runs": [("a", "float32"), ("b", "bfloat16"), ("c", "float32")], "kernel_seq": 64,
+            "kernel_rounds": 1, "kernel_warmup": 0, "kernel_env": {}}
+    out = check_gpu.kernels(plan, check_gpu.Budget(100.0), tmp_path)
+    assert out["a/float32"]["status"] == "ok"
+    assert out["b/bfloat16"]["status"] == "error" and "not finished" in out["b/bfloat16"]["error"]
+    assert out["c/float32"]["status"] == "skipped"
+
+
+def test_bench_node_falls_back_to_fewer_experts(monkeypatch):
+    sys.path.insert(0, str(ROOT / "launch"))
+    import check_gpu
+
+    tried = []
+
+    def bench(args, budget, env):
+        tried.append(args[-1])
+        if args[-1].endswith("=32"):
+            raise RuntimeError("CUDA out of memory")
+        return {"variants": {}}
+
+    monkeypatch.setattr(check_gpu, "bench", bench)
+    plan = {"node": ["+exp=flash_node"], "node_experts": (32, 16), "env": {}}
+    res = check_gpu.bench_node(plan, check_gpu.Budget(100.0))
+    assert tried == ["model.n_routed_experts=32", "model.n_routed_experts=16"] and res["n_routed_experts"] == 16
+    monkeypatch.setattr(check_gpu, "bench", lambda *a: (_ for _ in ()).throw(RuntimeError("CUDA out of memory")))
+    with pytest.raises(RuntimeError, match="32 experts.*16 experts"):
+        check_gpu.bench_node(plan, check_gpu.Budget(100.0))
