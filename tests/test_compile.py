@@ -1,13 +1,14 @@
 """torch.compile per block (train/compile.py, `train.compile`): on the CPU, inductor's C++ backend compiles
 each block's body and the loss tile, and the compiled model equals the eager one -- the loss and every
-parameter gradient to fp32 rounding -- on flash_tiny's widths with the 4-layer plan (SWA, SWA + Engram,
-Full at ratio 2 as kv / index / candidate source, Reuse), under each recomputation mode."""
+parameter gradient to fp32 rounding -- on flash_tiny's widths with two layers (SWA + Engram; Full at ratio 2
+as kv / index / candidate source: the compressor, the indexer with its KL loss, the sparse attention, mHC,
+the MoE), under each recomputation mode. (The Triton kernels under compile: tests/triton_interpret/
+test_compiled_kernels.py.)"""
 
 import shutil
 
 import pytest
 import torch
-from layer_plans import FOUR_LAYERS
 
 from flashtrain.data.loader import IGNORE
 from flashtrain.model.aux import StepStats
@@ -17,6 +18,10 @@ from flashtrain.train.compile import apply_compile, compile_enabled
 from flashtrain.train.config import compose, model_config
 from flashtrain.train.loss import tiled_lm_loss
 
+# SWA + Engram, Full (ratio 2; kv, index and candidate source): every block kind but the Reuse / Reindex ones,
+# which only read the carry (each distinct block is one more compilation: ~1-2 CPU minutes each here)
+TWO_LAYERS = ["model.n_layers=2", "model.compress_ratios=[0,2]", "model.kv_source_layers=[1]",
+              "model.index_source_layers=[1]", "model.candidate_source_layer=1", "model.engram_layer_ids=[0]"]
 SEQ = 48
 TILE = 32  # two loss tiles, the second shorter
 
@@ -35,7 +40,7 @@ def _step(model, recompute: str, tokens, labels):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="needs a C++ compiler")
 def test_compiled_blocks_equal_eager():
-    """Slow: inductor compiles four blocks' forward and backward and the loss tile (~1-2 minutes on 2 cores).
+    """Slow: inductor compiles two blocks' forward and backward and the loss tile (minutes of CPU).
     The compiled bodies are reused by every recomputation mode (the recomputation wraps them), so the three
     modes cost one compilation.
 
@@ -47,7 +52,7 @@ def test_compiled_blocks_equal_eager():
 
     torch._dynamo.reset()
     counters.clear()
-    cfg = model_config(compose(["+exp=flash_tiny", *FOUR_LAYERS]))
+    cfg = model_config(compose(["+exp=flash_tiny", *TWO_LAYERS]))
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(3, cfg.image_token_id, (1, SEQ + 1), generator=gen)
     labels = tokens[:, 1:].clone()
@@ -66,7 +71,7 @@ def test_compiled_blocks_equal_eager():
             # the compiled model really ran compiled graphs: at least one per block and the loss tile
             assert counters["stats"]["unique_graphs"] >= cfg.n_layers + 1, dict(counters["stats"])
             torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=0)
-            assert set(grads_c) == set(grads_e) and len(grads_e) > 40
+            assert set(grads_c) == set(grads_e) and len(grads_e) > 20
             total = sum((grads_c[n] - g).square().sum() for n, g in grads_e.items()).sqrt()
             assert total <= 1e-5 * sum(g.square().sum() for g in grads_e.values()).sqrt(), recompute
             for name, g in grads_e.items():
@@ -75,7 +80,7 @@ def test_compiled_blocks_equal_eager():
             assert set(stats_c.expert_load) == set(stats_e.expert_load)
             for layer, load in stats_e.expert_load.items():
                 torch.testing.assert_close(stats_c.expert_load[layer], load)  # the side channel is filled once
-            assert set(stats_c.indexer_loss) == set(stats_e.indexer_loss) == {2}
+            assert set(stats_c.indexer_loss) == set(stats_e.indexer_loss) == {1}
     finally:
         loss_module.compile_tile(False)
 
