@@ -949,6 +949,27 @@ MUTANTS = [
            'load_stats=load_stats(out.loads))',
            'load_stats=None)',
            ['tests/test_host_syncs.py', '-k', 'pp1']),
+    # issue 34 (helper 2): launch/check_gpu.py's shares, --only, the killed kernel worker, the flash_node fallback
+    Mutant('check_gpu gives every section the whole budget', 'launch/check_gpu.py',
+           'self.section_end = min(self.end, time.monotonic() + share) if share is not None else self.end',
+           'self.section_end = self.end',
+           ['tests/test_check_gpu.py', '-k', 'shares']),
+    Mutant('check_gpu --only runs every section', 'launch/check_gpu.py',
+           '        if name not in only:\n',
+           '        if False:\n',
+           ['tests/test_check_gpu.py', '-k', 'only_runs']),
+    Mutant('check_gpu drops the kernels that finished before the kill', 'launch/check_gpu.py',
+           '        out[rec.pop("key")] = rec\n',
+           '        rec.pop("key")\n',
+           ['tests/test_check_gpu.py', '-k', 'killed']),
+    Mutant('check_gpu calls the killed kernel run skipped', 'launch/check_gpu.py',
+           'if key == running else',
+           'if False else',
+           ['tests/test_check_gpu.py', '-k', 'killed']),
+    Mutant('check_gpu tries one flash_node-width configuration only', 'launch/check_gpu.py',
+           '    for experts in plan["node_experts"]:',
+           '    for experts in plan["node_experts"][:1]:',
+           ['tests/test_check_gpu.py', '-k', 'fewer_experts']),
 ]
 
 
