@@ -4,7 +4,8 @@ compile gate of every Triton kernel (`--compile-only`, no GPU needed; tests/test
 
     python launch/check_kernels.py [+exp=flash_small] [hydra overrides...] [--seq 4096]
                                    [--dtype float32|bfloat16] [--seed 0] [--rounds 3] [--tol 1e-4]
-    python launch/check_kernels.py --compile-only [--json] [+exp=flash ...] [--arch sm_90a,sm_100a] [--jobs N]
+    python launch/check_kernels.py --compile-only [--json | --markdown] [+exp=flash ...] [--arch sm_90a,sm_100a]
+                                   [--jobs N]
 
 `+exp=NAME` and overrides give the widths (default `+exp=flash_small`); `--seq` tokens of the one sequence
 (default 4096); `--dtype` of the inputs (default float32); `--seed` of the random inputs (default 0);
@@ -16,7 +17,8 @@ and compiles every kernel x autotune config the CUDA autotuner would try x archi
 Triton wheel's ptxas; prints one line per compilation (registers per thread, spill stores, shared memory,
 resident blocks and occupancy on H100 for sm_90a, on B200 for sm_100a), or with `--json` one JSON
 object: {"entries": [{"kernel", "config", "arch", "registers", "spill_bytes", "shared_bytes", ...}, ...],
-"failures": [...], "timings": {...}, "devices": {...}}. Exits 1 when a kernel does not compile, a config
+"failures": [...], "timings": {...}, "devices": {...}}, or with `--markdown` the table of docs/kernels.md
+(one row per kernel x launch x config, the architectures side by side). Exits 1 when a kernel does not compile, a config
 cannot launch or a spill is not declared (train/compile_gate.py `failures`). `--arch` the architectures,
 comma-separated (default sm_90a,sm_100a); `--jobs` compiles in that many worker processes (default: the
 CPU count).
@@ -110,14 +112,14 @@ def compile_only(argv: list[str]) -> int:
 
     from flashtrain.train import compile_gate
 
-    as_json = "--json" in argv
-    argv = [a for a in argv if a not in ("--compile-only", "--json")]
+    as_json, as_markdown = "--json" in argv, "--markdown" in argv
+    argv = [a for a in argv if a not in ("--compile-only", "--json", "--markdown")]
     archs, argv = _opt(argv, "--arch", ",".join(compile_gate.ARCHS))
     jobs, argv = _opt(argv, "--jobs", str(os.cpu_count() or 1))
     exps = [a.split("=", 1)[1] for a in argv if a.startswith("+exp=")] or ["flash", "flash_node", "flash_small"]
     rest = [a for a in argv if not a.startswith("+exp=")]
     if rest:
-        print(f"error: --compile-only takes +exp=NAME, --arch, --jobs and --json, not {' '.join(rest)}",
+        print(f"error: --compile-only takes +exp=NAME, --arch, --jobs, --json and --markdown, not {' '.join(rest)}",
               file=sys.stderr)
         return 2
     arch_list = [a.strip() for a in archs.split(",") if a.strip()]
@@ -126,12 +128,16 @@ def compile_only(argv: list[str]) -> int:
         print(f"error: --arch {','.join(unknown)}: the gate compiles for {', '.join(compile_gate.ARCHS)}",
               file=sys.stderr)
         return 2
-    log = (lambda m: print(m, file=sys.stderr)) if as_json else print
+    log = (lambda m: print(m, file=sys.stderr)) if as_json or as_markdown else print
     entries, timings = compile_gate.gate(exps, tuple(arch_list), int(jobs), log=log)
     bad = compile_gate.failures(entries)
     if as_json:
         print(json.dumps({"exps": exps, "entries": entries, "failures": bad, "timings": timings,
                           "devices": {a: dc.asdict(compile_gate.DEVICES[a]) for a in arch_list}}))
+    elif as_markdown:
+        print(compile_gate.markdown_table(entries))
+        print(f"\n{len(entries)} compilations in {timings['compile_s']} s with {timings['jobs']} worker(s) after a "
+              f"{timings['trace_s']} s trace; {len(bad)} failure(s)" + "".join(f"\n- FAIL {b}" for b in bad))
     else:
         print(f"{'kernel':<26} {'config':<52} {'arch':<8} {'regs':>4} {'spill':>5} {'smem':>7} {'blk/SM':>6} "
               f"{'occ':>5}  variant")

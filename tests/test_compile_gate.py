@@ -60,6 +60,19 @@ def test_failures_name_what_is_wrong():
     assert "does not compile" in gate.failures([{**ok, "error": "CompilationError: x"}], spills={})[0]
 
 
+def test_markdown_table_puts_the_architectures_side_by_side():
+    e = {"kernel": "_k", "config": "A=1", "variant": "bfloat16; X=2", "file": "model/kernels/k.py", "registers": 128,
+         "spill_bytes": 0, "shared_bytes": 16384, "num_warps": 4, "blocks_per_sm": 4, "occupancy": 0.25,
+         "launchable": True, "exps": ["flash", "flash_node"]}
+    table = gate.markdown_table([{**e, "arch": "sm_100a", "registers": 96}, {**e, "arch": "sm_90a", "spill_bytes": 8},
+                                 {**e, "config": "A=2", "arch": "sm_90a", "error": "CompilationError: x"}])
+    lines = table.splitlines()
+    assert "sm_90a (H100/H200)" in lines[0] and lines[0].index("sm_90a") < lines[0].index("sm_100a")
+    assert lines[2] == ("| `_k` | bfloat16; X=2 | A=1 | flash, flash_node | 128 (+8 spill) / 16.0 KiB / 4 x 4w = 25% "
+                        "| 96 / 16.0 KiB / 4 x 4w = 25% |")
+    assert lines[3] == "| `_k` | bfloat16; X=2 | A=2 | flash, flash_node | does not compile | - |"
+
+
 def test_every_module_with_an_autotuned_kernel_is_gated():
     """A kernel module the gate does not know would never be compiled: every file that autotunes is listed."""
     found = set()

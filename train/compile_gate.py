@@ -350,3 +350,30 @@ def gate(exps: list[str], archs=tuple(ARCHS), jobs: int = 1, log=print) -> tuple
     t2 = time.perf_counter()
     return entries, {"trace_s": round(t1 - t0, 1), "compile_s": round(t2 - t1, 1), "launches": n_launches,
                      "compilations": len(ordered), "jobs": jobs}
+
+
+def markdown_table(entries: list[dict]) -> str:
+    """The gate's report as the table in docs/kernels.md: one row per kernel x launch variant x config, the
+    two architectures side by side (registers / spill stores in bytes / shared memory in KiB / resident
+    blocks per SM and occupancy on H100 for sm_90a, on B200 for sm_100a), and the exps that launch it."""
+    rows: dict[tuple, dict] = {}
+    for e in entries:
+        rows.setdefault((e["file"], e["kernel"], e["variant"], e["config"]), {})[e["arch"]] = e
+
+    def cell(e: dict | None) -> str:
+        if e is None:
+            return "-"
+        if "error" in e:
+            return "does not compile"
+        spill = f" (+{e['spill_bytes']} spill)" if e["spill_bytes"] else ""
+        return (f"{e['registers']}{spill} / {e['shared_bytes'] / 1024:.1f} KiB / {e['blocks_per_sm']} x "
+                f"{e['num_warps']}w = {e['occupancy']:.0%}" + ("" if e["launchable"] else " NOT LAUNCHABLE"))
+
+    archs = sorted({e["arch"] for e in entries}, key=lambda a: ARCHS[a])
+    head = " | ".join(f"{a} ({DEVICES[a].name}): regs / smem / blocks x warps = occupancy" for a in archs)
+    lines = [f"| kernel | launch (dtypes; flags) | config | exps | {head} |", "|" + "---|" * (4 + len(archs))]
+    for (_, kernel, variant, config), by_arch in sorted(rows.items()):
+        exps = ", ".join(next(iter(by_arch.values()))["exps"])
+        lines.append(f"| `{kernel}` | {variant} | {config} | {exps} | "
+                     + " | ".join(cell(by_arch.get(a)) for a in archs) + " |")
+    return "\n".join(lines)
