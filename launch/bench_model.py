@@ -2,7 +2,7 @@
 references in one process, tokens/s and MFU. A benchmark, not a test.
 
     python launch/bench_model.py [+exp=flash_small] [--batch 1] [--seq 256] [--rounds 3] [--peak-tflops T]
-                                 [--no-optim] [--flops-only] [hydra overrides...]
+                                 [--no-optim] [--compile] [--variants V,...] [--flops-only] [hydra overrides...]
 
 Options: `+exp=NAME` and Hydra overrides (default `+exp=flash_small`); `--batch` sequences per micro-batch
 (default 1); `--seq` tokens per sequence (default: the exp's data.seq_len, 256 for flash_small... see below);
@@ -28,6 +28,15 @@ learning rate 0 (the same work, the weights stay equal to the kernels model's); 
 `optim_s`. The JSON keeps the old keys: `fwd_bwd_s` / `optim_s` / `tokens_per_s = batch * seq /
 (fwd_bwd_s + optim_s)` describe the variant the trainer runs by default here (kernels on CUDA,
 `default` on CPU).
+
+`--variants reference,kernels,default` times only those (one model each: at flash_node widths two fit a GPU
+where three do not); the optimizer step then runs on the first one's gradients.
+
+`--compile` adds the trainer's default variant with torch.compile per block and per loss tile
+(train/compile.py, what `train.compile=true` does), alternated with the others: `compiled` in the JSON
+(built from the same seed: the same weights), its compile time (`compile_s`: its first forward+backward,
+which compiles, minus its median round) and the speed-up over the eager default variant
+(`compiled_vs_eager_speedup`, per round: eager time / compiled time).
 
 Model FLOPs per token (the MFU numerator): `train/flops.py` (the trainer's `flops_per_token` / `mfu`
 metrics use the same function), averaged over positions 0..S-1 of one sequence of S = --seq:
@@ -89,12 +98,16 @@ def _token_map(cfg: ModelConfig) -> torch.Tensor | None:
 
 
 def main(argv: list[str]) -> int:
+    only = None
+    if "--variants" in argv:
+        i = argv.index("--variants")
+        only, argv = argv[i + 1].split(","), argv[:i] + argv[i + 2:]
     batch, argv = take_int(argv, "--batch", 1)
     seq, argv = take_int(argv, "--seq", None)
     rounds, argv = take_int(argv, ("--rounds", "--steps"), 3)
     peak_tflops, argv = _take_float(argv, "--peak-tflops")
-    flops_only, with_optim = "--flops-only" in argv, "--no-optim" not in argv
-    argv = [a for a in argv if a not in ("--flops-only", "--no-optim")]
+    flops_only, with_optim, with_compile = "--flops-only" in argv, "--no-optim" not in argv, "--compile" in argv
+    argv = [a for a in argv if a not in ("--flops-only", "--no-optim", "--compile")]
     overrides = argv or ["+exp=flash_small"]
     conf = compose(overrides)
     mcfg = model_config(conf)
@@ -144,10 +157,21 @@ def main(argv: list[str]) -> int:
     token_map = _token_map(mcfg)
     if token_map is not None:
         print(f"engram: a stand-in token map (id mod {mcfg.engram_compressed_vocab_size}) instead of the tokenizer's")
+    if only is not None:
+        variants = {k: v for k, v in variants.items() if k in only}
+        if not variants:
+            raise SystemExit(f"error: --variants {','.join(only)}: none of them runs here")
+    eager_default = "default" if "default" in variants else "kernels" if "kernels" in variants else "reference"
+    if with_compile:
+        variants["compiled"] = variants[eager_default]
     models = {}
     for name, flag in variants.items():
         m = model_template(dataclasses.replace(mcfg, use_triton=flag), token_map).materialize(device, seed)
         m.set_recompute(recompute)
+        if name == "compiled":
+            from flashtrain.train.compile import apply_compile
+
+            apply_compile(m)
         models[name] = m
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, mcfg.image_token_id, (batch, seq + 1), generator=gen).to(device)
@@ -158,8 +182,13 @@ def main(argv: list[str]) -> int:
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
 
+    from flashtrain.train.loss import compile_tile
+
     def fwd_bwd(model):
+        compiled = model is models.get("compiled")
+
         def run():
+            compile_tile(compiled)  # the loss tile compiled for the compiled variant only
             model.zero_grad(set_to_none=True)
             with autocast():
                 hidden = model.final_hidden(model.run(inputs))
@@ -174,11 +203,19 @@ def main(argv: list[str]) -> int:
         ocfg = optim_config(conf)
         if not cuda and ocfg.use_triton is not False:
             ocfg = dataclasses.replace(ocfg, use_triton=False)  # never the interpreter for the optimizer
-        opt = build_optimizers(models["reference"], mcfg, ocfg, lr=0.0)
+        first = next(iter(models))
+        opt = build_optimizers(models[first], mcfg, ocfg, lr=0.0)
         opt.set_lr(0.0)  # the full step's work; the weights stay as the kernels model's
-        runs["optimizer"] = opt.step  # on the reference model's gradients of its last round
+        runs["optimizer"] = opt.step  # on the first variant's gradients of its last round
     print(f"{batch} x {seq} tokens, recompute={recompute}; {', '.join(runs)} alternate: 1 warm-up round, "
           f"then {rounds} round{'s' if rounds != 1 else ''}")
+    first_compiled_s = None
+    if with_compile:  # its first forward+backward compiles every block and the loss tile
+        import time
+
+        t0 = time.perf_counter()
+        runs["compiled"]()
+        first_compiled_s = time.perf_counter() - t0
     times = alternate(runs, rounds, warmup=1)
 
     n_tokens = batch * seq
@@ -192,18 +229,25 @@ def main(argv: list[str]) -> int:
         print(f"{name:<10} forward+backward {t:8.3f} s (median; rounds {', '.join(f'{x:.3f}' for x in times[name])})"
               f"  {tps:>12,.1f} tokens/s  MFU " + (f"{100 * mfu:.2f}%" if mfu is not None else "n/a"))
     speedup = default_speedup = None
-    if "kernels" in variants:
+    if "kernels" in variants and "reference" in variants:
         speedup = ratio_summary(times["reference"], times["kernels"])
         print(f"kernels vs reference speed-up (per round: reference time / kernels time): {format_ratio(speedup)}")
-    if "default" in variants:
+    if "default" in variants and "reference" in variants:
         default_speedup = ratio_summary(times["reference"], times["default"])
         print(f"CPU default (grouped experts) vs reference speed-up (reference time / default time): "
               f"{format_ratio(default_speedup)}")
+    compiled_speedup = compile_s = None
+    if with_compile:
+        compiled_speedup = ratio_summary(times[eager_default], times["compiled"])
+        compile_s = first_compiled_s - statistics.median(times["compiled"])
+        print(f"compiled vs eager ({eager_default}) speed-up (per round: eager time / compiled time): "
+              f"{format_ratio(compiled_speedup)}; compile time {compile_s:.1f} s (first compiled forward+backward "
+              f"{first_compiled_s:.1f} s minus its median round)")
     optim_s = statistics.median(times["optimizer"]) if with_optim else None
     if with_optim:
         print(f"optimizer step {optim_s:.3f} s (median; lr 0 on the reference model's gradients)")
 
-    default = "default" if "default" in variants else "kernels" if cuda and not kernels_skipped else "reference"
+    default = eager_default  # the trainer's default variant here (of those run)
     fwd_bwd_s = out_variants[default]["fwd_bwd_s"]
     res = {
         "exp": overrides, "params": acc["params_total"], "batch": batch, "seq": seq,
@@ -218,6 +262,8 @@ def main(argv: list[str]) -> int:
         "matmul_params_per_token": acc["matmul_params_per_token"],
         "variants": out_variants, "kernels_skipped": kernels_skipped,
         "kernels_vs_reference_speedup": speedup, "default_vs_reference_speedup": default_speedup,
+        "compiled_vs_eager_speedup": compiled_speedup, "compile_s": compile_s,
+        "compiled_eager_variant": eager_default if with_compile else None,
     }
     print(json.dumps(res))
     return 0

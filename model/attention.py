@@ -46,7 +46,7 @@ from flashtrain.model.carry import SharedKV
 from flashtrain.model.chunks import query_chunks
 from flashtrain.model.config import ModelConfig, QATConfig
 from flashtrain.model.index_logits import index_logits_lean
-from flashtrain.model.kernels.index_topk import index_topk_triton
+from flashtrain.model.kernels.index_topk import index_topk_op
 from flashtrain.model.kernels.select import use_triton
 from flashtrain.model.layer_plan import LayerRole, Role
 from flashtrain.model.norm import RMSNorm
@@ -303,7 +303,8 @@ class Attention(nn.Module):
                 self.cand_blocks if self.role.is_candidate_source else 0)
         with torch.no_grad():
             if use_triton(q_i, self.use_triton):
-                topk, values, cands = index_topk_triton(*args)
+                topk, values, cands = index_topk_op(*args)
+                cands = cands if self.role.is_candidate_source else None
             else:
                 (topk, cands), values = index_select(*args), None
             if restrict and self.pool_may_fall_short:

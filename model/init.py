@@ -37,6 +37,7 @@ from torch import nn
 
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.norm import RMSNorm
+from flashtrain.model.simulation import simulated
 
 INIT_BLOCK_ELEMS = 1 << 22  # elements per seeded block (a 16 MiB fp32 temporary at most)
 STACKED_EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -58,7 +59,9 @@ def seeded_normal_(p: torch.Tensor, std: float, seed: int, name: str, row_offset
     """Fill p, which holds global rows [row_offset, row_offset + p.shape[0]) of a `global_rows`-row
     tensor (default: p is the whole tensor), with N(0, std^2): block b (rows [b per, (b+1) per) of the
     global tensor, the last one cut at global_rows) from its own generator, so the values depend on the
-    global name, shape and row only."""
+    global name, shape and row only. A fake tensor (train/estimate.py) has no values to fill."""
+    if simulated(p):
+        return
     if p.dim() == 0:
         p.copy_(torch.empty(()).normal_(0.0, std, generator=_generator(seed, name, 0)))
         return

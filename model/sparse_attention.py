@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from flashtrain.model.chunks import query_chunks
 from flashtrain.model.kernels.select import use_triton as _select_triton
-from flashtrain.model.kernels.sparse_attention import sparse_attention_bwd_triton, sparse_attention_fwd_triton
+from flashtrain.model.kernels.sparse_attention import sparse_attention_bwd_op, sparse_attention_fwd_op
 
 
 def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -117,8 +117,9 @@ class _LeanSparseAttention(torch.autograd.Function):
     @staticmethod
     def _forward_triton(ctx, q, window_kv, comp_kv, sink, topk, window, scale, chunk, q_offset):
         has_comp = topk is not None and topk.shape[-1] > 0
-        out, lse, target = sparse_attention_fwd_triton(q, window_kv, comp_kv if has_comp else None,
-                                                       topk if has_comp else None, sink, window, scale, q_offset)
+        out, lse, target = sparse_attention_fwd_op(q, window_kv, comp_kv if has_comp else None,
+                                                   topk if has_comp else None, sink, int(window), float(scale),
+                                                   int(q_offset))
         ctx.save_for_backward(q, window_kv, comp_kv if has_comp else None, sink, topk if has_comp else None, out, lse)
         ctx.window, ctx.scale, ctx.chunk, ctx.q_offset = window, scale, chunk, q_offset
         ctx.mark_non_differentiable(target)
@@ -161,9 +162,9 @@ class _LeanSparseAttention(torch.autograd.Function):
     @staticmethod
     def _backward_triton(ctx, dout):
         q, window_kv, comp_kv, sink, topk, out, lse = ctx.saved_tensors
-        dq, dwin, dcomp, dsink = sparse_attention_bwd_triton(q, window_kv, comp_kv, topk, sink, out, lse, dout,
-                                                             ctx.window, ctx.scale, ctx.q_offset)
-        return (dq.to(q.dtype), dwin.to(window_kv.dtype), None if dcomp is None else dcomp.to(comp_kv.dtype),
+        dq, dwin, dcomp, dsink = sparse_attention_bwd_op(q, window_kv, comp_kv, topk, sink, out, lse, dout,
+                                                         int(ctx.window), float(ctx.scale), int(ctx.q_offset))
+        return (dq.to(q.dtype), dwin.to(window_kv.dtype), None if comp_kv is None else dcomp.to(comp_kv.dtype),
                 dsink.to(sink.dtype), None, None, None, None, None, None)
 
     @staticmethod

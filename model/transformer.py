@@ -201,8 +201,9 @@ class Transformer(nn.Module):
                              self.image_start, self.image_newline, self.image_end,
                              None if split is None else split.positions(tokens.device))
         else:
-            if token_types is not None and not simulated(token_types) and bool((token_types >= 0).any()):
-                raise ValueError("token_types marks image positions but the batch carries no images")
+            if token_types is not None and not simulated(token_types):  # checked on the device, no host read
+                torch._assert_async((token_types < 0).all(), "token_types marks image positions but the batch "
+                                                               "carries no images")
             e = self.embed(tokens if split is None else split.local(tokens))
         h = e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         return Carry(h, one_hot_pre(h))

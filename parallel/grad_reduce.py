@@ -170,12 +170,13 @@ class GradReducer:
             by_group.setdefault(id(b.group), []).append(b)
         for buckets in by_group.values():  # one small all-reduce per group
             params = [p for b in buckets for p in b.params]
-            flags = torch.tensor([id(p) in self.touched for p in params], dtype=torch.float32,
-                                 device=buckets[0].buffer.device)
-            if buckets[0].group is not None:
+            got = [id(p) in self.touched for p in params]  # known here: a host read only to agree over a group
+            if buckets[0].group is not None:  # did any replica's backward produce it: one host read per group
+                flags = torch.tensor(got, dtype=torch.float32, device=buckets[0].buffer.device)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=buckets[0].group)
-            if simulated(flags):  # the memory estimator: no values, every gradient is assumed to exist
+                got = flags
+            if simulated(buckets[0].buffer):  # the memory estimator: no values, every gradient is assumed to exist
                 continue
-            for p, got in zip(params, flags.tolist()):
-                if not got:
+            for p, arrived in zip(params, got if isinstance(got, list) else got.tolist()):
+                if not arrived:
                     p.grad = None

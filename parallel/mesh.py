@@ -10,7 +10,7 @@ the world size and the model before anything is built); this module only builds 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -25,9 +25,15 @@ class ProcessMesh:
     dp_cp_mesh: object  # the flattened ("dp_rep", "ep") dim
     cp: int = 1
     cp_group: object = None
+    _dims: dict = field(default_factory=dict, repr=False)  # name -> 1-D mesh, made once
 
     def _dim(self, name: str):
-        return self.dp_cp_mesh if name == "dp_cp" else self.device_mesh[name]
+        """The named 1-D mesh (slicing a DeviceMesh builds a submesh from its rank tensor: once per name)."""
+        if name == "dp_cp":
+            return self.dp_cp_mesh
+        if name not in self._dims:
+            self._dims[name] = self.device_mesh[name]
+        return self._dims[name]
 
     def group(self, name: str):
         return self.cp_group if name == "cp" else self._dim(name).get_group()

@@ -20,7 +20,7 @@ def test_sign_rule_by_hand_with_an_absent_modality(tiny_model, tiny_cfg):
     before_vl = gate.bias_vl.clone()
     text = torch.tensor([10, 0, 4, 2, 2, 6, 0, 8])  # mean 4: over -> down, under -> up, equal -> unchanged
     loads = {3: torch.stack([text, torch.zeros(E, dtype=torch.long)])}  # no image token this step
-    assert update_biases(tiny_model, loads, rate=0.001) == 1
+    assert update_biases(tiny_model, loads, rate=0.001) == 2  # both rows: the absent one's signs are all 0
     want = torch.arange(E, dtype=torch.float32) * 0.01 + 0.001 * torch.tensor([-1, 1, 0, 1, 1, -1, 1, -1.0])
     torch.testing.assert_close(gate.bias, want)
     torch.testing.assert_close(gate.bias_vl, before_vl)  # absent modality: unchanged
@@ -58,8 +58,9 @@ assert out[7].tolist() == [[6, 6], [1, 1]], out
 staged = ({0: torch.tensor([[1, 2], [0, 0]]), 1: torch.tensor([[4, 0], [1, 1]])} if r == 0
           else {3: torch.tensor([[0, 9], [2, 0]])})
 out = global_loads(staged, n_layers=4, n_experts=2)
-assert sorted(out) == [0, 1, 3], out
+assert sorted(out) == [0, 1, 2, 3], out  # every layer; one nobody reported has zero loads
 assert out[1].tolist() == [[4, 0], [1, 1]] and out[3].tolist() == [[0, 9], [2, 0]], out
+assert out[2].tolist() == [[0, 0], [0, 0]], out
 dist.destroy_process_group()
 '''
     root = Path(__file__).resolve().parent.parent

@@ -18,8 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flashtrain.model.simulation import simulated
-
 
 def accumulate_loads(total: dict[int, torch.Tensor], step_loads: dict[int, torch.Tensor]) -> None:
     """Add one micro-batch's loads (layer -> [2, E]) into a running total."""
@@ -29,31 +27,30 @@ def accumulate_loads(total: dict[int, torch.Tensor], step_loads: dict[int, torch
 
 def global_loads(loads: dict[int, torch.Tensor], n_layers: int, n_experts: int, group=None,
                  device: torch.device | None = None) -> dict[int, torch.Tensor]:
-    """Sum the loads over `group` (default: every rank) in one all-reduce for all layers.
+    """Sum the loads over `group` (default: every rank) in one all-reduce for all layers, on the device
+    (no host read: the statistics are read with the step's values, train/step_values.py `read`).
 
     With pipeline stages each rank holds the loads of its own layers only, so the sum runs over a
-    dense [n_layers, 2, n_experts] tensor (plus a column marking the layers someone reported) and
-    every rank ends with every layer's global load (what the metrics report; each rank updates the
-    biases it owns). The sum runs on `device` (NCCL reduces device tensors only); the result is on
-    the CPU."""
+    dense [n_layers, 2, n_experts] tensor and every rank ends with every layer's global load (what the
+    metrics report; each rank updates the biases it owns); a layer no rank reported has zero loads
+    (the bias rule leaves it as it is, its statistics are null). The sum runs on `device` (NCCL reduces
+    device tensors only)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return {layer: load.cpu() for layer, load in loads.items()}
+        return dict(loads)
     device = device or (next(iter(loads.values())).device if loads else torch.device("cpu"))
-    dense = torch.zeros(n_layers, 2 * n_experts + 1, dtype=torch.long, device=device)  # last column: present
+    dense = torch.zeros(n_layers, 2 * n_experts, dtype=torch.long, device=device)
     for layer, load in loads.items():
-        dense[layer, :-1] = load.reshape(-1)
-        dense[layer, -1] = 1
+        dense[layer] = load.reshape(-1)
     dist.all_reduce(dense, group=group)
-    dense = dense.cpu()  # the one device-to-host copy of the step's loads
-    present = range(n_layers) if simulated(dense) else [l for l in range(n_layers) if dense[l, -1]]  # fake: no values
-    return {l: dense[l, :-1].reshape(2, n_experts) for l in present}
+    return {l: dense[l].reshape(2, n_experts) for l in range(n_layers)}
 
 
 @torch.no_grad()
 def update_biases(model: nn.Module, loads: dict[int, torch.Tensor], rate: float) -> int:
-    """Apply the sign rule to every MoE layer's `bias` (row 0 loads) and `bias_vl` (row 1 loads).
-    Returns the number of (layer, modality) biases changed."""
-    changed = 0
+    """Apply the sign rule to every MoE layer's `bias` (row 0 loads) and `bias_vl` (row 1 loads), on the
+    device (no host read). A modality absent from the step (all counts 0) leaves its bias as it is: every
+    count equals the mean, so every sign is 0. Returns the number of (layer, modality) biases updated."""
+    updated = 0
     for layer, load in loads.items():
         ffn = getattr(model.layers[layer], "ffn", None)
         if ffn is None:
@@ -61,8 +58,6 @@ def update_biases(model: nn.Module, loads: dict[int, torch.Tensor], rate: float)
         gate = ffn.gate
         for bias, counts in ((gate.bias, load[0]), (gate.bias_vl, load[1])):
             counts = counts.to(bias.device, torch.float32)
-            if not simulated(counts) and counts.sum() == 0:
-                continue  # this modality was absent from the step (the rule would change nothing either)
             bias += rate * torch.sign(counts.mean() - counts)
-            changed += 1
-    return changed
+            updated += 1
+    return updated

@@ -46,6 +46,7 @@ from flashtrain.parallel.context import ContextComm
 from flashtrain.parallel.dims import ParallelDims
 from flashtrain.parallel.pipeline import Pipeline, build_pipeline, local_stage_ranges
 from flashtrain.train.collectives import Operation
+from flashtrain.train.compile import apply_compile, compile_enabled
 from flashtrain.train.config import (
     BatchPlan,
     TrainConfig,
@@ -128,9 +129,10 @@ def run_plan(c: RunConfigs, world: int) -> BatchPlan:
 
 
 def init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
-    """(rank, world, device): the process group of a torchrun launch (none for one process)."""
+    """(rank, world, device): the process group of a torchrun launch -- of one process too (NCCL on one GPU, as
+    launch/check_gpu.py runs it) --, none for a plain `python` start."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
+    if (world > 1 or "TORCHELASTIC_RUN_ID" in os.environ) and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -182,6 +184,8 @@ def build_rank(c: RunConfigs, plan: BatchPlan, dims: ParallelDims, device: torch
     build_rank_model(model, device, c.train.seed, stages, dims.ep, dims.ep_rank, dims.ep_group, tensor_mode,
                      engram_group, dist.get_rank(engram_group) if engram_group is not None else 0, dims.dp_cp)
     model.set_recompute(c.train.recompute)
+    if tensor_mode is None and compile_enabled(c.train.compile, device.type, c.train.compile_default):
+        apply_compile(model)  # never under the estimator's fake tensors (train/compile.py)
     if dims.cp > 1:
         model.set_context_parallel(dims.cp, dims.cp_rank, c.parallel.cp_balance, ContextComm(dims.cp_group))
     with tensor_mode or contextlib.nullcontext():

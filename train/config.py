@@ -48,6 +48,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     loss_tile_tokens: int = 2048  # head + cross-entropy over tiles of this many positions (train/loss.py)
     recompute: str = "none"  # activation recomputation per block: none | selective | full (model/recompute.py)
+    compile: bool | None = None  # torch.compile per block (train/compile.py); None: compile_default[device type]
+    compile_default: dict = field(default_factory=lambda: {"cpu": False, "cuda": False})
     balance_rate: float = 1e-3
     resume_from: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -42,6 +42,31 @@ class _TiledLogitsLoss(TiledFusedLogitsLoss):
         return (None, None, x_grad.mul_(grads[0]), None, None, None, None, None, None)
 
 
+def tile_cross_entropy(head: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The head and the summed cross-entropy of one tile (x [T, D], y [T]; IGNORE positions add 0)."""
+    return F.cross_entropy(head(x).float(), y, ignore_index=IGNORE, reduction="sum")
+
+
+def tile_cross_entropies(head: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The head and each position's cross-entropy of one tile [T] (0 at IGNORE positions)."""
+    return F.cross_entropy(head(x).float(), y, ignore_index=IGNORE, reduction="none")
+
+
+# what a loss tile runs; train.compile (train/compile.py) replaces them by their compiled versions
+_TILE = {"sum": tile_cross_entropy, "each": tile_cross_entropies}
+
+
+_COMPILED: dict = {}  # the compiled tile functions, made once (a new wrapper each time would recompile)
+
+
+def compile_tile(on: bool = True) -> None:
+    """torch.compile the loss tile's head + cross-entropy (train/compile.py `apply_compile`); on=False: back to
+    eager."""
+    if on and not _COMPILED:
+        _COMPILED.update(sum=torch.compile(tile_cross_entropy), each=torch.compile(tile_cross_entropies))
+    _TILE.update(_COMPILED if on else {"sum": tile_cross_entropy, "each": tile_cross_entropies})
+
+
 def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, tile_tokens: int,
                   scale: float = 1.0, split=None, sources: torch.Tensor | None = None,
                   source_ce: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,21 +82,22 @@ def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, t
     if split is not None:
         labels = split.local(labels)
         sources = None if sources is None else split.local(sources)
-    # fake labels (the memory estimator, train/estimate.py) have no values: every position counts
+    # fake labels (the memory estimator, train/estimate.py) have no values: every position counts. The label
+    # count stays on the device (a 0-dim tensor): reading it on the host would be a sync per micro-batch
     if split is not None:
-        n_valid = split.seq_len * labels.shape[0] if simulated(labels) else max(
-            1, int(split.sum((labels != IGNORE).sum())))
+        n_valid = split.seq_len * labels.shape[0] if simulated(labels) else split.sum(
+            (labels != IGNORE).sum()).clamp_min(1)
     else:
-        n_valid = labels.numel() if simulated(labels) else max(1, int((labels != IGNORE).sum()))
+        n_valid = labels.numel() if simulated(labels) else (labels != IGNORE).sum().clamp_min(1)
+    factor = scale / n_valid
     tiles = max(1, math.ceil(labels.numel() / tile_tokens))
 
     def tile_loss(head: nn.Linear, x: torch.Tensor, y: torch.Tensor, src: torch.Tensor | None = None) -> torch.Tensor:
-        logits = head(x).float()
         if src is None:
-            return F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum") * (scale / n_valid)
-        ce = F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="none")  # 0 at IGNORE
+            return _TILE["sum"](head, x, y) * factor
+        ce = _TILE["each"](head, x, y)  # 0 at IGNORE
         source_ce.index_add_(0, src, ce.detach().to(source_ce.dtype))
-        return ce.sum() * (scale / n_valid)
+        return ce.sum() * factor
 
     if sources is None or source_ce is None:
         return _TiledLogitsLoss.apply(tile_loss, head, hidden, labels, None, tiles, [], "sum")

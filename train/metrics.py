@@ -64,17 +64,31 @@ class LoggingConfig:
             raise ConfigError(f"logging.wandb.mode={self.wandb.mode!r}: use offline, online or disabled")
 
 
-def load_statistics(loads: dict[int, torch.Tensor]) -> dict:
+def load_stats(loads: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """[3, layers, 2] on the loads' device: per layer (sorted) and modality the mean load, max / mean and the
+    coefficient of variation (std / mean); read with the step's values (train/step_values.py `read`)."""
+    if not loads:
+        return None
+    x = torch.stack([loads[layer] for layer in sorted(loads)]).double()  # [layers, 2, experts]
+    mean = x.mean(-1)
+    return torch.stack([mean, x.amax(-1) / mean, x.std(-1, unbiased=False) / mean])
+
+
+def load_statistics(loads: dict[int, torch.Tensor], stats: list | None = None) -> dict:
     """Per layer and modality: max/mean and coefficient of variation of the expert loads
-    (NaN where the modality had no token; metrics.jsonl writes it as null)."""
+    (NaN where the modality had no token; metrics.jsonl writes it as null). `stats`: `load_stats(loads)`
+    already read to the host (as nested lists); None reads it here."""
     out = {"text": {"max_over_mean": [], "cv": []}, "image": {"max_over_mean": [], "cv": []}}
-    for layer in sorted(loads):
+    if stats is None:
+        t = load_stats(loads)
+        stats = [] if t is None else t.tolist()
+    if not stats:
+        return out
+    for i in range(len(stats[0])):
         for m, name in enumerate(MODALITIES):
-            x = loads[layer][m].double()
-            mean = x.mean().item()
-            ok = mean > 0
-            out[name]["max_over_mean"].append(x.max().item() / mean if ok else math.nan)
-            out[name]["cv"].append(x.std(unbiased=False).item() / mean if ok else math.nan)
+            ok = stats[0][i][m] > 0
+            out[name]["max_over_mean"].append(stats[1][i][m] if ok else math.nan)
+            out[name]["cv"].append(stats[2][i][m] if ok else math.nan)
     return out
 
 

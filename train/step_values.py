@@ -73,12 +73,29 @@ class StepValues:
             dist.all_reduce(v)
         return v.item()
 
-    def read(self) -> dict:
+    def read(self, **extra: torch.Tensor | None) -> dict:
         """The values on the host: the one device-to-host copy of the step's values (a per-source field
-        as a list)."""
-        values = self.values.tolist()
+        as a list), with any `extra` tensors read in the same copy (the gradient norm, the expert-load
+        statistics): a 0-dim one as a number, others as nested lists of their shape; None stays None."""
+        given = {k: t for k, t in extra.items() if t is not None}
+        values = torch.cat([self.values, *(t.detach().to(self.values.device, torch.float64).reshape(-1)
+                                           for t in given.values())]).tolist()
         out: dict = dict(zip(FIELDS, values))
+        at = self.values.numel()
+        for name, t in given.items():
+            flat = values[at:at + t.numel()]
+            at += t.numel()
+            out[name] = flat[0] if t.dim() == 0 else _nested(flat, list(t.shape))
+        out.update({k: None for k, t in extra.items() if t is None})
         for i, name in enumerate(SOURCE_FIELDS):
             at = len(FIELDS) + i * self.n_sources
             out[name] = values[at:at + self.n_sources]
         return out
+
+
+def _nested(flat: list, shape: list[int]) -> list:
+    """A flat row-major list as nested lists of `shape`."""
+    if len(shape) == 1:
+        return flat
+    step = len(flat) // shape[0]
+    return [_nested(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]

@@ -59,7 +59,7 @@ from flashtrain.train.collectives import CollectiveError, Operation, all_reduce,
 from flashtrain.train.config import CheckpointConfig, TrainConfig, rounded_batch_note
 from flashtrain.train.engram_map import load_or_build_engram_map
 from flashtrain.train.flops import flops_per_token, mfu, peak_flops
-from flashtrain.train.metrics import MetricsLogger, load_statistics
+from flashtrain.train.metrics import MetricsLogger, load_statistics, load_stats
 from flashtrain.train.profile import StepProfiler
 from flashtrain.train.resume import check_model_config, resume_path
 from flashtrain.train.run_guard import acquire_run_lock, die_with_launcher
@@ -108,8 +108,9 @@ class Trainer:
         self.mixed_precision = self.device.type == "cuda"
         self.dims = build_dims(c, self.plan, self.rank, self.device.type)
         if self.is_main:
+            backend = f", process group {dist.get_backend()}" if dist.is_initialized() else ""
             log.info(f"run directory {self.run_dir}: {world} process(es) on {self.device.type}, pp={self.dims.pp} "
-                     f"dp={self.dims.dp} ep={self.dims.ep} cp={self.dims.cp}, {self.max_steps} steps")
+                     f"dp={self.dims.dp} ep={self.dims.ep} cp={self.dims.cp}, {self.max_steps} steps{backend}")
         torch.manual_seed(c.train.seed)
         random.seed(c.train.seed)
         np.random.seed(c.train.seed)
@@ -181,15 +182,19 @@ class Trainer:
         """One training step and its metrics record: `forward_backward_update`, then the step counters."""
         t0 = time.perf_counter()
         lr = self.schedule.lr(self.step)
+        cuda = self.device.type == "cuda"
+        if cuda:  # the allocator's own counters: host-side, no synchronisation
+            torch.cuda.reset_peak_memory_stats(self.device)
         out = self.forward_backward_update()
         n_micro = self.plan.global_microbatches
         self.step += 1
         self.tokens_seen += self.schedule.tokens_per_step
         dt = time.perf_counter() - t0
-        v = out.sums.read()
+        # the step's one read-back: its values, the gradient norm, the expert-load statistics
+        v = out.sums.read(grad_norm=out.grad_norm, load_stats=load_stats(out.loads))
         record = {
             "step": self.step, "loss": v["ce"] / n_micro, "balance_loss": v["balance_loss"] / n_micro,
-            "indexer_loss": v["indexer_loss"] / n_micro, "lr": lr, "grad_norm": out.grad_norm.item(),
+            "indexer_loss": v["indexer_loss"] / n_micro, "lr": lr, "grad_norm": v["grad_norm"],
             "tokens_seen": self.tokens_seen, "tokens_per_s": self.schedule.tokens_per_step / dt, "step_time_s": dt,
             "padding_fraction": v["pad_tokens"] / max(v["positions"], 1.0),
             # the loader's skips (cumulative, every dp rank): samples, the part of them skipped for an image, and
@@ -200,12 +205,14 @@ class Trainer:
             # layers routed by anticipated indices, and the run's totals
             "spike": out.spike, "anticipatory_routing": out.routed,
             "spikes_skipped": self.guard.counts["skipped"], "rollbacks": self.guard.counts["rolled_back"],
-            "expert_load": load_statistics(out.loads),
+            "expert_load": load_statistics(out.loads, v["load_stats"]),
             "per_source": self._per_source(v),
             # model FLOPs (forward + backward) per token at data.seq_len, and MFU = flops_per_token * tokens_per_s
             # / (peak per device * world), null without a known peak (train/flops.py; train.peak_tflops)
             "flops_per_token": (fpt := flops_per_token(self.cfg.model, self.cfg.data.seq_len)),
             "mfu": mfu(fpt, self.schedule.tokens_per_step / dt, self.peak, self.dims.world),
+            # CUDA: this rank's peak of allocated bytes during the step (torch.cuda.max_memory_allocated); null on CPU
+            "memory_peak_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
         }
         return record, out.loads
 
@@ -302,38 +309,48 @@ class Trainer:
         last_saved = self.step
         self.guard.start(self.step, self.tokens_seen)
         while self.step < self.max_steps:
-            self.op.step = self.step + 1
-            faults.inject("step_start", self.step + 1, self.rank)
-            with profiler.step(self.step + 1):
-                record, loads = self.train_step()
-            rollback = self.guard.after_step(self.step, self.tokens_seen, record)
-            if rollback is not None:  # train.spike.action=rollback: continue from the snapshot's step
-                self.step, self.tokens_seen = rollback.step, rollback.tokens_seen
-                metrics.event(rollback.event, wandb_step=rollback.wandb_step)
-                continue
-            if record["spike"] is None and not math.isfinite(record["loss"]):
-                raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping (the last "
-                                         f"checkpoint is intact; train.spike.action=skip or rollback survives this)")
-            metrics.log(self.step, record, loads, wandb_step=self.step + self.guard.rolled_back_steps)
-            if self.evaluator is not None and self.evaluator.due(self.step, self.schedule.total_steps):
-                self.op.name = "the held-out evaluation"
-                metrics.eval(self.evaluator.run(self.step), wandb_step=self.step + self.guard.rolled_back_steps)
-            self.op.step = self.step  # the stop flag and the checkpoint belong to the step just done
-            faults.inject("after_step", self.step, self.rank)
-            self.op.name = "the stop-flag all-reduce"
-            stop = torch.tensor([1.0 if self._stop else 0.0])
-            all_reduce(stop, self.device, dist.ReduceOp.MAX if dist.is_initialized() else None)
-            if self.step % self.cfg.train.checkpoint.interval == 0 or self.step == self.max_steps or stop.item():
-                self.op.name = f"saving checkpoint step_{self.step:08d}"
-                self.save()
+            saved, stop = self.loop_step(metrics, profiler)
+            if saved:
                 last_saved = self.step
-            if stop.item():
-                self._stop = True  # (the rank that got the signal may be another: the flag is all-reduced)
-                if self.is_main:
-                    log.info(f"SIGTERM: saved step {self.step}, exiting")
+            if stop:
                 return
         if last_saved != self.step:
             self.op.name = f"saving checkpoint step_{self.step:08d}"
             self.save()
         self.op.name = "finishing the last checkpoint write"
         self.checkpoints.wait()
+
+    def loop_step(self, metrics: MetricsLogger, profiler: StepProfiler) -> tuple[bool, bool]:
+        """One pass of the loop: the training step, the stability guard's after-step, metrics, the held-out
+        evaluation when due, the stop flag and the checkpoint when due. Returns (saved a checkpoint, stop)."""
+        self.op.step = self.step + 1
+        faults.inject("step_start", self.step + 1, self.rank)
+        with profiler.step(self.step + 1):
+            record, loads = self.train_step()
+        rollback = self.guard.after_step(self.step, self.tokens_seen, record)
+        if rollback is not None:  # train.spike.action=rollback: continue from the snapshot's step
+            self.step, self.tokens_seen = rollback.step, rollback.tokens_seen
+            metrics.event(rollback.event, wandb_step=rollback.wandb_step)
+            return False, False
+        if record["spike"] is None and not math.isfinite(record["loss"]):
+            raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping (the last "
+                                     f"checkpoint is intact; train.spike.action=skip or rollback survives this)")
+        metrics.log(self.step, record, loads, wandb_step=self.step + self.guard.rolled_back_steps)
+        if self.evaluator is not None and self.evaluator.due(self.step, self.schedule.total_steps):
+            self.op.name = "the held-out evaluation"
+            metrics.eval(self.evaluator.run(self.step), wandb_step=self.step + self.guard.rolled_back_steps)
+        self.op.step = self.step  # the stop flag and the checkpoint belong to the step just done
+        faults.inject("after_step", self.step, self.rank)
+        self.op.name = "the stop-flag all-reduce"
+        flag = torch.tensor([1.0 if self._stop else 0.0])
+        all_reduce(flag, self.device, dist.ReduceOp.MAX if dist.is_initialized() else None)
+        stop = bool(flag.item())  # every rank stops (and saves) together: read once
+        if stop:
+            self._stop = True  # (the rank that got the signal may be another: the flag is all-reduced)
+        saved = self.step % self.cfg.train.checkpoint.interval == 0 or self.step == self.max_steps or stop
+        if saved:
+            self.op.name = f"saving checkpoint step_{self.step:08d}"
+            self.save()
+        if stop and self.is_main:
+            log.info(f"SIGTERM: saved step {self.step}, exiting")
+        return saved, stop

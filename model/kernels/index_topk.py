@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtrain.model.kernels.select import HAS_TRITON, interpreting
+from flashtrain.model.kernels.select import HAS_TRITON, interpreting, kernel_op, launch
 
 if HAS_TRITON:
     import triton
@@ -64,6 +64,14 @@ if HAS_TRITON:
     # 164-187 registers and no spill. Wider tiles amortise the buffer merge (log2 K stages a tile).
     _CONFIGS = ([triton.Config({"LOG_N": 4})] if interpreting() else
                 [triton.Config({"LOG_N": n}, num_warps=w, num_stages=2) for n, w in ((6, 8), (6, 4), (7, 8))])
+    # A program's running buffer is 2^(LOG_M + LOG_K) int64 keys in registers. The compile gate (sm_90a,
+    # train/compile_gate.py): at 1024 keys (exp=flash, 2 queries x top-512) 4 warps take 254-255 registers and
+    # no spill; at 2048 (flash_node, 4 queries x top-512) they spill 80-160 bytes: 4 warps only up to 1024 keys.
+    _MAX_KEYS_4_WARPS = 1024
+
+    def _prune_configs(configs, named_args, **kwargs):
+        keys = 1 << (int(kwargs["LOG_M"]) + int(kwargs["LOG_K"]))
+        return [c for c in configs if c.num_warps >= 8 or keys <= _MAX_KEYS_4_WARPS] or configs
 
     @triton.jit
     def _pack(score, j):
@@ -194,7 +202,8 @@ if HAS_TRITON:
         tl.store(IDX + b * sib + t[:, None] * sis + col[None, :], tl.where(ok, j, -1), mask=m)
         tl.store(VAL + b * svb + t[:, None] * svs + col[None, :], tl.where(ok, score, 0.0), mask=m)
 
-    @triton.autotune(configs=_CONFIGS, key=["N", "H", "D", "TOPK", "SEG"])
+    @triton.autotune(configs=_CONFIGS, key=["N", "H", "D", "TOPK", "SEG"],
+                     prune_configs_by={"early_config_prune": _prune_configs})
     @triton.jit
     def _index_topk_kernel(Q, W, K, NVIS, IDX, VAL, BMAX, T0, T1, N, H, D, TOPK, SEG, NB,
                            sqb, sqs, sqh, sqd, swb, sws, swh, skb, skn, skd, sib, sis, svb, svs, smb, sms,
@@ -320,12 +329,12 @@ def index_topk_triton(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, n_vis: 
         h_p2 = max(h_p2, 16 >> log_m)  # tl.dot wants >= 16 rows: pad heads (zero weights)
         do_topk = topk > 0 and not restrict
 
-        def launch(t0, t1, bmax, seg, nblocks, write):
+        def run(t0, t1, bmax, seg, nblocks, write):
             grid = (triton.cdiv(t1 - t0, 1 << log_m), B)
             sm = bmax.stride()[:2] if write else (0, 0)
-            _index_topk_kernel[grid](q, w, k, n_vis, idx, vals, bmax, t0, t1, N, H, d, topk, seg, nblocks,
-                                     *qs, *ws, *ks, *outs, *sm, LOG_M=log_m, H_P2=h_p2,
-                                     LOG_SEG=_log2_p2(seg), DO_TOPK=do_topk, WRITE_BLOCKS=write, **common)
+            launch(_index_topk_kernel, grid, q, w, k, n_vis, idx, vals, bmax, t0, t1, N, H, d, topk, seg, nblocks,
+                   *qs, *ws, *ks, *outs, *sm, LOG_M=log_m, H_P2=h_p2,
+                   LOG_SEG=_log2_p2(seg), DO_TOPK=do_topk, WRITE_BLOCKS=write, **common)
 
         if source_blocks:
             from flashtrain.model.attention import top_indices  # the reference's ranking (that module imports this one)
@@ -336,15 +345,25 @@ def index_topk_triton(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, n_vis: 
             for t0 in range(0, S, rows):
                 t1 = min(S, t0 + rows)
                 bmax = torch.full((B, t1 - t0, nb), float("-inf"), dtype=torch.float32, device=dev)
-                launch(t0, t1, bmax, block, nb, True)
+                run(t0, t1, bmax, block, nb, True)
                 newest = ((n_vis[t0:t1] - 1) // block).unsqueeze(-1)  # -1: nothing visible, nothing pinned
                 bmax.masked_fill_(torch.arange(nb, device=dev) == newest, float("inf"))
                 cands[:, t0:t1] = top_indices(bmax, cands.shape[-1]).to(torch.int32)
         else:
-            launch(0, S, vals, 1, 0, False)
+            run(0, S, vals, 1, 0, False)
     if restrict:
         cand = candidates.to(device=dev, dtype=torch.int32)
-        _index_topk_pool_kernel[(S, B)](q, w, k, n_vis, cand, idx, vals, N, H, d, topk, block, cand.shape[-1],
-                                        *qs, *ws, *ks, *cand.stride(), *outs, H_P2=max(16, 1 << _log2_p2(H)),
-                                        LOG_SEG=_log2_p2(block), **common)
+        launch(_index_topk_pool_kernel, (S, B), q, w, k, n_vis, cand, idx, vals, N, H, d, topk, block,
+               cand.shape[-1], *qs, *ws, *ks, *cand.stride(), *outs, H_P2=max(16, 1 << _log2_p2(H)),
+               LOG_SEG=_log2_p2(block), **common)
     return idx, vals, cands
+
+
+@kernel_op("index_topk")
+def index_topk_op(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, n_vis: torch.Tensor, topk: int, chunk: int,
+                  candidates: torch.Tensor | None, block: int, source_blocks: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`index_topk_triton` as a torch.library custom op (model/kernels/select.py `kernel_op`: opaque to
+    torch.compile), with an empty int32 candidate tensor [0] where it has none."""
+    idx, vals, cands = index_topk_triton(q, w, k, n_vis, topk, chunk, candidates, block, source_blocks)
+    return idx, vals, torch.empty(0, dtype=torch.int32, device=q.device) if cands is None else cands

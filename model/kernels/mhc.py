@@ -43,7 +43,7 @@ import math
 
 import torch
 
-from flashtrain.model.kernels.select import HAS_TRITON, interpreting
+from flashtrain.model.kernels.select import HAS_TRITON, interpreting, kernel_op, launch
 
 N_STREAMS = 4
 N_MIX = (2 + N_STREAMS) * N_STREAMS  # 24
@@ -67,12 +67,17 @@ if HAS_TRITON:
                              ({"BLOCK_T": 64, "BLOCK_K": 64}, 4), ({"BLOCK_T": 128, "BLOCK_K": 64}, 8)])
     _MIXGRAD_CONFIGS = _configs({"BLOCK_T": 16},
                                 [({"BLOCK_T": 32}, 4), ({"BLOCK_T": 64}, 4), ({"BLOCK_T": 128}, 8)])
+    # the compile gate (train/compile_gate.py, docs/kernels.md) measured BLOCK_T = 64 spilling 808-896 bytes in
+    # this kernel on sm_90a and sm_100a (the [32, BLOCK_K] dfn accumulator beside the [BLOCK_T, BLOCK_K] tiles)
     _XGRAD_CONFIGS = _configs({"BLOCK_T": 16, "BLOCK_K": 128},
-                              [({"BLOCK_T": 32, "BLOCK_K": 64}, 4), ({"BLOCK_T": 64, "BLOCK_K": 64}, 4),
-                               ({"BLOCK_T": 32, "BLOCK_K": 128}, 4), ({"BLOCK_T": 64, "BLOCK_K": 128}, 8)])
+                              [({"BLOCK_T": 32, "BLOCK_K": 64}, 4), ({"BLOCK_T": 32, "BLOCK_K": 128}, 4)])
     _ELEM_CONFIGS = _configs({"BLOCK_T": 8, "BLOCK_D": 32},
                              [({"BLOCK_T": 4, "BLOCK_D": 128}, 4), ({"BLOCK_T": 4, "BLOCK_D": 256}, 4),
                               ({"BLOCK_T": 8, "BLOCK_D": 128}, 4), ({"BLOCK_T": 8, "BLOCK_D": 256}, 8)])
+    # the expand backward holds dh [BLOCK_T, 4, BLOCK_D] and dcomb [BLOCK_T, 4, 4] besides its loads: with 8 tokens
+    # a block it spilled 32-176 bytes, with (4, 256) 64-204 (compile gate, sm_90a and sm_100a); (4, 128): 133-168
+    # registers, none
+    _EXPAND_BWD_CONFIGS = _configs({"BLOCK_T": 8, "BLOCK_D": 32}, [({"BLOCK_T": 4, "BLOCK_D": 128}, 4)])
 
     # ---------------------------------------------------------------- Sinkhorn on [BLOCK_T, 4, 4] tiles
 
@@ -315,7 +320,7 @@ if HAS_TRITON:
             out = post_j[:, None] * y + tl.sum(comb_j[:, :, None] * h, axis=1)
             tl.store(OUT + t64[:, None] * (4 * D) + j * D + d[None, :], out.to(OUT.dtype.element_ty), mask=mask2)
 
-    @triton.autotune(configs=_ELEM_CONFIGS, key=["D"])
+    @triton.autotune(configs=_EXPAND_BWD_CONFIGS, key=["D"])
     @triton.jit
     def _expand_bwd_kernel(Y, H, POST, COMB, DOUT, DY, DH, DPOST, DCOMB, T, D,
                            BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -361,6 +366,114 @@ def _check_h(h: torch.Tensor) -> tuple[int, int]:
     return math.prod(h.shape[:-2]), h.shape[-1]
 
 
+# ---------------------------------------------------------------- host code, one custom op per kernel group
+# torch.library custom ops (`flashtrain::hc_*`, model/kernels/select.py `kernel_op`): torch.compile treats each
+# launch group as one opaque operator instead of tracing into Triton.
+
+def _empty(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32, device=x.device)
+
+
+@kernel_op("hc_mixes_fwd")
+def hc_mixes_fwd_op(x: torch.Tensor, fn32: torch.Tensor, scale32: torch.Tensor, base32: torch.Tensor,
+                    norm_eps: float, hc_eps: float, iters: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, 4D] -> pre [T, 4], post [T, 4], comb [T, 16], the mixes m [T, 24] and the rsqrt [T], fp32."""
+    T, K = x.shape
+    dev = x.device
+    pre = torch.empty(T, N_STREAMS, dtype=torch.float32, device=dev)
+    post = torch.empty(T, N_STREAMS, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, N_STREAMS * N_STREAMS, dtype=torch.float32, device=dev)
+    mix = torch.empty(T, N_MIX, dtype=torch.float32, device=dev)
+    rs = torch.empty(T, dtype=torch.float32, device=dev)
+    if T:
+        launch(_mixes_fwd_kernel, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),),
+               x, fn32, scale32, base32, pre, post, comb, mix, rs, T, K, float(norm_eps), float(hc_eps), int(iters))
+    return pre, post, comb, mix, rs
+
+
+@kernel_op("hc_mixes_bwd")
+def hc_mixes_bwd_op(x: torch.Tensor, fn32: torch.Tensor, scale32: torch.Tensor, base32: torch.Tensor,
+                    mix: torch.Tensor, rs: torch.Tensor, dpre: torch.Tensor, dpost: torch.Tensor, dcomb: torch.Tensor,
+                    hc_eps: float, iters: int, need_x: bool, need_fn: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients from (dpre [T, 4], dpost [T, 4], dcomb [T, 16]) fp32 contiguous: dx [T, 4D] in x.dtype
+    (empty unless need_x), dfn [24, 4D] fp32 (empty unless need_fn), and the sums over tokens of dbase and of
+    da * m [24] fp32 (dscale's parts)."""
+    T, K = x.shape
+    dev = x.device
+    du = torch.empty(T, N_MIX, dtype=torch.float32, device=dev)
+    coef = torch.empty(T, dtype=torch.float32, device=dev)
+    n_prog = max(1, min(_cdiv(T, 16), _MIXGRAD_PROGRAMS))
+    pb = torch.empty(n_prog, N_MIX, dtype=torch.float32, device=dev)
+    ps = torch.empty(n_prog, N_MIX, dtype=torch.float32, device=dev)
+    if T:
+        launch(_mixes_bwd_mix_kernel, (n_prog,), mix, rs, scale32, base32, dpre, dpost, dcomb, du, coef, pb, ps,
+               T, K, float(hc_eps), int(iters))
+    else:
+        pb.zero_()
+        ps.zero_()
+    dx, dfn = _empty(x), _empty(x)
+    if need_x or need_fn:
+        dxb = torch.empty(T, K, dtype=x.dtype, device=dev) if need_x else du
+        splits = max(1, min(_DFN_SPLITS, _cdiv(T, _DFN_MIN_TOKENS)))
+        pfn = torch.empty(splits, N_MIX, K, dtype=torch.float32, device=dev) if need_fn else du
+        if T:
+            launch(_mixes_bwd_x_kernel, lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), splits),
+                   x, fn32, du, coef, dxb, pfn, T, K, _cdiv(T, splits), HAS_DX=bool(need_x), HAS_DFN=bool(need_fn))
+        elif need_fn:
+            pfn.zero_()
+        if need_x:
+            dx = dxb
+        if need_fn:
+            dfn = pfn.sum(0)
+    return dx, dfn, pb.sum(0), ps.sum(0)
+
+
+@kernel_op("hc_collapse_fwd")
+def hc_collapse_fwd_op(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """h [..., 4, D], pre [..., 4], both contiguous -> y [..., D] in h.dtype."""
+    T, D = _check_h(h)
+    y = torch.empty(*h.shape[:-2], D, dtype=h.dtype, device=h.device)
+    if T:
+        launch(_collapse_fwd_kernel, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"])),
+               h, pre, y, T, D)
+    return y
+
+
+@kernel_op("hc_collapse_bwd")
+def hc_collapse_bwd_op(h: torch.Tensor, pre: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    T, D = _check_h(h)
+    dh = torch.empty_like(h)
+    dpre = torch.empty_like(pre)
+    if T:
+        launch(_collapse_bwd_kernel, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),), h, pre, dy, dh, dpre, T, D)
+    return dh, dpre
+
+
+@kernel_op("hc_expand_fwd")
+def hc_expand_fwd_op(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """All contiguous: post_j y + sum_i comb_ij h_i -> [..., 4, D] in h.dtype."""
+    T, D = _check_h(h)
+    out = torch.empty_like(h)
+    if T:
+        launch(_expand_fwd_kernel, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"])),
+               y, h, post, comb, out, T, D)
+    return out
+
+
+@kernel_op("hc_expand_bwd")
+def hc_expand_bwd_op(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, dout: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, D = _check_h(h)
+    dy, dh = torch.empty_like(y), torch.empty_like(h)
+    dpost, dcomb = torch.empty_like(post), torch.empty_like(comb)
+    if T:
+        launch(_expand_bwd_kernel, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),),
+               y, h, post, comb, dout, dy, dh, dpost, dcomb, T, D)
+    return dy, dh, dpost, dcomb
+
+
 class _HcMixes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, fn, scale, base, norm_eps, hc_eps, iters):
@@ -374,16 +487,8 @@ class _HcMixes(torch.autograd.Function):
         scale32 = scale.detach().float().contiguous()
         base32 = base.detach().float().contiguous()
         lead = h.shape[:-2]
-        dev = h.device
-        pre = torch.empty(T, N_STREAMS, dtype=torch.float32, device=dev)
-        post = torch.empty(T, N_STREAMS, dtype=torch.float32, device=dev)
-        comb = torch.empty(T, N_STREAMS * N_STREAMS, dtype=torch.float32, device=dev)
-        mix = torch.empty(T, N_MIX, dtype=torch.float32, device=dev)
-        rs = torch.empty(T, dtype=torch.float32, device=dev)
-        if T:
-            _mixes_fwd_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),)](
-                x, fn32, scale32, base32, pre, post, comb, mix, rs, T, K,
-                float(norm_eps), float(hc_eps), int(iters))
+        pre, post, comb, mix, rs = hc_mixes_fwd_op(x, fn32, scale32, base32, float(norm_eps), float(hc_eps),
+                                                   int(iters))
         ctx.save_for_backward(x, fn32, scale32, base32, mix, rs)
         ctx.hc_eps, ctx.iters, ctx.h_shape = float(hc_eps), int(iters), h.shape
         ctx.dtypes = (h.dtype, fn.dtype, scale.dtype, base.dtype)
@@ -395,92 +500,51 @@ class _HcMixes(torch.autograd.Function):
         x, fn32, scale32, base32, mix, rs = ctx.saved_tensors
         need_h, need_fn, need_scale, need_base = ctx.needs_input_grad[:4]
         T, K = x.shape
-        dev = x.device
         dpre = dpre.reshape(T, N_STREAMS).float().contiguous()
         dpost = dpost.reshape(T, N_STREAMS).float().contiguous()
         dcomb = dcomb.reshape(T, N_STREAMS * N_STREAMS).float().contiguous()
-        du = torch.empty(T, N_MIX, dtype=torch.float32, device=dev)
-        coef = torch.empty(T, dtype=torch.float32, device=dev)
-        n_prog = max(1, min(_cdiv(T, 16), _MIXGRAD_PROGRAMS))
-        pb = torch.empty(n_prog, N_MIX, dtype=torch.float32, device=dev)
-        ps = torch.empty(n_prog, N_MIX, dtype=torch.float32, device=dev)
-        if T:
-            _mixes_bwd_mix_kernel[(n_prog,)](mix, rs, scale32, base32, dpre, dpost, dcomb, du, coef, pb, ps,
-                                             T, K, ctx.hc_eps, ctx.iters)
-        else:
-            pb.zero_()
-            ps.zero_()
-        dh = dfn = dscale = dbase = None
-        if need_h or need_fn:
-            h_dtype, fn_dtype = ctx.dtypes[:2]
-            dx = torch.empty(T, K, dtype=h_dtype, device=dev) if need_h else du
-            splits = max(1, min(_DFN_SPLITS, _cdiv(T, _DFN_MIN_TOKENS)))
-            pfn = (torch.empty(splits, N_MIX, K, dtype=torch.float32, device=dev) if need_fn else du)
-            if T:
-                _mixes_bwd_x_kernel[lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), splits)](
-                    x, fn32, du, coef, dx, pfn, T, K, _cdiv(T, splits), HAS_DX=bool(need_h), HAS_DFN=bool(need_fn))
-            elif need_fn:
-                pfn.zero_()
-            if need_h:
-                dh = dx.view(ctx.h_shape)
-            if need_fn:
-                dfn = pfn.sum(0).to(fn_dtype)
+        dx, dfn32, pb, ps = hc_mixes_bwd_op(x, fn32, scale32, base32, mix, rs, dpre, dpost, dcomb, ctx.hc_eps,
+                                            ctx.iters, bool(need_h), bool(need_fn))
+        dh = dx.view(ctx.h_shape) if need_h else None
+        dfn = dfn32.to(ctx.dtypes[1]) if need_fn else None
+        dscale = dbase = None
         if need_scale:
-            s = ps.sum(0)
-            dscale = torch.stack([s[:N_STREAMS].sum(), s[N_STREAMS:2 * N_STREAMS].sum(),
-                                  s[2 * N_STREAMS:].sum()]).to(ctx.dtypes[2])
+            dscale = torch.stack([ps[:N_STREAMS].sum(), ps[N_STREAMS:2 * N_STREAMS].sum(),
+                                  ps[2 * N_STREAMS:].sum()]).to(ctx.dtypes[2])
         if need_base:
-            dbase = pb.sum(0).to(ctx.dtypes[3])
+            dbase = pb.to(ctx.dtypes[3])
         return dh, dfn, dscale, dbase, None, None, None
 
 
 class _HcCollapse(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, pre):
-        T, D = _check_h(h)
+        _check_h(h)
         h = h.contiguous()
         pre_c = pre.contiguous()
-        y = torch.empty(*h.shape[:-2], D, dtype=h.dtype, device=h.device)
-        if T:
-            _collapse_fwd_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"]))](
-                h, pre_c, y, T, D)
+        y = hc_collapse_fwd_op(h, pre_c)
         ctx.save_for_backward(h, pre_c)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         h, pre = ctx.saved_tensors
-        T, D = _check_h(h)
-        dh = torch.empty_like(h)
-        dpre = torch.empty_like(pre)
-        if T:
-            _collapse_bwd_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),)](
-                h, pre, dy.contiguous(), dh, dpre, T, D)
-        return dh, dpre
+        return hc_collapse_bwd_op(h, pre, dy.contiguous())
 
 
 class _HcExpand(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, h, post, comb):
-        T, D = _check_h(h)
+        _check_h(h)
         y, h, post, comb = y.contiguous(), h.contiguous(), post.contiguous(), comb.contiguous()
-        out = torch.empty_like(h)
-        if T:
-            _expand_fwd_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"]))](
-                y, h, post, comb, out, T, D)
+        out = hc_expand_fwd_op(y, h, post, comb)
         ctx.save_for_backward(y, h, post, comb)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         y, h, post, comb = ctx.saved_tensors
-        T, D = _check_h(h)
-        dy, dh = torch.empty_like(y), torch.empty_like(h)
-        dpost, dcomb = torch.empty_like(post), torch.empty_like(comb)
-        if T:
-            _expand_bwd_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),)](
-                y, h, post, comb, dout.contiguous(), dy, dh, dpost, dcomb, T, D)
-        return dy, dh, dpost, dcomb
+        return hc_expand_bwd_op(y, h, post, comb, dout.contiguous())
 
 
 def hc_mixes_triton(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

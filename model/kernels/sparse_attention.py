@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtrain.model.kernels.select import HAS_TRITON, interpreting
+from flashtrain.model.kernels.select import HAS_TRITON, interpreting, kernel_op, launch
 
 if HAS_TRITON:
     import triton
@@ -47,20 +47,40 @@ if HAS_TRITON:
         _FWD_CONFIGS = [triton.Config({"BLOCK_H": h, "BLOCK_N": n}, num_warps=w, num_stages=s)
                         for h, n, w, s in ((16, 32, 4, 2), (16, 64, 8, 2), (16, 32, 8, 1), (32, 32, 8, 2),
                                            (32, 64, 8, 1), (64, 32, 8, 1))]
+        # (16, 32, 4 warps, 2 stages) spilled 40-56 bytes at D = 256 and 424-444 at D = 512 (compile gate): dropped
         _BWD_Q_CONFIGS = [triton.Config({"BLOCK_H": h, "BLOCK_N": n}, num_warps=w, num_stages=s)
-                          for h, n, w, s in ((16, 16, 4, 1), (16, 32, 4, 2), (16, 32, 8, 1), (32, 32, 8, 1),
-                                             (64, 16, 8, 1))]
+                          for h, n, w, s in ((16, 16, 4, 1), (16, 32, 8, 1), (32, 32, 8, 1), (64, 16, 8, 1))]
         _BWD_KV_CONFIGS = [triton.Config({"BLOCK_H": h, "BLOCK_N": n}, num_warps=w, num_stages=s)
                            for h, n, w, s in ((16, 16, 4, 1), (16, 32, 8, 1), (32, 32, 8, 1), (64, 16, 8, 1),
                                               (64, 32, 8, 1))]
 
+    # Register footprint at D = 512 (exp=flash; train/compile_gate.py, docs/kernels.md): with 4 warps every
+    # config spills in bf16 (forward (16, 32): 44-48 bytes; backward query kernel (16, 16): 8-32, (16, 32):
+    # 424-444; key kernel (16, 16): 8), and the backward query kernel's (32, 32, 8 warps) spills 60-76 bytes:
+    # at D >= 512 only 8 warps, and the query kernel's BLOCK_H x BLOCK_N <= 512 (its dq, q, dout [BLOCK_H, D]
+    # and k [BLOCK_N, D] tiles live together).
+    _WIDE_D = 512
+    _BWD_Q_WIDE_TILE = 512
+    # Spills the compile gate measured and accepts (train/compile_gate.py): one 4-byte word in the key kernel's
+    # (16, 32, 8 warps) at D = 256 on sm_90a (flash_node), where the only other config its prune keeps is
+    # (16, 16, 4 warps)
+    SPILLS_MEASURED = {("_sparse_attn_bwd_kv", "BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=1", "sm_90a"): 4}
+
     def _prune_configs(configs, named_args, **kwargs):
         """Drop head blocks wider than the (padded) head count (they would only add masked work) and tiles
-        whose register footprint at this head dim would spill ([BLOCK_H, D] and [BLOCK_N, D] tiles)."""
+        whose register footprint at this head dim would spill ([BLOCK_H, D] and [BLOCK_N, D] tiles; 4 warps
+        at D >= 512)."""
         cap = max(16, triton.next_power_of_2(int(named_args["H"])))
         block_d = max(16, triton.next_power_of_2(int(named_args["D"])))
         kept = [c for c in configs if c.kwargs["BLOCK_H"] <= cap and c.kwargs["BLOCK_H"] * block_d <= 16384
-                and c.kwargs["BLOCK_N"] * block_d <= 32768]
+                and c.kwargs["BLOCK_N"] * block_d <= 32768 and (block_d < _WIDE_D or c.num_warps == 8)]
+        return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_H"] * c.kwargs["BLOCK_N"])]
+
+    def _prune_bwd_q(configs, named_args, **kwargs):
+        """`_prune_configs`, and at D >= 512 head blocks x key tiles of at most 512."""
+        block_d = max(16, triton.next_power_of_2(int(named_args["D"])))
+        kept = [c for c in _prune_configs(configs, named_args, **kwargs)
+                if block_d < _WIDE_D or c.kwargs["BLOCK_H"] * c.kwargs["BLOCK_N"] <= _BWD_Q_WIDE_TILE]
         return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_H"] * c.kwargs["BLOCK_N"])]
 
     @triton.jit
@@ -150,7 +170,7 @@ if HAS_TRITON:
                     tl.store(t_ptr, prev + tl.sum(p, 0), mask=jmask)
 
     @triton.autotune(configs=_BWD_Q_CONFIGS, key=["H", "D", "K", "window"], reset_to_zero=["DCOMP"],
-                     prune_configs_by={"early_config_prune": _prune_configs})
+                     prune_configs_by={"early_config_prune": _prune_bwd_q})
     @triton.jit
     def _sparse_attn_bwd_q(Q, KV, COMP, TOPK, SINK, OUT, DOUT, LSE, DQ, DCOMP, DELTA, DSINK,
                            S, H, D, K, N, window, q_offset, scale,
@@ -279,6 +299,15 @@ def _check(q: torch.Tensor, window_kv: torch.Tensor, comp_kv, topk, sink: torch.
     return has_comp
 
 
+def _rows_in(q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """K = V rows in q's dtype: the kernels round every loaded row to it before its products anyway, so this
+    changes no value; it halves the bytes gathered for fp32 rows (the compressed KV of a Full layer under
+    autocast) and leaves one kernel variant per dtype. The compile gate's report showed the fp32-row variant
+    at D = 512 spilling 184-608 bytes in 4 of 5 forward and 3 of 4 backward configs (bf16 rows: 0-76) and
+    needing up to 224 KiB of shared memory (docs/kernels.md)."""
+    return rows if rows is None or rows.dtype == q.dtype else rows.to(q.dtype)
+
+
 def _common(q: torch.Tensor, D: int):
     block_d = max(16, triton.next_power_of_2(D))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # "tf32" only names the default; bf16 products are exact
@@ -292,6 +321,7 @@ def sparse_attention_fwd_triton(q: torch.Tensor, window_kv: torch.Tensor, comp_k
     None, sink [H]. Returns (out [B, S, H, D] in q.dtype, lse [B, S, H] fp32, target [B, S, k] fp32: the
     head-summed probabilities of the compressed slots, [B, S, 0] without them)."""
     has_comp = _check(q, window_kv, comp_kv, topk, sink, q_offset)
+    window_kv, comp_kv = _rows_in(q, window_kv), _rows_in(q, comp_kv)
     B, S, H, D = q.shape
     k_sel = topk.shape[-1] if has_comp else 0
     out = torch.empty_like(q)
@@ -307,10 +337,10 @@ def sparse_attention_fwd_triton(q: torch.Tensor, window_kv: torch.Tensor, comp_k
     N = comp_kv.shape[1] if has_comp else 0
     sink = sink.contiguous()
     block_d, prec = _common(q, D)
-    _sparse_attn_fwd[(S, B)](q, window_kv, comp, idx, sink, out, lse, target,
-                             H, D, k_sel, N, window, q_offset, float(scale),
-                             *q.stride(), *window_kv.stride(), *cs, *ts, *out.stride(), *lse.stride(), *gs,
-                             HAS_COMP=has_comp, PREC=prec, BLOCK_D=block_d)
+    launch(_sparse_attn_fwd, (S, B), q, window_kv, comp, idx, sink, out, lse, target,
+           H, D, k_sel, N, window, q_offset, float(scale),
+           *q.stride(), *window_kv.stride(), *cs, *ts, *out.stride(), *lse.stride(), *gs,
+           HAS_COMP=has_comp, PREC=prec, BLOCK_D=block_d)
     return out, lse, target
 
 
@@ -320,6 +350,7 @@ def sparse_attention_bwd_triton(q: torch.Tensor, window_kv: torch.Tensor, comp_k
     """Gradients of sparse_attention_fwd_triton's out given dout [B, S, H, D] and its saved lse [B, S, H]:
     (dq [B, S, H, D], dwindow_kv like window_kv, dcomp_kv like comp_kv or None, dsink [H]), all fp32."""
     has_comp = _check(q, window_kv, comp_kv, topk, sink, q_offset)
+    window_kv, comp_kv = _rows_in(q, window_kv), _rows_in(q, comp_kv)
     B, S, H, D = q.shape
     L = window_kv.shape[1]
     dev = q.device
@@ -339,16 +370,35 @@ def sparse_attention_bwd_triton(q: torch.Tensor, window_kv: torch.Tensor, comp_k
     ts = topk.stride() if has_comp else (0, 0, 0)
     sink = sink.contiguous()
     block_d, prec = _common(q, D)
-    _sparse_attn_bwd_q[(S, B)](q, window_kv, comp, idx, sink, out, dout, lse, dq,
-                               dcomp if has_comp else torch.zeros(1, dtype=torch.float32, device=dev),
-                               delta, dsink_part, S, H, D, k_sel, N, window, q_offset, float(scale),
-                               *q.stride(), *window_kv.stride(), *cs, *ts, *out.stride(), *dout.stride(),
-                               *lse.stride(), HAS_COMP=has_comp, PREC=prec, BLOCK_D=block_d)
+    launch(_sparse_attn_bwd_q, (S, B), q, window_kv, comp, idx, sink, out, dout, lse, dq,
+           dcomp if has_comp else torch.zeros(1, dtype=torch.float32, device=dev),
+           delta, dsink_part, S, H, D, k_sel, N, window, q_offset, float(scale),
+           *q.stride(), *window_kv.stride(), *cs, *ts, *out.stride(), *dout.stride(),
+           *lse.stride(), HAS_COMP=has_comp, PREC=prec, BLOCK_D=block_d)
 
     def grid(meta):
         return (triton.cdiv(L, meta["BLOCK_N"]), B)
 
-    _sparse_attn_bwd_kv[grid](q, window_kv, dout, lse, delta, dwin, S, H, D, L, window, q_offset, float(scale),
-                              *q.stride(), *window_kv.stride(), *dout.stride(), *lse.stride(),
-                              PREC=prec, BLOCK_D=block_d)
+    launch(_sparse_attn_bwd_kv, grid, q, window_kv, dout, lse, delta, dwin, S, H, D, L, window, q_offset,
+           float(scale), *q.stride(), *window_kv.stride(), *dout.stride(), *lse.stride(), PREC=prec, BLOCK_D=block_d)
     return dq, dwin, dcomp, dsink_part.sum(dim=(0, 1))
+
+
+# The host functions as torch.library custom ops (model/kernels/select.py `kernel_op`): torch.compile sees one
+# opaque operator per direction and never traces into Triton. model/sparse_attention.py calls these.
+@kernel_op("sparse_attention_fwd")
+def sparse_attention_fwd_op(q: torch.Tensor, window_kv: torch.Tensor, comp_kv: torch.Tensor | None,
+                            topk: torch.Tensor | None, sink: torch.Tensor, window: int, scale: float, q_offset: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return sparse_attention_fwd_triton(q, window_kv, comp_kv, topk, sink, window, scale, q_offset)
+
+
+@kernel_op("sparse_attention_bwd")
+def sparse_attention_bwd_op(q: torch.Tensor, window_kv: torch.Tensor, comp_kv: torch.Tensor | None,
+                            topk: torch.Tensor | None, sink: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                            dout: torch.Tensor, window: int, scale: float, q_offset: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As sparse_attention_bwd_triton, with an empty dcomp [0] where it has none (an op returns tensors)."""
+    dq, dwin, dcomp, dsink = sparse_attention_bwd_triton(q, window_kv, comp_kv, topk, sink, out, lse, dout, window,
+                                                         scale, q_offset)
+    return dq, dwin, torch.empty(0, dtype=torch.float32, device=q.device) if dcomp is None else dcomp, dsink

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtrain.model.kernels.select import HAS_TRITON, interpreting, use_triton
+from flashtrain.model.kernels.select import HAS_TRITON, interpreting, launch, use_triton
 
 MAIN_COEFFS = (3.4445, -4.7750, 2.0315)
 POLISH_COEFFS = (2.0, -1.5, 0.5)
@@ -46,9 +46,17 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    # (128, 64, 8 warps) spilled 104 bytes on sm_90a with the S epilogue (compile gate, docs/kernels.md): dropped
     _SYRK_CONFIGS = ([triton.Config({"BLOCK": 16, "BLOCK_K": 16})] if interpreting() else
                      [triton.Config({"BLOCK": b, "BLOCK_K": k}, num_warps=w)
-                      for b, k, w in ((64, 32, 4), (128, 32, 8), (64, 64, 4), (128, 64, 8))])
+                      for b, k, w in ((64, 32, 4), (128, 32, 8), (64, 64, 4))])
+    # Spills the compile gate measured and accepts (kernel, config, arch) -> bytes (train/compile_gate.py): the
+    # `HAS_S` epilogue loads the [BLOCK, BLOCK] S tile while the accumulator is live; a spill of 1-2 words a
+    # program (stored and loaded once, after the K loop) against 2 x BLOCK x K tile loads, and the alternative
+    # is fewer configs for the autotuner
+    SPILLS_MEASURED = {("_syrk_kernel", "BLOCK=128, BLOCK_K=32, num_warps=8, num_stages=3", "sm_90a"): 4,
+                       ("_syrk_kernel", "BLOCK=64, BLOCK_K=64, num_warps=4, num_stages=3", "sm_90a"): 8,
+                       ("_syrk_kernel", "BLOCK=64, BLOCK_K=64, num_warps=4, num_stages=3", "sm_100a"): 8}
 
     @triton.autotune(configs=_SYRK_CONFIGS, key=["M", "K"])
     @triton.jit
@@ -109,8 +117,8 @@ def syrk(X: torch.Tensor, alpha: float = 1.0, S: torch.Tensor | None = None, bet
     # the (i, j) tables are the row-major lower triangle, so the table for the smallest candidate
     # block (the most tiles) serves every config the autotuner may pick: a prefix of it is exact
     ti, tj = _lower_tiles(triton.cdiv(M, min(c.kwargs["BLOCK"] for c in _SYRK_CONFIGS)), X.device)
-    _syrk_kernel[grid](X, s, out, ti, tj, M, K, *X.stride(), *s.stride(), *out.stride(), alpha, beta,
-                       HAS_S=S is not None)
+    launch(_syrk_kernel, grid, X, s, out, ti, tj, M, K, *X.stride(), *s.stride(), *out.stride(), alpha, beta,
+           HAS_S=S is not None)
     return out
 
 
