@@ -28,6 +28,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from flashtrain.model.simulation import simulated
+
 FP8_MAX = 448.0  # float8_e4m3fn largest finite
 FP4_MAX = 6.0  # e2m1 largest
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code c (0..7) has magnitude E2M1_GRID[c]; c | 8 is its negative
@@ -194,9 +196,15 @@ def _e2m1_tables(device: torch.device) -> tuple[Tensor, Tensor]:
     return grid.to(device), boundaries.to(device)
 
 
+def _tables(t: Tensor) -> tuple[Tensor, Tensor]:
+    """`_e2m1_tables` for t's device; built afresh for a fake tensor (the memory estimator), so that no fake
+    table is ever cached for the real computations of the same process."""
+    return _e2m1_tables.__wrapped__(t.device) if simulated(t) else _e2m1_tables(t.device)
+
+
 def _e2m1_magnitude_code(x: Tensor) -> Tensor:
     """Index into E2M1_GRID of round-to-nearest-even(|x|), saturating at 6 (int64)."""
-    return torch.bucketize(x.float().abs().contiguous(), _e2m1_tables(x.device)[1])
+    return torch.bucketize(x.float().abs().contiguous(), _tables(x)[1])
 
 
 def e2m1_round(x: Tensor) -> Tensor:
@@ -206,7 +214,7 @@ def e2m1_round(x: Tensor) -> Tensor:
     """
     _check_float(x, "e2m1_round input")
     x = x.float()
-    grid = _e2m1_tables(x.device)[0]
+    grid = _tables(x)[0]
     rounded = torch.copysign(grid[_e2m1_magnitude_code(x)], x)
     return torch.where(torch.isnan(x), x, rounded)
 
@@ -226,7 +234,7 @@ def e2m1_decode(codes: Tensor) -> Tensor:
     if codes.dtype != torch.uint8:
         raise ValueError(f"e2m1_decode expects uint8 codes, got dtype {codes.dtype}; "
                          f"unpack int8 bytes with unpack_fp4 first")
-    grid = _e2m1_tables(codes.device)[0]
+    grid = _tables(codes)[0]
     magnitude = grid[(codes & _E2M1_MAGNITUDE).long()]
     return torch.where((codes & _E2M1_SIGN) != 0, -magnitude, magnitude)
 
