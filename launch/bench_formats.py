@@ -4,7 +4,11 @@ release's formats"; issue 35).
 
     python launch/bench_formats.py [--run-dir DIR] [--out docs/formats] [--last N] [OVERRIDES ...]
 
-OVERRIDES are the runs' Hydra overrides (default: `+exp=flash_small train.max_steps=200`). The variants add:
+OVERRIDES are the runs' Hydra overrides. The default is flash_small's widths on the 8-layer plan of the tests
+(every layer role, both Engram modules), one 512-token sequence a step and a whole schedule (warmup, stable,
+decay) of 300 steps: `+exp=flash_small` + tests/layer_plans.py's EIGHT_LAYERS + `data.batch_size=1
+train.global_batch_tokens=512 schedule.total_tokens=153600 train.eval.tokens=8192` (the 40 layers and
+2048-token steps of flash_small take ~30x longer a step on a CPU). The variants add:
 
 1. **plain**: nothing (on the CPU the step runs in fp32; on CUDA in bf16 autocast);
 2. **qat**: `model.qat.*=true`, all six switches -- the weights (`experts_fp4`, `weights_fp8`,
@@ -19,7 +23,8 @@ an interrupted one resumes from its last checkpoint. Its held-out eval is taken 
 (`train.eval.interval` = the step count). Reports, against plain: the mean training loss of the last
 `--last` steps (default 20) and the final held-out loss, with the relative differences. Writes
 OUT/formats.png (training loss per step, a moving average, for the three) and OUT/formats.json.
-A measurement, not a test; CPU-heavy (run it under `flock /work/wt/heavy.lock` on a shared machine).
+A measurement, not a test; CPU-heavy: on a shared machine run it under `flock` with `OMP_NUM_THREADS=1` (the
+runs inherit the environment; an oversubscribed OpenMP pool is many times slower).
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OVERRIDES = ["+exp=flash_small", "train.max_steps=200"]
+EIGHT_LAYERS = ["model.n_layers=8", "model.compress_ratios=[0,0,2,2,2,1,1,1]", "model.kv_source_layers=[2,5]",
+                "model.index_source_layers=[2,5,6]", "model.candidate_source_layer=5", "model.engram_layer_ids=[1,4]"]
+DEFAULT_OVERRIDES = ["+exp=flash_small", *EIGHT_LAYERS, "data.batch_size=1", "train.global_batch_tokens=512",
+                     "schedule.total_tokens=153600", "train.eval.tokens=8192"]
 QAT = ["model.qat.experts_fp4=true", "model.qat.weights_fp8=true", "model.qat.weights_bf16=true",
        "model.qat.indexer_fp4=true", "model.qat.compressed_kv_fp4=true", "model.qat.window_kv_fp8=true"]
 VARIANTS = {"plain": [], "qat": QAT, "fp8": ["model.fp8.enabled=true"]}

@@ -876,6 +876,14 @@ MUTANTS = [
            'sa = tl.load(AS + rm * n_blocks + j, mask=mmask, other=0.0)',
            'sa = tl.load(AS + rm * n_blocks, mask=mmask, other=0.0)',
            ['tests/test_triton_kernels.py', '-k', 'fp8_gemm']),
+    Mutant('the E2M1 tables are cached for fake tensors too', 'model/quant.py',
+           'return _e2m1_tables.__wrapped__(t.device) if simulated(t) else _e2m1_tables(t.device)',
+           'return _e2m1_tables(t.device)',
+           ['tests/test_formats.py']),
+    Mutant('the cost model counts the FP8 Linears\' inputs in bf16', 'parallel/partition.py',
+           'per_token -= int((act - FP8_SAVED_BYTES) * fp8_input_width(cfg, role))',
+           'per_token -= 0',
+           ['tests/test_partition.py', '-k', 'measured_block']),
 ]
 
 

@@ -153,3 +153,16 @@ def test_the_weight_switches_may_change_at_a_resume():
     check_model_config(now, saved, "ckpt")
     with pytest.raises(ConfigError, match=r"fields \['dim'\] differ"):
         check_model_config(saved, {**now, "dim": 32}, "ckpt")
+
+
+def test_the_estimators_fake_tensors_leave_no_fake_table_behind():
+    """The memory estimator runs the formats on fake tensors in the trainer's own process: the E2M1 tables
+    (cached per device for real tensors) are built afresh there, so a real quantisation afterwards still
+    computes values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    with FakeTensorMode():
+        assert is_fake(as_trained(torch.empty(2, 64, 32), Stored.FP4, ALL_ON))
+    w = adversarial((8, 32), 9)
+    got = as_trained(w, Stored.FP4, ALL_ON)
+    assert not is_fake(got) and torch.equal(got, fp4_rows(w).float())

@@ -231,6 +231,16 @@ def test_cost_model_matches_the_measured_block_activations(tiny_template, mode, 
         model_inc = model_kept[with_term] - model_kept[without]
         probe_inc = probe_kept[with_term] - probe_kept[without]
         assert model_inc == pytest.approx(probe_inc, rel=0.3, abs=64), (with_term, model_inc, probe_inc)
+    # the formats' terms on their own: what the formats change in what a micro-batch keeps (FP8 inputs, the
+    # weight copies each micro-batch saves, no autocast copy), against the same blocks without them
+    if formats:
+        plain_cfg, plain_m, plain_model, plain_opt = tiny_template
+        plain_units = unit_costs(plain_model, plain_m, plain_opt, cfg.data.seq_len, cfg.data.batch_size, costs)
+        for layer in (0, 2):
+            plain = plain_units[layer]["kept_bytes"] + weight_copy_bytes(plain_model.layers[layer], plain_m, costs)[0]
+            model_inc = model_kept[layer] - plain
+            probe_inc = probe_kept[layer] - probe_block(plain_cfg, layer, mode, device)["kept_bytes"]
+            assert probe_inc < 0 and model_inc == pytest.approx(probe_inc, rel=0.3), (layer, model_inc, probe_inc)
 
 
 def test_state_shares_under_zero1_and_engram_sharding():
