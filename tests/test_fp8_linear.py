@@ -199,3 +199,21 @@ def test_the_fp8_model_stays_near_the_plain_one(fp8_tiny):
     rel = (a - b).norm() / b.norm()
     assert 0 < rel < 0.05
     assert F.cross_entropy(a.flatten(0, 1), tokens.flatten()).isfinite()
+
+
+def test_no_host_syncs():
+    """The FP8 Linear's three GEMMs and the weights' formats read nothing back to the host (on CUDA a
+    synchronisation per Linear would stall the stream)."""
+    from host_syncs import HostSyncs
+
+    from flashtrain.model.config import QATConfig
+    from flashtrain.model.formats import Stored, as_trained
+
+    qat = QATConfig(experts_fp4=True, weights_fp8=True, weights_bf16=True)
+    x, w = adversarial((40, 80), 1).requires_grad_(), adversarial((48, 80), 2).requires_grad_()
+    experts = adversarial((48, 64), 3).view(2, 24, 64).requires_grad_()
+    with HostSyncs() as syncs:
+        fp8_linear(x, w).sum().backward()
+        for fmt in Stored:
+            as_trained(experts, fmt, qat).sum().backward()
+    assert syncs.events == []
