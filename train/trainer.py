@@ -22,6 +22,7 @@ step and operation (train/collectives.py). docs/step_path.md lists the files one
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import math
 import os
@@ -46,15 +47,16 @@ from flashtrain.train.build import (
     build_evaluator,
     build_loader,
     build_rank,
+    check_shards_at_start,
     check_start,
     counts_data,
     init_distributed,
     read_configs,
     run_plan,
 )
-from flashtrain.train.checkpoint import CheckpointWriter, load_checkpoint
+from flashtrain.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from flashtrain.train.collectives import CollectiveError, Operation, all_reduce, barrier, collective_error
-from flashtrain.train.config import CheckpointConfig, TrainConfig
+from flashtrain.train.config import CheckpointConfig, TrainConfig, rounded_batch_note
 from flashtrain.train.engram_map import load_or_build_engram_map
 from flashtrain.train.flops import flops_per_token, mfu, peak_flops
 from flashtrain.train.metrics import MetricsLogger, load_statistics
@@ -64,7 +66,7 @@ from flashtrain.train.run_guard import acquire_run_lock, die_with_launcher
 from flashtrain.train.spike import rng_state, set_rng_state
 from flashtrain.train.stability import StabilityGuard
 from flashtrain.train.step_runner import StepBatches
-from flashtrain.train.step_values import LOADER_COUNTERS, StepValues
+from flashtrain.train.step_values import LOADER_COUNTERS, StepValues, loader_fields
 
 __all__ = ["CheckpointConfig", "CollectiveError", "StepOutcome", "TrainConfig", "Trainer"]
 log = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class StepOutcome:
 
 class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: str | Path):
+        self.started = time.time()  # this start's wall clock, for the last log line
         world = int(os.environ.get("WORLD_SIZE", "1"))
         die_with_launcher()
         faults.validate_environment()
@@ -96,6 +99,8 @@ class Trainer:
         self.source_tokens: dict[str, int] = {}  # per data source, the positions read so far (every dp rank)
         if int(os.environ.get("RANK", "0")) == 0:  # one job per run directory (held until this process ends)
             self._run_lock = acquire_run_lock(self.run_dir)
+            if note := rounded_batch_note(c.train.global_batch_tokens, c.data.seq_len):
+                log.warning(note)
         check_start(c, self.plan.dp)
 
         self.rank, world, self.device = init_distributed(c.parallel.timeout_s)
@@ -115,13 +120,17 @@ class Trainer:
                 val = heldout_shards(c.data, c.spec) if c.train.eval.interval else []
                 token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
             barrier()
+        corrupt = check_shards_at_start(c, sources, self.dims, self.device, self.is_main)  # tar indexes, headers only
         parts = build_rank(c, self.plan, self.dims, self.device, model_template(c.model, token_map),
                            self.mixed_precision, self.op, self.schedule.lr(self.step), log_pipeline=self.is_main)
         self.model, self.optim, self.reducer, self.runner = parts.model, parts.optim, parts.reducer, parts.runner
         self.counts_data = counts_data(self.dims)
         self.guard = StabilityGuard(c.train.spike, c.train.anticipatory_routing, self.model, self.optim.optimizers,
                                     self.device, self.op, self.is_main)
-        self.loader = build_loader(c, sources, self.dims)
+        self.loader = build_loader(c, sources, self.dims, corrupt)
+        # the MFU peak, once (rank 0 writes the records): configured, the GPU table, or this machine's cached
+        # CPU measurement -- stated in the log (train/flops.py)
+        self.peak = peak_flops(self.device, c.train.peak_tflops, True)[0] if self.is_main else None
         self.batches = StepBatches(self.loader, self.plan.accumulation)
         self.evaluator = build_evaluator(c, self.dims, self.runner, val, tok, self.device, self.is_main)
         self.checkpoints = CheckpointWriter(self.run_dir, c.train.checkpoint.keep, c.train.checkpoint.async_save)
@@ -183,7 +192,9 @@ class Trainer:
             "indexer_loss": v["indexer_loss"] / n_micro, "lr": lr, "grad_norm": out.grad_norm.item(),
             "tokens_seen": self.tokens_seen, "tokens_per_s": self.schedule.tokens_per_step / dt, "step_time_s": dt,
             "padding_fraction": v["pad_tokens"] / max(v["positions"], 1.0),
-            "skipped_samples": int(sum(v[k] for k in LOADER_COUNTERS)),
+            # the loader's skips (cumulative, every dp rank): samples, the part of them skipped for an image, and
+            # the distinct shards found corrupt (at start-up or while reading); train/step_values.py
+            **loader_fields(v),
             "vit_trainable": bool(self.schedule.vit_trainable(self.step - 1)),
             # train.spike / train.anticipatory_routing: this step's verdict (null: normal), whether its MoE
             # layers routed by anticipated indices, and the run's totals
@@ -194,8 +205,7 @@ class Trainer:
             # model FLOPs (forward + backward) per token at data.seq_len, and MFU = flops_per_token * tokens_per_s
             # / (peak per device * world), null without a known peak (train/flops.py; train.peak_tflops)
             "flops_per_token": (fpt := flops_per_token(self.cfg.model, self.cfg.data.seq_len)),
-            "mfu": mfu(fpt, self.schedule.tokens_per_step / dt,
-                       peak_flops(self.device, self.cfg.train.peak_tflops, self.is_main)[0], self.dims.world),
+            "mfu": mfu(fpt, self.schedule.tokens_per_step / dt, self.peak, self.dims.world),
         }
         return record, out.loads
 
@@ -264,15 +274,29 @@ class Trainer:
         profiler = StepProfiler.for_trainer(self)  # train.profile: traces / memory snapshots of chosen steps
         try:
             self._loop(metrics, profiler)
+            self.op.name = "finishing the last checkpoint write"
+            self.checkpoints.wait()  # (a SIGTERM stop leaves the last one in flight)
         except RuntimeError as e:
             raise collective_error(e, self.op, self.rank, self.cfg.parallel.timeout_s) from e
         finally:
             profiler.close()  # a trace / memory history still open (SIGTERM, a stop, a short run): write what it has
             metrics.close()
             signal.signal(signal.SIGTERM, previous)
+        if self.is_main:  # after the progress bar has closed: a line of its own
+            log.info(self.last_line())
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+    def last_line(self) -> str:
+        """The run's closing log line: where it stopped, what it read, how long this start took, and the
+        checkpoint a restart resumes from."""
+        wall = time.time() - self.started
+        newest = latest_checkpoint(self.run_dir)
+        how = "stopped by SIGTERM" if self._stop else "finished"
+        return (f"{how} at step {self.step} of {self.max_steps}: {self.tokens_seen:,} tokens seen, "
+                f"{wall:.0f} s wall time in this start ({datetime.timedelta(seconds=round(wall))}); newest "
+                f"checkpoint {newest if newest is not None else 'none'}")
 
     def _loop(self, metrics: MetricsLogger, profiler: StepProfiler) -> None:
         last_saved = self.step
@@ -304,6 +328,7 @@ class Trainer:
                 self.save()
                 last_saved = self.step
             if stop.item():
+                self._stop = True  # (the rank that got the signal may be another: the flag is all-reduced)
                 if self.is_main:
                     log.info(f"SIGTERM: saved step {self.step}, exiting")
                 return
