@@ -101,10 +101,15 @@ def plot(out: Path, runs: dict[str, list[dict]], title: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run-dir", type=Path)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "formats")
-    ap.add_argument("--last", type=int, default=20, help="steps averaged for the final training loss")
+    from flashtrain.config.cli import overrides_help
+
+    ap = argparse.ArgumentParser(prog="launch/bench_formats.py", description=__doc__, epilog=overrides_help(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    ap.add_argument("--run-dir", type=Path,
+                    help="the runs' parent directory (default /tmp/bench_formats/<hash of the overrides>)")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "formats",
+                    help="where formats.png and formats.json go (default docs/formats)")
+    ap.add_argument("--last", type=int, default=20, help="steps averaged for the final training loss (default 20)")
     args, overrides = ap.parse_known_args(argv)
     overrides = overrides or DEFAULT_OVERRIDES
     from flashtrain.train.build import read_configs
