@@ -48,22 +48,38 @@ VARIANTS = {"plain": [], "qat": QAT, "fp8": ["model.fp8.enabled=true"]}
 SMOOTH = 10  # steps in the plot's moving average
 
 
-def run_variant(overrides: list[str], extra: list[str], steps: int, run_dir: Path) -> list[dict]:
-    """launch/pretrain.py in `run_dir` (reused when finished, resumed when interrupted): its metrics lines."""
+def is_done(run_dir: Path, steps: int) -> bool:
+    """Whether the run in `run_dir` has logged its last training step."""
     metrics = run_dir / "metrics.jsonl"
-    done = metrics.is_file() and any(json.loads(line).get("step") == steps and "event" not in json.loads(line)
+    return metrics.is_file() and any(json.loads(line).get("step") == steps and "event" not in json.loads(line)
                                      for line in metrics.read_text().splitlines() if line.strip())
-    if not done:
-        cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), *overrides, *extra, f"hydra.run.dir={run_dir}",
-               "logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0",
-               f"train.eval.interval={steps}"]
-        print(" ".join(cmd[1:]), flush=True)
-        t0 = time.perf_counter()
-        subprocess.run(cmd, cwd=ROOT, check=True)
-        print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
-    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    by_step: dict[int, dict] = {}
-    for r in lines:  # a resumed run repeats no step; keep the last record of each
+
+
+def start_variant(overrides: list[str], extra: list[str], steps: int, run_dir: Path) -> subprocess.Popen | None:
+    """launch/pretrain.py in `run_dir`, started (None when that run has finished already; an interrupted one
+    resumes from its last checkpoint); its output goes to `run_dir`/pretrain.log, as the trainer writes it."""
+    if is_done(run_dir, steps):
+        return None
+    cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), *overrides, *extra, f"hydra.run.dir={run_dir}",
+           "logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0",
+           f"train.eval.interval={steps}"]
+    print(" ".join(cmd[1:]), flush=True)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+def wait_variant(proc: subprocess.Popen | None, name: str, t0: float) -> None:
+    if proc is None:
+        return
+    if proc.wait():
+        raise SystemExit(f"error: the {name} run exited with {proc.returncode} (its pretrain.log says why)")
+    print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The run's metrics lines, the last record of each step (a resumed run rewrites none, but be safe)."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    by_step: dict[tuple, dict] = {}
+    for r in lines:
         by_step[(r["step"], r.get("event", "train"))] = r
     return sorted(by_step.values(), key=lambda r: r["step"])
 
@@ -109,6 +125,9 @@ def main(argv: list[str]) -> int:
                     help="the runs' parent directory (default /tmp/bench_formats/<hash of the overrides>)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "formats",
                     help="where formats.png and formats.json go (default docs/formats)")
+    ap.add_argument("--parallel", action="store_true",
+                    help="run the three variants at the same time (one process each; their step times then "
+                         "share the CPU)")
     ap.add_argument("--last", type=int, default=20, help="steps averaged for the final training loss (default 20)")
     args, overrides = ap.parse_known_args(argv)
     overrides = overrides or DEFAULT_OVERRIDES
@@ -119,7 +138,16 @@ def main(argv: list[str]) -> int:
     steps = c.train.max_steps or c.schedule.total_steps
     key = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:10]
     base_dir = args.run_dir or Path("/tmp/bench_formats") / key
-    runs = {name: run_variant(overrides, extra, steps, base_dir / name) for name, extra in VARIANTS.items()}
+    if args.parallel:  # the three at once, one process each
+        t0 = time.perf_counter()
+        procs = {name: start_variant(overrides, extra, steps, base_dir / name) for name, extra in VARIANTS.items()}
+        for name, proc in procs.items():
+            wait_variant(proc, name, t0)
+    else:
+        for name, extra in VARIANTS.items():
+            t0 = time.perf_counter()
+            wait_variant(start_variant(overrides, extra, steps, base_dir / name), name, t0)
+    runs = {name: read_metrics(base_dir / name) for name in VARIANTS}
 
     summary = {}
     for name, recs in runs.items():
@@ -138,7 +166,8 @@ def main(argv: list[str]) -> int:
              f"qat = all six model.qat switches, fp8 = model.fp8.enabled")
     plot(args.out / "formats.png", runs, title)
     (args.out / "formats.json").write_text(json.dumps({"overrides": overrides, "steps": steps, "device": device,
-                                                       "variants": VARIANTS, "summary": summary}, indent=1))
+                                                       "parallel": args.parallel, "variants": VARIANTS,
+                                                       "summary": summary}, indent=1))
     print(f"\n| variant | train loss, last {args.last} steps | vs plain | held-out loss at step {steps} | vs plain "
           f"| median step s |\n|---|---|---|---|---|---|")
     for name, s in summary.items():
