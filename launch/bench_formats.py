@@ -1,6 +1,6 @@
 """Does training in the release's formats cost loss? The same run three times -- plain, with every QAT
-switch, with FP8 GEMMs -- and their loss curves side by side (docs/official_formats.md "Training in the
-release's formats"; issue 35).
+switch, with FP8 GEMMs -- and their loss curves side by side (docs/official_formats.md "Does training in
+the formats cost loss?"; issue 35).
 
     python launch/bench_formats.py [--run-dir DIR] [--out docs/formats] [--last N] [OVERRIDES ...]
 
