@@ -29,7 +29,9 @@ the indexer's inputs are detached, so only indexer weights receive this gradient
 
 Quantisation-aware training (`model.qat`, off by default): the window KV, the compressed KV and the
 indexer's q / k are fake-quantised after RoPE into the formats the public inference kernels store them
-in (model/quant.py), with straight-through gradients.
+in (model/quant.py), with straight-through gradients; every weight enters as its release format says
+(model/formats.py: `wq_a`, `wq_b`, `wkv`, `wo_b` and the indexer's `wq_b` are the FP8 Linears, whose GEMMs
+`model.fp8.enabled` runs in FP8).
 
 The attention core (window + selected slots + sink) is model/sparse_attention.py: a reference and the
 memory-lean training path (saves q, output, log-sum-exp and indices; recomputes the rest in backward).
@@ -45,6 +47,7 @@ from flashtrain.model.aux import StepStats, attach_aux_loss
 from flashtrain.model.carry import SharedKV
 from flashtrain.model.chunks import query_chunks
 from flashtrain.model.config import ModelConfig, QATConfig
+from flashtrain.model.formats import Linear, Stored
 from flashtrain.model.index_logits import index_logits_lean
 from flashtrain.model.kernels.index_topk import index_topk_op
 from flashtrain.model.kernels.select import use_triton
@@ -74,15 +77,15 @@ class Compressor(nn.Module):
     def __init__(self, cfg: ModelConfig, ratio: int):
         super().__init__()
         self.ratio = ratio
-        self.wkv = nn.Linear(cfg.dim, cfg.head_dim, bias=False)
+        self.wkv = Linear(cfg.dim, cfg.head_dim, cfg)
         if ratio > 1:
-            self.wgate = nn.Linear(cfg.dim, cfg.head_dim, bias=False)
-        self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.wgate = Linear(cfg.dim, cfg.head_dim, cfg)
+        self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.qat)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """Ratio m > 1: [B, S, 2 head_dim] fp32 = (kv, score) of every token."""
         xf = x.float()
-        return torch.cat([F.linear(xf, self.wkv.weight.float()), F.linear(xf, self.wgate.weight.float())], dim=-1)
+        return torch.cat([F.linear(xf, self.wkv.value().float()), F.linear(xf, self.wgate.value().float())], dim=-1)
 
     def pool(self, proj: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """proj [B, n m, 2 head_dim] (from a group boundary) -> the latent of its n groups [B, n, head_dim]."""
@@ -107,11 +110,11 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.qat = cfg.qat.indexer_fp4  # q and k after RoPE in MXFP4, as the public indexer stores them
-        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
-        self.weights_proj = nn.Linear(cfg.dim, cfg.index_n_heads, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, cfg, Stored.FP8)
+        self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, cfg)
         if owns_k:
-            self.wk = nn.Linear(cfg.head_dim, cfg.index_head_dim, bias=False)
-            self.k_norm = RMSNorm(cfg.index_head_dim, cfg.norm_eps)
+            self.wk = Linear(cfg.head_dim, cfg.index_head_dim, cfg)
+            self.k_norm = RMSNorm(cfg.index_head_dim, cfg.norm_eps, cfg.qat)
 
     def _quant(self, t: torch.Tensor) -> torch.Tensor:
         return fake_quant_fp4(t, QATConfig.INDEXER_BLOCK, torch.float8_e8m0fnu) if self.qat else t
@@ -248,6 +251,8 @@ def indexer_kl(target_probs: torch.Tensor, logits: torch.Tensor, valid: torch.Te
 
 
 class Attention(nn.Module):
+    STORED = {"attn_sink": Stored.FP32}
+
     def __init__(self, cfg: ModelConfig, role: LayerRole):
         super().__init__()
         self.role = role
@@ -267,13 +272,13 @@ class Attention(nn.Module):
         self.qat = cfg.qat
 
         self.attn_sink = nn.Parameter(torch.zeros(cfg.n_heads, dtype=torch.float32))
-        self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wkv = nn.Linear(cfg.dim, cfg.head_dim, bias=False)
-        self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.wo_a = nn.Linear(cfg.n_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False)
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, cfg, Stored.FP8)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, cfg.qat)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, cfg, Stored.FP8)
+        self.wkv = Linear(cfg.dim, cfg.head_dim, cfg, Stored.FP8)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.qat)
+        self.wo_a = Linear(cfg.n_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, cfg, Stored.FP8)
         if role.has_compressor:
             self.compressor = Compressor(cfg, self.ratio)
         if role.has_indexer:
@@ -379,7 +384,7 @@ class Attention(nn.Module):
         o = apply_rope(o, cos, sin, inverse=True)
 
         o = o.reshape(B, L, self.n_groups, -1)
-        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        wo_a = self.wo_a.value().view(self.n_groups, self.o_lora_rank, -1)
         out = self.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
 
         if sel_logits is not None and kl_target.shape[-1] and self.kl_weight > 0 and torch.is_grad_enabled():

@@ -25,15 +25,44 @@ class QATConfig:
     - `indexer_fp4`: the indexer's query and key after RoPE in MXFP4 (E2M1, an E8M0 scale per 32 channels);
     - `compressed_kv_fp4`: the main compressed KV after RoPE in E2M1 with an E4M3 scale per 16 channels
       (the V4.1 report's FP4 KV, §2.4.4);
-    - `window_kv_fp8`: the sliding-window KV after RoPE in FP8 E4M3 with an E8M0 scale per 32 channels."""
+    - `window_kv_fp8`: the sliding-window KV after RoPE in FP8 E4M3 with an E8M0 scale per 32 channels.
+
+    And the weights, in the formats the release stores them in (issue 35; model/formats.py), so that an
+    exported checkpoint is exactly the model that was trained (docs/official_formats.md "Exact export"):
+
+    - `experts_fp4`: the routed experts' w1 / w2 / w3 in E2M1 with an E8M0 scale per 32 inputs (MXFP4);
+    - `weights_fp8`: the Linears the release stores in FP8 (attention wq_a / wq_b / wkv / wo_b, indexer
+      wq_b, shared expert, Engram wkv) in E4M3 with an E8M0 scale per 32 x 32 tile, and the Engram
+      tables in E4M3 with an E8M0 scale per 32 channels of a row;
+    - `weights_bf16`: every weight the release stores in BF16 (embedding, head, norms, wo_a, compressor,
+      indexer wk / weights_proj, gate, Engram q / k weights, ViT, aligner, image vectors) rounded to BF16.
+
+    Each is fake-quantised in the forward from the fp32 master weight with a straight-through gradient."""
     indexer_fp4: bool = False
     compressed_kv_fp4: bool = False
     window_kv_fp8: bool = False
+    experts_fp4: bool = False
+    weights_fp8: bool = False
+    weights_bf16: bool = False
 
     # channel blocks of the formats (the public code's fp4_block_size, its compressed-KV groups, fp8_block_size)
     INDEXER_BLOCK = 32
     COMPRESSED_KV_BLOCK = 16
     WINDOW_KV_BLOCK = 32
+    WEIGHT_BLOCK = 32  # fp8_block_size (32 x 32 weight tiles, 32-channel Engram rows) and fp4_block_size (experts)
+
+
+@dataclass
+class FP8Config:
+    """FP8 GEMMs (issue 35; model/fp8_linear.py): the forward and both backward GEMMs (dgrad, wgrad) of the
+    Linears the release stores in FP8 run on E4M3 operands with E8M0 (power-of-two) scales -- the weight
+    in the release's 32 x 32 tiles, activations and output gradients in blocks of 32 along the reduction
+    dimension -- accumulated in fp32 (V3 report §3.3, with V4.1's block of 32). Real FP8 GEMMs on CUDA (a
+    Triton kernel, model/kernels/fp8_gemm.py), an exact emulation (dequantise, fp32 matmul) on the CPU.
+    Off by default."""
+    enabled: bool = False
+
+    BLOCK = 32  # the scale block (the public code's fp8_block_size)
 
 
 @dataclass
@@ -118,8 +147,11 @@ class ModelConfig:
     # runtime: None = the Triton kernels on CUDA, the plain-PyTorch references on CPU (model/kernels/);
     # False forces the references (debugging), True the kernels (CUDA, or CPU under TRITON_INTERPRET=1)
     use_triton: bool | None = None
-    # quantisation-aware training of the KV / indexer formats of the public inference kernels (off by default)
+    # quantisation-aware training in the formats of the public inference kernels and of the release's
+    # weights (off by default)
     qat: QATConfig = field(default_factory=QATConfig)
+    # FP8 GEMMs of the Linears the release stores in FP8 (off by default)
+    fp8: FP8Config = field(default_factory=FP8Config)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -206,6 +238,17 @@ class ModelConfig:
                 raise ConfigError(f"model.qat.{name}=true needs model.{width} (={getattr(self, width)}) to be a "
                                   f"multiple of {block}, the format's channel block; widen it or switch "
                                   f"model.qat.{name} off")
+        block = q.WEIGHT_BLOCK
+        if q.experts_fp4:
+            for width in ("dim", "moe_inter_dim"):
+                if getattr(self, width) % block:
+                    raise ConfigError(f"model.qat.experts_fp4=true needs model.{width} (={getattr(self, width)}) to be "
+                                      f"a multiple of {block}: the routed experts' FP4 format scales blocks of {block} "
+                                      f"inputs; widen it or switch model.qat.experts_fp4 off")
+        if q.weights_fp8 and self.engram_layer_ids and self.engram_head_dim % block:
+            raise ConfigError(f"model.qat.weights_fp8=true needs model.engram_head_dim (={self.engram_head_dim}) to "
+                              f"be a multiple of {block}: the Engram tables' FP8 format scales blocks of {block} "
+                              f"channels of a row; widen it or switch model.qat.weights_fp8 off")
         if self.engram_layer_ids:
             if self.engram_max_ngram_size < 2:
                 raise bad("engram_max_ngram_size", "n-gram orders start at 2, so it must be >= 2")

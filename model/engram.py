@@ -13,6 +13,8 @@
   uses the pad token's compressed id from there on.
 - Module: 24 looked-up rows -> `wkv` -> one key per residual stream + one value; a normalised
   stream/key dot product, signed-sqrt, sigmoid gate (0 at image positions); X_i += gate_i * value.
+- Weights (model/formats.py): the table is stored in FP8 per 32 channels of a row, `wkv` is an FP8
+  Linear, `q_weight` / `k_weight` are BF16.
 
 Hash ids depend only on tokens, so `NgramHasher` runs once per batch (the model's forward context)
 and every Engram layer reads its slice.
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from flashtrain.model.config import ModelConfig
+from flashtrain.model.formats import Embedding, Linear, Stored, as_trained
 
 _MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # deterministic for n < 3.3e24
 
@@ -187,6 +190,8 @@ class NgramHasher(nn.Module):
 
 
 class Engram(nn.Module):
+    STORED = {"q_weight": Stored.BF16, "k_weight": Stored.BF16}
+
     def __init__(self, cfg: ModelConfig, layer_id: int, table_rows: int):
         super().__init__()
         self.layer_id = layer_id
@@ -194,10 +199,11 @@ class Engram(nn.Module):
         self.dim, self.hc = cfg.dim, cfg.hc_mult
         self.eps = cfg.norm_eps
         n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-        self.embed = nn.Embedding(table_rows, cfg.engram_head_dim)
-        self.wkv = nn.Linear(n_cols * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), bias=False)
+        self.embed = Embedding(table_rows, cfg.engram_head_dim, cfg, Stored.FP8_ROWS)
+        self.wkv = Linear(n_cols * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), cfg, Stored.FP8)
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim))
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim))
+        self.qat = cfg.qat
         # rows_of(table, hash_ids, request) -> looked-up rows, and rows_of.request(hash_ids): set by
         # parallel/engram_shard.py when the table is row-sharded over ranks (this module then holds rows
         # [embed.row_offset, + embed.num_embeddings)); the request is made before the layer runs
@@ -211,13 +217,17 @@ class Engram(nn.Module):
     def forward(self, h: torch.Tensor, hash_ids: torch.Tensor, image_mask: torch.Tensor | None,
                 request=None) -> torch.Tensor:
         """h [B, S, n, D]; hash_ids [B, S, n_cols] for this layer -> updated h."""
-        rows = self.embed(hash_ids) if self.rows_of is None else self.rows_of(self.embed.weight, hash_ids, request)
+        if self.rows_of is None:
+            rows = self.embed(hash_ids)
+        else:
+            rows = self.embed.rows(self.rows_of(self.embed.weight, hash_ids, request))
         kv = self.wkv(rows.flatten(-2))
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.dim))
         x = h.float()
         rstd = torch.rsqrt(x.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (x * (self.q_weight.float() * self.k_weight.float()) * key).sum(-1) * rstd * self.dim ** -0.5
+        q, k = (as_trained(getattr(self, n), self.STORED[n], self.qat).float() for n in ("q_weight", "k_weight"))
+        dot = (x * (q * k) * key).sum(-1) * rstd * self.dim ** -0.5
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         if image_mask is not None:
             gate = gate.masked_fill(image_mask.unsqueeze(-1), 0.0)

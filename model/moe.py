@@ -11,6 +11,9 @@ limit; the routing weight multiplies before `w2`. Routed experts are stacked [E,
 public checkpoint's per-expert `experts.{j}.w1.weight` is row j of the stack. Output = routed sum +
 shared expert, accumulated in fp32.
 
+Weights (model/formats.py): the routed experts are the release's FP4 weights (on their grid in the forward
+under `model.qat.experts_fp4`), the shared expert's are FP8 Linears, the gate's weight is BF16.
+
 Also here: the sequence-wise balance loss L = alpha * sum_i f_i P_i (per sequence, averaged over the
 batch) and the per-modality expert load counts for the trainer's bias update.
 """
@@ -23,6 +26,7 @@ from torch import nn
 
 from flashtrain.model.aux import StepStats, attach_aux_loss
 from flashtrain.model.config import ModelConfig
+from flashtrain.model.formats import Linear, Stored, as_trained, compute_dtype
 from flashtrain.model.sequence_split import SequenceSplit
 from flashtrain.model.simulation import simulated
 
@@ -46,12 +50,6 @@ def host_sizes(sizes: torch.Tensor, total: int) -> list[int]:
     if simulated(sizes):
         return balanced_split(total, sizes.shape[0])
     return sizes.tolist()
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a matmul of x runs in: autocast's when it is on (bf16 on CUDA), else x's."""
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 def grouped_mm_supported(x: torch.Tensor, dtype: torch.dtype, *widths: int) -> bool:
@@ -79,10 +77,13 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class Gate(nn.Module):
+    STORED = {"weight": Stored.BF16}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.topk = cfg.n_activated_experts
         self.route_scale = cfg.route_scale
+        self.qat = cfg.qat
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim))
         self.register_buffer("bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
         self.register_buffer("bias_vl", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
@@ -96,7 +97,8 @@ class Gate(nn.Module):
         """x [N, D], image_mask [N] bool -> (scores [N, E] fp32, weights [N, k] fp32, indices [N, k]).
         `indices` given (Anticipatory Routing, V41_SPEC §9): the experts are those, not the top-k of
         s + b; the weights are still the current gate's s of those experts."""
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        weight = as_trained(self.weight, self.STORED["weight"], self.qat)
+        scores = F.softplus(F.linear(x.float(), weight.float())).sqrt()
         if indices is None:
             bias = self.bias if image_mask is None else torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
             with torch.no_grad():
@@ -121,6 +123,8 @@ class RoutedExperts(nn.Module):
     grouped path is the default on the CPU too: it runs the flash_small experts' forward+backward about
     3x faster than the loop (docs/kernels.md)."""
 
+    STORED = {"w1": Stored.FP4, "w2": Stored.FP4, "w3": Stored.FP4}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         E, D, I = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
@@ -129,9 +133,14 @@ class RoutedExperts(nn.Module):
         self.offset = 0  # global index of local expert 0
         self.dispatcher = None
         self.grouped = cfg.use_triton is not False
+        self.qat = cfg.qat  # experts_fp4: the weights on the release's FP4 grid in the forward (model/formats.py)
         self.w1 = nn.Parameter(torch.empty(E, I, D))
         self.w2 = nn.Parameter(torch.empty(E, D, I))
         self.w3 = nn.Parameter(torch.empty(E, I, D))
+
+    def weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) as the forward computes with them, in `dtype` (default theirs)."""
+        return tuple(as_trained(getattr(self, n), self.STORED[n], self.qat, dtype) for n in ("w1", "w2", "w3"))
 
     def local_experts(self, xs: torch.Tensor, ws: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
         """Rows grouped by local expert (`sizes[e]` rows for expert e, in order; an int32 device tensor)
@@ -153,18 +162,20 @@ class RoutedExperts(nn.Module):
     def _grouped(self, xs: torch.Tensor, ws: torch.Tensor, sizes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ends = sizes.cumsum(0, dtype=torch.int32)
         xs = xs.to(dtype)
-        gate = torch._grouped_mm(xs, self.w1.to(dtype).transpose(-2, -1), offs=ends)
-        up = torch._grouped_mm(xs, self.w3.to(dtype).transpose(-2, -1), offs=ends)
+        w1, w2, w3 = self.weights(dtype)
+        gate = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=ends)
+        up = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=ends)
         act = (swiglu_clamped(gate, up, self.limit) * ws.unsqueeze(-1)).to(dtype)
-        return torch._grouped_mm(act, self.w2.to(dtype).transpose(-2, -1), offs=ends)
+        return torch._grouped_mm(act, w2.transpose(-2, -1), offs=ends)
 
     def _looped(self, xs: torch.Tensor, ws: torch.Tensor, counts: list[int]) -> torch.Tensor:
         outs, start = [], 0
+        w1, w2, w3 = self.weights()
         for e, n in enumerate(counts):
             if n:
                 xe = xs[start:start + n]
-                act = swiglu_clamped(xe @ self.w1[e].t(), xe @ self.w3[e].t(), self.limit) * ws[start:start + n, None]
-                outs.append(act.to(xs.dtype) @ self.w2[e].t())
+                act = swiglu_clamped(xe @ w1[e].t(), xe @ w3[e].t(), self.limit) * ws[start:start + n, None]
+                outs.append(act.to(xs.dtype) @ w2[e].t())
             start += n
         return torch.cat(outs) if outs else xs.new_zeros(0, self.w2.shape[1])
 
@@ -184,9 +195,9 @@ class SharedExpert(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.limit = cfg.swiglu_limit
-        self.w1 = nn.Linear(cfg.dim, cfg.moe_inter_dim, bias=False)
-        self.w2 = nn.Linear(cfg.moe_inter_dim, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.moe_inter_dim, bias=False)
+        self.w1 = Linear(cfg.dim, cfg.moe_inter_dim, cfg, Stored.FP8)
+        self.w2 = Linear(cfg.moe_inter_dim, cfg.dim, cfg, Stored.FP8)
+        self.w3 = Linear(cfg.dim, cfg.moe_inter_dim, cfg, Stored.FP8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu_clamped(self.w1(x), self.w3(x), self.limit).to(x.dtype))

@@ -8,7 +8,9 @@ These are the formats of V41_SPEC §2.4.4 (FP4 KV) and of the public inference c
 - FP8 weights: `block x block` tiles of a 2-D weight, e4m3fn codes, e8m0 scales.
 - FP4 (MXFP4): 1-D blocks, e2m1 codes packed two per byte (low nibble = even element), scales either
   e8m0 (indexer q/k and released expert weights, block 32) or e4m3fn (compressed KV, block 16).
-- `fake_quant_*`: quantise-dequantise in the forward pass, identity gradient (straight-through).
+- BF16: round to nearest even (the release's unquantised weights).
+- `fake_quant_*`: quantise-dequantise in the forward pass, identity gradient (straight-through); the
+  weight formats (`fake_quant_fp8_weight`, `fake_quant_fp4_weight`) one matrix of a stack at a time.
 
 Power-of-two scales are computed exactly from the float bits (`pow2_ceil`), not by casting to
 float8_e8m0fnu: torch's fp32 -> e8m0 cast rounds to the *nearest* power of two (and drops the sign),
@@ -25,6 +27,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from flashtrain.model.simulation import simulated
 
 FP8_MAX = 448.0  # float8_e4m3fn largest finite
 FP4_MAX = 6.0  # e2m1 largest
@@ -192,9 +196,15 @@ def _e2m1_tables(device: torch.device) -> tuple[Tensor, Tensor]:
     return grid.to(device), boundaries.to(device)
 
 
+def _tables(t: Tensor) -> tuple[Tensor, Tensor]:
+    """`_e2m1_tables` for t's device; built afresh for a fake tensor (the memory estimator), so that no fake
+    table is ever cached for the real computations of the same process."""
+    return _e2m1_tables.__wrapped__(t.device) if simulated(t) else _e2m1_tables(t.device)
+
+
 def _e2m1_magnitude_code(x: Tensor) -> Tensor:
     """Index into E2M1_GRID of round-to-nearest-even(|x|), saturating at 6 (int64)."""
-    return torch.bucketize(x.float().abs().contiguous(), _e2m1_tables(x.device)[1])
+    return torch.bucketize(x.float().abs().contiguous(), _tables(x)[1])
 
 
 def e2m1_round(x: Tensor) -> Tensor:
@@ -204,7 +214,7 @@ def e2m1_round(x: Tensor) -> Tensor:
     """
     _check_float(x, "e2m1_round input")
     x = x.float()
-    grid = _e2m1_tables(x.device)[0]
+    grid = _tables(x)[0]
     rounded = torch.copysign(grid[_e2m1_magnitude_code(x)], x)
     return torch.where(torch.isnan(x), x, rounded)
 
@@ -224,7 +234,7 @@ def e2m1_decode(codes: Tensor) -> Tensor:
     if codes.dtype != torch.uint8:
         raise ValueError(f"e2m1_decode expects uint8 codes, got dtype {codes.dtype}; "
                          f"unpack int8 bytes with unpack_fp4 first")
-    grid = _e2m1_tables(codes.device)[0]
+    grid = _tables(codes)[0]
     magnitude = grid[(codes & _E2M1_MAGNITUDE).long()]
     return torch.where((codes & _E2M1_SIGN) != 0, -magnitude, magnitude)
 
@@ -296,19 +306,21 @@ def fp4_block_dequant(packed: Tensor, scales: Tensor, block: int = 32) -> Tensor
 
 
 class _StraightThrough(torch.autograd.Function):
-    """forward: quantise(x) (any function of x, computed without autograd); backward: identity."""
+    """forward: quantise(x) (any function of x, computed without autograd, in any float dtype); backward:
+    identity (the gradient cast back to x's dtype)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, quantise: Callable[[Tensor], Tensor]) -> Tensor:
+        ctx.dtype = x.dtype
         return quantise(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
+        return grad.to(ctx.dtype), None
 
 
-def fake_quant_fp8(x: Tensor, block: int = 32) -> Tensor:
-    """dequant(fp8_block_quant(x)) in x.dtype; gradient passes unchanged (straight-through).
+def fake_quant_fp8(x: Tensor, block: int = 32, dtype: torch.dtype | None = None) -> Tensor:
+    """dequant(fp8_block_quant(x)) in `dtype` (default x.dtype); gradient passes unchanged (straight-through).
 
     bf16 output is exact: an e4m3 code times a power of two fits bf16's 8-bit mantissa.
     """
@@ -316,18 +328,65 @@ def fake_quant_fp8(x: Tensor, block: int = 32) -> Tensor:
     _check_blocks(x.shape, block, "fake_quant_fp8 input")
 
     def quantise(t: Tensor) -> Tensor:
-        return fp8_block_dequant(*fp8_block_quant(t, block), block).to(t.dtype)
+        return fp8_block_dequant(*fp8_block_quant(t, block), block).to(dtype or t.dtype)
 
     return _StraightThrough.apply(x, quantise)
 
 
-def fake_quant_fp4(x: Tensor, block: int = 32, scale_dtype: torch.dtype = torch.float8_e8m0fnu) -> Tensor:
-    """dequant(fp4_block_quant(x)) in x.dtype; gradient passes unchanged (straight-through)."""
+def fake_quant_fp4(x: Tensor, block: int = 32, scale_dtype: torch.dtype = torch.float8_e8m0fnu,
+                   dtype: torch.dtype | None = None) -> Tensor:
+    """dequant(fp4_block_quant(x)) in `dtype` (default x.dtype); gradient passes unchanged (straight-through)."""
     _check_float(x, "fake_quant_fp4 input")
     _check_fp4_scale_dtype(scale_dtype)
     _check_blocks(x.shape, block, "fake_quant_fp4 input")
 
     def quantise(t: Tensor) -> Tensor:
-        return fp4_block_dequant(*fp4_block_quant(t, block, scale_dtype), block).to(t.dtype)
+        return fp4_block_dequant(*fp4_block_quant(t, block, scale_dtype), block).to(dtype or t.dtype)
 
     return _StraightThrough.apply(x, quantise)
+
+
+def fake_quant_fp4_weight(w: Tensor, block: int = 32, dtype: torch.dtype | None = None) -> Tensor:
+    """`fake_quant_fp4` with E8M0 scales (the release's FP4 experts) of a weight [out, in] or a stack
+    [E, out, in], one matrix at a time (the temporaries of one matrix, not of the stack)."""
+    _check_float(w, "fake_quant_fp4_weight weight")
+    _check_blocks(w.shape, block, "fake_quant_fp4_weight weight")
+    if w.dim() < 2:
+        raise ValueError(f"fake_quant_fp4_weight needs a weight [out, in] (or a stack of them), got shape "
+                         f"{tuple(w.shape)}; use fake_quant_fp4 for activations")
+
+    def quantise(t: Tensor) -> Tensor:
+        return _per_matrix(t, lambda m: fp4_block_dequant(*fp4_block_quant(m, block), block), dtype or t.dtype)
+
+    return _StraightThrough.apply(w, quantise)
+
+
+def fake_quant_fp8_weight(w: Tensor, block: int = 32, dtype: torch.dtype | None = None) -> Tensor:
+    """dequant(fp8_weight_quant(w)) in `dtype` (default w.dtype): every `block x block` tile of a weight
+    [out, in] (or of each matrix of a stack [..., out, in]) on its E4M3 grid times its E8M0 scale;
+    gradient passes unchanged (straight-through)."""
+    _check_float(w, "fake_quant_fp8_weight weight")
+    if w.dim() < 2:
+        raise ValueError(f"fake_quant_fp8_weight needs a weight [out, in] (or a stack of them), got shape "
+                         f"{tuple(w.shape)}; use fake_quant_fp8 for 1-D blocks")
+
+    def quantise(t: Tensor) -> Tensor:
+        return _per_matrix(t, lambda m: fp8_weight_dequant(*fp8_weight_quant(m, block), block), dtype or t.dtype)
+
+    return _StraightThrough.apply(w, quantise)
+
+
+def fake_quant_bf16(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """x rounded to bf16 (nearest even), in `dtype` (default x.dtype); gradient passes unchanged."""
+    _check_float(x, "fake_quant_bf16 input")
+    return _StraightThrough.apply(x, lambda t: t.to(torch.bfloat16).to(dtype or t.dtype))
+
+
+def _per_matrix(t: Tensor, fn: Callable[[Tensor], Tensor], dtype: torch.dtype) -> Tensor:
+    """fn over each matrix t[i, ..., :, :] into one output of `dtype` (fn of the whole when t is 2-D)."""
+    if t.dim() == 2:
+        return fn(t).to(dtype)
+    out = torch.empty(t.shape, dtype=dtype, device=t.device)
+    for i in range(t.shape[0]):
+        out[i] = _per_matrix(t[i], fn, dtype)
+    return out

@@ -4,13 +4,13 @@
 - `full`:      only the block's input carry is kept; the whole block runs again in backward
                (torch's non-reentrant activation checkpoint). Under expert parallelism that re-runs the
                dispatch all-to-alls too, in the same order on every rank of the EP group.
-- `selective`: the outputs of the large matmuls (`aten.mm` / `addmm` / `_grouped_mm`: every projection, gate and
-               expert matmul) and of the collectives (the expert all-to-alls) are kept; everything else -- norms, the
-               context-parallel exchanges (eager collectives, parallel/context.py: they run again), activations, RoPE,
-               mHC mixes, the indexer's selection and the sparse-attention core, whose score blocks are batched
-               matmuls -- is recomputed in backward. The kept collective outputs are replayed from the cache, so the
-               recomputation sends nothing (torch's selective activation checkpoint, as torchtitan's `_save_list` /
-               Megatron's `recompute_modules`).
+- `selective`: the outputs of the large matmuls (`aten.mm` / `addmm` / `_grouped_mm` / the FP8 GEMM op: every
+               projection, gate and expert matmul) and of the collectives (the expert all-to-alls) are kept;
+               everything else -- norms, the context-parallel exchanges (eager collectives, parallel/context.py:
+               they run again), activations, RoPE, mHC mixes, the indexer's selection and the sparse-attention
+               core, whose score blocks are batched matmuls -- is recomputed in backward. The kept collective
+               outputs are replayed from the cache, so the recomputation sends nothing (torch's selective
+               activation checkpoint, as torchtitan's `_save_list` / Megatron's `recompute_modules`).
 
 The block mutates the carry's `SharedKV` in place (a Full layer publishes its KV, a Reindex layer its
 top-k), so the checkpointed function takes the carry as explicit tensors (`Carry.tensors`, in the order
@@ -34,6 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from flashtrain.config.errors import ConfigError
 from flashtrain.model.aux import StepStats
 from flashtrain.model.carry import Carry
+from flashtrain.model.fp8_linear import fp8_block_gemm
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -46,6 +47,7 @@ def _saved_ops() -> frozenset:
     for name in ("_scaled_mm", "_grouped_mm"):  # fp8 GEMMs; the routed experts' grouped GEMM (model/moe.py)
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
+    ops.add(fp8_block_gemm._opoverload)  # the FP8 Linears' GEMMs (model/fp8_linear.py, model.fp8.enabled)
     return frozenset(ops)
 
 

@@ -9,6 +9,7 @@ allocates (that is what the estimate counts):
 | where | the real path reads | simulated |
 |---|---|---|
 | model/moe.py | the per-expert row counts; `_grouped_mm` support | the balanced split; bf16 only |
+| model/quant.py | -- (its E2M1 tables are cached per device) | tables built per call, never cached |
 | model/kernels/select.py | -- (Triton kernels need values) | the reference (compile gate: the Triton host code) |
 | model/init.py | -- | no seeded draws (nothing to fill; ~50k draws for an exp=flash model otherwise) |
 | model/chunks.py | -- | query chunks of a repeated shape run once (`SIMULATE_EVERY_CHUNK`) |

@@ -17,6 +17,10 @@ Parameter names follow the public V4.1 checkpoint (`embed.weight`, `layers.{i}.a
 `norm.weight`, `head.weight`, `vision.*`, `aligner.*`, `image_start`); routed experts are stacked
 (`layers.{i}.ffn.experts.w1` [E, ...]).
 
+Every weight enters the forward as the format the release stores it in says (model/formats.py: on its
+grid under `model.qat.experts_fp4` / `weights_fp8` / `weights_bf16`; the FP8 Linears' GEMMs in FP8 under
+`model.fp8.enabled`).
+
 Images (V41_SPEC §6): a batch carries `token_types` and, per sample, the processed pixel tensors of
 its images in order of appearance; `embed_inputs` writes their aligner rows and the learned
 START / NEWLINE / END vectors into the image spans before the first block, and image positions
@@ -35,6 +39,7 @@ from flashtrain.model.aux import StepStats
 from flashtrain.model.carry import Carry
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.engram import Engram, NgramHasher, engram_table_rows
+from flashtrain.model.formats import Embedding, Linear, Stored, as_trained
 from flashtrain.model.init import init_weights, reset_buffers
 from flashtrain.model.layer_plan import LayerRole, layer_plan
 from flashtrain.model.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
@@ -63,6 +68,8 @@ class ForwardContext:
 class Block(nn.Module):
     """Engram (if any) -> attention site -> FFN site, each with single-pass mHC (V41_SPEC §3)."""
 
+    STORED = {f"hc_{site}_{part}": Stored.FP32 for site in ("attn", "ffn") for part in ("fn", "base", "scale")}
+
     def __init__(self, cfg: ModelConfig, role: LayerRole, engram_rows: int | None):
         super().__init__()
         self.layer_id = role.id
@@ -71,9 +78,9 @@ class Block(nn.Module):
         self.use_triton = cfg.use_triton
         n, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
         self.engram = Engram(cfg, role.id, engram_rows) if role.engram else None
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.qat)
         self.attn = Attention(cfg, role)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.qat)
         self.ffn = MoE(cfg, role.id)
         self.recompute = "none"  # train.recompute (model/recompute.py); set by Transformer.set_recompute
         for site in ("attn", "ffn"):
@@ -108,6 +115,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    STORED = {name: Stored.BF16 for name in ("image_start", "image_newline", "image_end")}
+
     def __init__(self, cfg: ModelConfig, token_map: list[int] | torch.Tensor | None = None,
                  init: bool = True, seed: int = 0):
         """`init`: initialise the weights now (model/init.py, seeded by `seed` and each parameter's
@@ -118,13 +127,13 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.plan = layer_plan(cfg)
         rows = engram_table_rows(cfg) if cfg.engram_layer_ids else []
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.embed = Embedding(cfg.vocab_size, cfg.dim, cfg)
         self.layers = nn.ModuleList(
             Block(cfg, role, rows[cfg.engram_layer_ids.index(role.id)] if role.engram else None)
             for role in self.plan
         )
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.qat)
+        self.head = Linear(cfg.dim, cfg.vocab_size, cfg)
         self.engram_hasher = NgramHasher(cfg, token_map) if cfg.engram_layer_ids else None
         if cfg.vision_n_layers:
             self.vision = ViT(cfg)
@@ -197,9 +206,10 @@ class Transformer(nn.Module):
             for sample in images:
                 rows.append(rows_flat[k:k + len(sample)])
                 k += len(sample)
+            vectors = (as_trained(getattr(self, n), self.STORED[n], self.cfg.qat)
+                       for n in ("image_start", "image_newline", "image_end"))
             e = merge_images(self.embed(tokens if split is None else split.local(tokens)), token_types, rows,
-                             self.image_start, self.image_newline, self.image_end,
-                             None if split is None else split.positions(tokens.device))
+                             *vectors, None if split is None else split.positions(tokens.device))
         else:
             if token_types is not None and not simulated(token_types):  # checked on the device, no host read
                 torch._assert_async((token_types < 0).all(), "token_types marks image positions but the batch "

@@ -13,6 +13,8 @@ image features into the token sequence.
   `image_token_id`; `token_types` tells them apart. IMAGE slots take aligner rows in reading order,
   START / NEWLINE / END take the learned vectors `image_start` / `image_newline` / `image_end`.
 
+Every weight here is stored in BF16 by the release (model/formats.py).
+
 Parameter names follow the public checkpoint (`vision.patch_embed.proj`, `vision.blocks.{i}.attn.wqkv`,
 `vision.blocks.{i}.mlp.w1`, `vision.norm`, `aligner.w1`, `image_start`, ...). The trainer freezes the ViT
 body by a name rule: every `vision.*` parameter except `vision.norm.*` (`is_vision_body`).
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtrain.model.config import ModelConfig
+from flashtrain.model.formats import Linear
 from flashtrain.model.norm import RMSNorm
 
 # token_types values (V41_SPEC §6)
@@ -82,7 +85,7 @@ def pixel_unshuffle(x: torch.Tensor, n_h: int, n_w: int, r: int) -> torch.Tensor
 class PatchEmbed(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.proj = nn.Linear(3 * cfg.vision_patch_size ** 2, cfg.vision_dim)
+        self.proj = Linear(3 * cfg.vision_patch_size ** 2, cfg.vision_dim, cfg, bias=True)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         return self.proj(patches.flatten(-3))
@@ -93,8 +96,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.n_heads = cfg.vision_n_heads
         self.head_dim = cfg.vision_dim // cfg.vision_n_heads
-        self.wqkv = nn.Linear(cfg.vision_dim, 3 * cfg.vision_dim)
-        self.wo = nn.Linear(cfg.vision_dim, cfg.vision_dim)
+        self.wqkv = Linear(cfg.vision_dim, 3 * cfg.vision_dim, cfg, bias=True)
+        self.wo = Linear(cfg.vision_dim, cfg.vision_dim, cfg, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [n_images, N, dim]: every image attends only to its own N patches."""
@@ -108,8 +111,8 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.vision_dim, 2 * cfg.vision_inter_dim, bias=False)
-        self.w2 = nn.Linear(cfg.vision_inter_dim, cfg.vision_dim, bias=False)
+        self.w1 = Linear(cfg.vision_dim, 2 * cfg.vision_inter_dim, cfg)
+        self.w2 = Linear(cfg.vision_inter_dim, cfg.vision_dim, cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(x).chunk(2, dim=-1)
@@ -119,9 +122,9 @@ class VisionMLP(nn.Module):
 class VisionBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm1 = RMSNorm(cfg.vision_dim, cfg.vision_norm_eps)
+        self.norm1 = RMSNorm(cfg.vision_dim, cfg.vision_norm_eps, cfg.qat)
         self.attn = VisionAttention(cfg)
-        self.norm2 = RMSNorm(cfg.vision_dim, cfg.vision_norm_eps)
+        self.norm2 = RMSNorm(cfg.vision_dim, cfg.vision_norm_eps, cfg.qat)
         self.mlp = VisionMLP(cfg)
 
     def forward(self, x, cos, sin):
@@ -137,7 +140,7 @@ class ViT(nn.Module):
         self.theta = cfg.vision_rope_theta
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.vision_n_layers))
-        self.norm = RMSNorm(cfg.vision_dim, cfg.vision_norm_eps)
+        self.norm = RMSNorm(cfg.vision_dim, cfg.vision_norm_eps, cfg.qat)
 
     def patchify(self, pixels: torch.Tensor) -> torch.Tensor:
         """[n, 3, H, W] -> [n, (H/p) * (W/p), 3, p, p] in reading order."""
@@ -159,8 +162,8 @@ class Aligner(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.r = cfg.vision_downsample_ratio
-        self.w1 = nn.Linear(cfg.vision_dim * self.r ** 2, cfg.dim)
-        self.w2 = nn.Linear(cfg.dim, cfg.dim)
+        self.w1 = Linear(cfg.vision_dim * self.r ** 2, cfg.dim, cfg, bias=True)
+        self.w2 = Linear(cfg.dim, cfg.dim, cfg, bias=True)
 
     def forward(self, feats: torch.Tensor, n_h: int, n_w: int) -> torch.Tensor:
         """feats [n_h * n_w, vision_dim] of one image -> [ceil(n_h/r) * ceil(n_w/r), dim]."""

@@ -11,7 +11,8 @@ Cost model (fast and analytic; launch/estimate.py simulates the real step and is
   replicas that share it under ZeRO-1; a row-sharded Engram table all three / dp), where the
   optimizer (from the V4.1 routing, train/optim/routing.py rules) keeps 1 buffer for Muon and Sinkhorn,
   2 for AdamW; under mixed precision plus one bf16 copy of the dense weights (autocast's cast cache,
-  shared by every micro-batch of a step);
+  shared by every micro-batch of a step), except the weights whose copy each micro-batch makes itself (on a
+  QAT grid, or FP8 codes under `model.fp8.enabled`: `weight_copy_bytes`), counted with its activations;
 - activations, per block and micro-batch (`block_activations`): the input `carry` (the boundary tensors),
   what the forward keeps for backward (`kept`, depending on `train.recompute`) and the transient
   `work` of its backward (recomputation included). A stage holding F micro-batches in flight
@@ -63,6 +64,9 @@ class PartitionCosts:
         return local * self.bytes_per_value * (2 + n_state / max(1, replicas))
 
 
+FP8_SAVED_BYTES = 1 + 4 / 32  # an FP8 Linear's saved input: an E4M3 code + an fp32 scale per 32 values
+
+
 def _nbytes(spec) -> int:
     return math.prod(spec.shape) * spec.dtype.itemsize
 
@@ -72,7 +76,8 @@ def _engram_cols(cfg: ModelConfig) -> int:
 
 
 def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, engram_rows: int, carry_bytes: int,
-                      tokens: int, micro_batch: int, costs: PartitionCosts, seq_tokens: int | None = None) -> dict:
+                      tokens: int, micro_batch: int, costs: PartitionCosts, seq_tokens: int | None = None,
+                      weight_copies: int = 0) -> dict:
     """Per micro-batch of `tokens` tokens: the block's input `carry` (bytes), what its forward `kept`
     for backward under `costs.recompute`, and the transient `work` of its backward. Per token, the
     tensors of the reference implementation under bf16 autocast (fp32 master data), term by term:
@@ -86,7 +91,11 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
       indexer           6 D + 18 topk + 2 Hi dhi + 22 hd / m        (Full / Reindex layers)
       Engram            12 hc D + 4 D + (2 hd_e + 8) cols           (Engram layers)
     plus the bf16 copies of the local routed experts' weights (autocast casts each expert slice per
-    micro-batch). Measured against `train.estimate.probe_block` (tests/test_partition.py): kept within a
+    micro-batch), and `weight_copies`, the bytes of the weight copies each micro-batch's forward saves for
+    its backward (`weight_copy_bytes`: the weights on a QAT grid, the FP8 Linears' codes). With FP8 GEMMs
+    (`model.fp8.enabled`) the FP8 Linears keep their inputs as E4M3 codes with a scale per 32 (1 + 1/8 bytes
+    a value, model/fp8_linear.py) instead of `act` bytes. Measured against `train.estimate.probe_block`
+    (tests/test_partition.py): kept within a
     few percent from flash_tiny to exp=flash, work within about 30% (a transient peak). `selective`
     keeps the matmul outputs (bf16: projections, gate scores in fp32, expert intermediates) and the
     Engram hash ids; `full` the hash ids only. Backward work: the routed experts' gradients (28 k D per
@@ -123,7 +132,10 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
         selective += act * (hc + 1) * D
     if not costs.mixed_precision:  # fp32 throughout: no bf16 duplicates, the rest twice as large (measured)
         per_token = int(per_token * 0.85)
-    none_kept = tokens * per_token + compressed + (act * local_routed if costs.mixed_precision else 0)
+    if cfg.fp8.enabled:
+        per_token -= int((act - FP8_SAVED_BYTES) * fp8_input_width(cfg, role))
+    none_kept = (tokens * per_token + compressed + (act * local_routed if costs.mixed_precision else 0)
+                 + weight_copies)
     work = tokens * 28 * k * D + 8 * local_routed // 3
     if role.compress_ratio:
         work = max(work, 17 * cfg.index_topk * hd * micro_batch * min(cfg.attn_chunk_size, tokens // micro_batch))
@@ -139,6 +151,55 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
     else:
         kept = tokens * ids
     return {"carry": carry_bytes, "kept": kept, "work": work + none_kept - min(kept, none_kept)}
+
+
+def fp8_input_width(cfg: ModelConfig, role: LayerRole) -> int:
+    """Per token, the input channels of a block's FP8 Linears (model/formats.py): attention wq_a, wkv (dim),
+    wq_b (q_lora_rank), wo_b (o_groups x o_lora_rank); the indexer's wq_b; the shared expert (w1, w3: dim;
+    w2: moe_inter_dim); Engram's wkv."""
+    width = 2 * cfg.dim + cfg.q_lora_rank + cfg.o_groups * cfg.o_lora_rank
+    width += cfg.n_shared_experts * (2 * cfg.dim + cfg.moe_inter_dim)
+    if role.has_indexer:
+        width += cfg.q_lora_rank
+    if role.id in cfg.engram_layer_ids:
+        width += _engram_cols(cfg) * cfg.engram_head_dim
+    return width
+
+
+def weight_copies(block: nn.Module, cfg: ModelConfig) -> tuple[int, int, int]:
+    """The values of a block's dense weights (the routed experts and the Engram table aside) by the copy its
+    forward computes with (model/formats.py): (FP8 codes, made by each micro-batch's forward: the FP8 Linears
+    under `model.fp8.enabled`, model/fp8_linear.py; quantised copies in the matmul's dtype, made by each
+    forward from the master: the weights on a QAT grid, `model.qat.weights_fp8` / `weights_bf16`; the rest,
+    which autocast copies to bf16 once per step)."""
+    from flashtrain.model.formats import Stored, on_grid, weight_formats
+
+    formats, kinds = weight_formats(block), parameter_kinds(block)
+    fp8 = quantised = rest = 0
+    for name, p in block.named_parameters():
+        if kinds[name] in (ParamKind.ROUTED_EXPERT, ParamKind.ENGRAM_TABLE):
+            continue
+        fmt = formats[name]
+        if cfg.fp8.enabled and fmt is Stored.FP8:
+            fp8 += p.numel()
+        elif fmt is not None and on_grid(fmt, cfg.qat):
+            quantised += p.numel()
+        else:
+            rest += p.numel()
+    return fp8, quantised, rest
+
+
+def copy_bytes(copies: tuple[int, int, int], costs: PartitionCosts) -> tuple[int, int]:
+    """`weight_copies` in bytes: (cached once per step: autocast's bf16 copies under mixed precision; saved by
+    each micro-batch: the FP8 codes with their tile scales, the quantised copies in the activation dtype)."""
+    fp8, quantised, rest = copies
+    act = 2 if costs.mixed_precision else 4
+    return (2 * rest if costs.mixed_precision else 0), int(fp8 * (1 + 1 / (32 * 32)) + act * quantised)
+
+
+def weight_copy_bytes(block: nn.Module, cfg: ModelConfig, costs: PartitionCosts) -> tuple[int, int]:
+    """`copy_bytes(weight_copies(block, cfg), costs)`."""
+    return copy_bytes(weight_copies(block, cfg), costs)
 
 
 def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str], seq_len: int,
@@ -180,7 +241,7 @@ class UnitInventory:
                 "rows": 0 if block.engram is None else block.engram.embed.weight.shape[0],
                 "state": [(kinds[prefix + n], p.numel(), self.N_STATE[optimizer_of[prefix + n]])
                           for n, p in block.named_parameters()],
-                "written": live_shared_fields(model.plan, role.id)})
+                "written": live_shared_fields(model.plan, role.id), "copies": weight_copies(block, cfg)})
         self.outside = [(n, kinds[n], p.numel(), self.N_STATE[optimizer_of[n]]) for n, p in model.named_parameters()
                         if not n.startswith("layers.")]
         self._specs: dict = {}
@@ -217,12 +278,13 @@ class UnitInventory:
             rows = blk["rows"]
             if rows and costs.engram_shard and costs.dp > 1:  # the local row block's dense gradient only
                 rows = -(-rows // costs.dp)
+            cached, per_microbatch = copy_bytes(blk["copies"], costs)
             acts = block_activations(cfg, role, blk["routed"], rows, carry, tokens, micro_batch, costs,
-                                     seq_len * micro_batch)
-            # this rank's share of the block's state (experts, ZeRO-1, Engram rows)
+                                     seq_len * micro_batch, per_microbatch)
+            # this rank's share of the block's state (experts, ZeRO-1, Engram rows) + autocast's bf16 copies of
+            # the dense weights, once per step
             state = int(sum(costs.param_state_bytes(kind, numel, n_state) for kind, numel, n_state in blk["state"]))
-            if costs.mixed_precision:  # autocast's bf16 copies of the dense weights, once per step
-                state += 2 * (blk["params"] - blk["engram"] - blk["routed"])
+            state += cached
             units.append({"name": f"layers.{role.id}", "state_bytes": state, "carry_bytes": acts["carry"],
                           "new_carry_bytes": new_carry, "kept_bytes": acts["kept"], "work_bytes": acts["work"],
                           "activation_bytes": acts["carry"] + acts["kept"], "flops_per_token": flops,

@@ -170,29 +170,42 @@ def test_report_totals_and_plan_pipeline_section():
 ROLE_LAYERS = (0, 1, 2, 3, 14, 20, 24)
 
 
-@pytest.fixture(scope="module")
-def tiny_template():
+# the release's formats (issue 35): FP8 GEMMs and every weight switch (flash_tiny's Engram heads widened to 32)
+FORMATS = ("model.fp8.enabled=true", "model.qat.experts_fp4=true", "model.qat.weights_fp8=true",
+           "model.qat.weights_bf16=true", "model.engram_head_dim=32")
+
+
+def _template(overrides):
     from flashtrain.parallel.construct import model_template
     from flashtrain.train.config import compose, model_config, optim_config
     from flashtrain.train.optim.routing import route_parameters
 
-    cfg = compose(["+exp=flash_tiny"])
+    cfg = compose(["+exp=flash_tiny", *overrides])
     m = model_config(cfg)
     model = model_template(m)
     optimizer_of = {n: g.optimizer for g in route_parameters(model, m, optim_config(cfg)) for n in g.names}
     return cfg, m, model, optimizer_of
 
 
-@pytest.mark.parametrize("mode, device", [("none", "cuda"), ("selective", "cuda"), ("full", "cuda"),
-                                          ("none", "cpu"), ("selective", "cpu")])
+@pytest.fixture(scope="module")
+def tiny_template():
+    return _template([])
+
+
+@pytest.mark.parametrize("mode, device, formats", [("none", "cuda", False), ("selective", "cuda", False),
+                                                   ("full", "cuda", False), ("none", "cpu", False),
+                                                   ("selective", "cpu", False), ("none", "cuda", True)])
 @pytest.mark.slow
-def test_cost_model_matches_the_measured_block_activations(tiny_template, mode, device):
+def test_cost_model_matches_the_measured_block_activations(tiny_template, mode, device, formats):
     """carry exact; what a micro-batch keeps for backward within 25% (the term the in-flight count
     multiplies); the transient backward peak within 35%. The probe runs each block alone on fake
-    tensors, through the real forward and backward (torch's autograd, checkpointing, autocast)."""
+    tensors, through the real forward and backward (torch's autograd, checkpointing, autocast). `formats`:
+    with FP8 GEMMs and the weight switches on, where the kept inputs (FP8 codes) and the weight copies each
+    micro-batch saves (quantised, FP8) change most."""
+    from flashtrain.parallel.partition import weight_copy_bytes
     from flashtrain.train.estimate import probe_block
 
-    cfg, m, model, optimizer_of = tiny_template
+    cfg, m, model, optimizer_of = _template(FORMATS) if formats else tiny_template
     costs = PartitionCosts(recompute=mode, mixed_precision=device == "cuda")
     units = unit_costs(model, m, optimizer_of, cfg.data.seq_len, cfg.data.batch_size, costs)
     model_kept, probe_kept = {}, {}
@@ -203,7 +216,10 @@ def test_cost_model_matches_the_measured_block_activations(tiny_template, mode, 
         table = 0 if block.engram is None else block.engram.embed.weight.numel()
         # the probe's single micro-batch also holds autocast's bf16 weight copies, which the cost model
         # counts once per stage with the state
-        cache = 2 * (sum(p.numel() for p in block.parameters()) - routed - table) if device == "cuda" else 0
+        cache = weight_copy_bytes(block, m, costs)[0]
+        if not formats:
+            assert cache == (2 * (sum(p.numel() for p in block.parameters()) - routed - table) if device == "cuda"
+                             else 0)
         model_kept[layer], probe_kept[layer] = u["kept_bytes"] + cache, got["kept_bytes"]
         assert u["carry_bytes"] == got["carry_bytes"], layer
         assert model_kept[layer] == pytest.approx(got["kept_bytes"], rel=0.25), (layer, u, got)
@@ -215,6 +231,16 @@ def test_cost_model_matches_the_measured_block_activations(tiny_template, mode, 
         model_inc = model_kept[with_term] - model_kept[without]
         probe_inc = probe_kept[with_term] - probe_kept[without]
         assert model_inc == pytest.approx(probe_inc, rel=0.3, abs=64), (with_term, model_inc, probe_inc)
+    # the formats' terms on their own: what the formats change in what a micro-batch keeps (FP8 inputs, the
+    # weight copies each micro-batch saves, no autocast copy), against the same blocks without them
+    if formats:
+        plain_cfg, plain_m, plain_model, plain_opt = tiny_template
+        plain_units = unit_costs(plain_model, plain_m, plain_opt, cfg.data.seq_len, cfg.data.batch_size, costs)
+        for layer in (0, 2):
+            plain = plain_units[layer]["kept_bytes"] + weight_copy_bytes(plain_model.layers[layer], plain_m, costs)[0]
+            model_inc = model_kept[layer] - plain
+            probe_inc = probe_kept[layer] - probe_block(plain_cfg, layer, mode, device)["kept_bytes"]
+            assert probe_inc < 0 and model_inc == pytest.approx(probe_inc, rel=0.3), (layer, model_inc, probe_inc)
 
 
 def test_state_shares_under_zero1_and_engram_sharding():

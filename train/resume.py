@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 
 # model fields that change how the step is computed, not what: a run may resume with other values (e.g. a
 # smaller attention chunk for the 1M-token extension, whose indexer scores [chunk, heads, S / m] per chunk),
-# and QAT (switched on for the last part of a run)
-EXECUTION_ONLY = frozenset({"attn_chunk_size", "use_triton", "qat"})
+# QAT (switched on for the last part of a run: the KV / indexer formats and the weights', issue 35) and FP8 GEMMs
+EXECUTION_ONLY = frozenset({"attn_chunk_size", "use_triton", "qat", "fp8"})
 
 
 def resume_path(resume_from: str | None, run_dir: Path, is_main: bool) -> str | Path | None:
