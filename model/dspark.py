@@ -50,7 +50,7 @@ from flashtrain.model.init import init_weights, reset_buffers
 from flashtrain.model.layer_plan import LayerRole, Role
 from flashtrain.model.mhc import hc_collapse, one_hot_pre
 from flashtrain.model.norm import RMSNorm
-from flashtrain.model.rope import apply_rope, rope_angles
+from flashtrain.model.rope import rope_angles
 from flashtrain.model.sequence_split import SequenceSplit
 from flashtrain.model.sparse_attention import sparse_attention_lean
 from flashtrain.model.transformer import Block, ForwardContext

@@ -180,9 +180,10 @@ def test_greedy_draft_loop_by_hand(tiny_cfg):
 def test_target_layer_inputs_are_hc_means():
     """`ForwardContext.captures` holds, for each target layer, the mean over the 4 streams of that layer's
     input (after its Engram): the same as running the blocks before it and averaging the carry."""
+    from layer_plans import EIGHT_LAYERS
+
     from flashtrain.model import Transformer
     from flashtrain.train.config import compose, model_config
-    from layer_plans import EIGHT_LAYERS
 
     cfg = model_config(compose(["+exp=flash_tiny", *EIGHT_LAYERS]))
     torch.manual_seed(0)
