@@ -54,8 +54,9 @@ def update_biases(model: nn.Module, loads: dict[int, torch.Tensor], rate: float)
     """Apply the sign rule to every MoE layer's `bias` (row 0 loads) and `bias_vl` (row 1 loads).
     Returns the number of (layer, modality) biases changed."""
     changed = 0
+    drafter = getattr(model, "moe_layers", None)  # the DSpark drafter (model/dspark.py): its own MoE layer ids
     for layer, load in loads.items():
-        ffn = getattr(model.layers[layer], "ffn", None)
+        ffn = drafter.get(layer) if drafter is not None else getattr(model.layers[layer], "ffn", None)
         if ffn is None:
             continue  # another pipeline stage owns this layer (and applies the same update)
         gate = ffn.gate

@@ -56,6 +56,7 @@ from flashtrain.train.config import (
     schedule,
     token_spec,
 )
+from flashtrain.train.dspark import validate_stage
 from flashtrain.train.evaluate import Evaluator
 from flashtrain.train.metrics import LoggingConfig
 from flashtrain.train.optim import build_optimizers
@@ -87,11 +88,13 @@ class RunConfigs:
 def read_configs(cfg: DictConfig) -> RunConfigs:
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     model = model_config(cfg)
-    return RunConfigs(cfg_dict, model, optim_config(cfg), data_config(cfg),
-                      typed_config(TrainConfig, cfg_dict["train"], "train"),
-                      typed_config(LoggingConfig, cfg_dict.get("logging"), "logging"),
-                      typed_config(ParallelConfig, cfg_dict.get("parallel"), "parallel"), schedule(cfg),
-                      token_spec(model))
+    c = RunConfigs(cfg_dict, model, optim_config(cfg), data_config(cfg),
+                   typed_config(TrainConfig, cfg_dict["train"], "train"),
+                   typed_config(LoggingConfig, cfg_dict.get("logging"), "logging"),
+                   typed_config(ParallelConfig, cfg_dict.get("parallel"), "parallel"), schedule(cfg),
+                   token_spec(model))
+    validate_stage(c)
+    return c
 
 
 def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: ParallelConfig, world: int,

@@ -10,6 +10,7 @@ in one all-reduce at its end.
 | loader counters (`LOADER_COUNTERS`) | the data loader's skip counts (pipeline rank 0) | step |
 | per source (`SOURCE_FIELDS`, one value per data source): `source_tokens` (positions read), `source_targets` (scored labels) | the batches (pipeline rank 0) | micro-batch |
 | `source_ce` (the CE sum of each source's labels) | the loss (the last pipeline stage; every cp rank its positions) | micro-batch |
+| named vectors (`vectors`): `dspark` (train/dspark_loss.py) | the DSpark stage's objective | micro-batch |
 """
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ _INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 
 class StepValues:
-    def __init__(self, device: torch.device, n_sources: int = 0):
+    def __init__(self, device: torch.device, n_sources: int = 0, vectors: dict[str, int] | None = None):
         self.n_sources = n_sources
-        self.values = torch.zeros(len(FIELDS) + len(SOURCE_FIELDS) * n_sources, dtype=torch.float64, device=device)
+        self.vectors: dict[str, slice] = {}
+        at = len(FIELDS) + len(SOURCE_FIELDS) * n_sources
+        for name, size in (vectors or {}).items():
+            self.vectors[name] = slice(at, at + size)
+            at += size
+        self.values = torch.zeros(at, dtype=torch.float64, device=device)
 
     def add(self, name: str, value) -> None:
         """Add a number or a (device) tensor to field `name`."""
@@ -40,6 +46,10 @@ class StepValues:
         at = len(FIELDS) + SOURCE_FIELDS.index(name) * self.n_sources
         values = values.detach().to(self.values.device, torch.float64).reshape(-1, self.n_sources).sum(0)
         self.values[at:at + self.n_sources] += values
+
+    def add_vector(self, name: str, values: torch.Tensor) -> None:
+        """Add a vector to the named vector `name` (given at construction)."""
+        self.values[self.vectors[name]] += values.detach().to(self.values.device, torch.float64)
 
     def all_reduce(self, group=None) -> "StepValues":
         """Sum over `group` (default: every rank), in place; the one collective of the step's values."""
@@ -63,4 +73,6 @@ class StepValues:
         for i, name in enumerate(SOURCE_FIELDS):
             at = len(FIELDS) + i * self.n_sources
             out[name] = values[at:at + self.n_sources]
+        for name, where in self.vectors.items():
+            out[name] = values[where]
         return out

@@ -142,6 +142,7 @@ def official_config(cfg: ModelConfig, engram_rows: list[int], quantised: bool = 
     rule restricts every indexer after a source."""
     out = {k: getattr(cfg, k) for k in _SAME_NAME}
     out = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in out.items()}
+    out["compress_ratios"] = cfg.backbone_compress_ratios
     if out["engram_compressed_vocab_size"] is None:
         out["engram_compressed_vocab_size"] = compressed_vocab
     out["candidate_source_layer"] = cfg.candidate_source_layer if cfg.candidate_restriction else -1

@@ -1,0 +1,245 @@
+"""The DSpark stage (`train.stage=dspark`, V41_SPEC §8b; docs/training.md "DSpark"): after pre-training, the
+backbone is frozen and only the drafter (model/dspark.py) is trained, in the same loop, with the same
+checkpoints and its own metrics.
+
+- The backbone comes from `train.backbone`: a flashtrain run's checkpoint or an import of the release
+  (launch/import_official.py). It is built for this rank (expert-sharded under ep, split under cp) and
+  loaded, then frozen: `requires_grad_(False)` on every parameter, so autograd never computes a gradient
+  for it and no optimizer, gradient reducer, clip or checkpoint sees it. Its forward runs under
+  `torch.no_grad()` and keeps only what the drafter reads: the target layers' hc-means (the context), the
+  final hidden states (the target distribution) and its embedding and head (shared, frozen).
+- The drafter is what the loop trains: the "model" of the optimizers (the three-optimizer split,
+  train/optim/routing.py), gradient reduction, clipping, the MoE bias update (its own routed experts,
+  per modality as the backbone's), snapshots and checkpoints. A fresh stage starts the drafter from the
+  backbone checkpoint's `mtp.*` tensors when it has them (an import of the release: continue DeepSeek's
+  drafter), else from the seeded initialisation (model/init.py).
+- Training data (DeepSpec's "online target" mode): the run's own data stream; each micro-batch goes
+  through the frozen backbone first, so the context features and the target distribution are the
+  backbone's on exactly these tokens. DeepSpec also regenerates chat answers with the target model
+  (scripts/data/generate_train_data.py) for post-training data; for the pre-training corpus flashtrain
+  uses the corpus text as it is, and the backbone's own distribution is the L1 / confidence target.
+- The objective, its statistics and their sources: train/dspark_loss.py (DeepSpec `compute_dspark_loss`).
+- Checkpoints hold the drafter (its `mtp.*` tensors as released, its MoE biases), its optimizer state, the
+  data and RNG state, and `meta["backbone"]`: the backbone checkpoint's path and fingerprint (the SHA-256
+  of its `checksums.json`, or of `.metadata` for a checkpoint without one). A resume against another
+  backbone is refused, naming both.
+- Metrics per step (train/dspark_loss.py `read_stats`): `loss` (the objective), `draft_loss` and
+  `draft_loss_per_position`, `acceptance_length` {expected, measured}, `accept_rate_per_position`,
+  `l1_loss`, `confidence_loss`, `confidence_ece`, `balance_loss` (the drafter's MoE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flashtrain.config.errors import CheckpointError, ConfigError, InputNotFoundError
+from flashtrain.model import Transformer
+from flashtrain.model.aux import StepStats
+from flashtrain.model.dspark import DSpark, block_tokens, context_features
+from flashtrain.parallel.construct import build_rank_model
+from flashtrain.parallel.context import ContextComm
+from flashtrain.train.balancing import accumulate_loads
+from flashtrain.train.checkpoint import load_weights, read_metadata
+from flashtrain.train.dspark_loss import dspark_loss, read_stats, stat_size
+from flashtrain.train.optim import build_optimizers
+from flashtrain.train.optim.routing import route_parameters, zero_inputs
+from flashtrain.train.step_runner import StepRunner, _on
+from flashtrain.train.step_values import StepValues
+
+log = logging.getLogger(__name__)
+
+STAGES = ("pretrain", "dspark")
+# model fields a backbone checkpoint need not agree on with the DSpark stage's config: the drafter's own
+DRAFTER_FIELDS = frozenset({"n_mtp_layers", "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+                            "dspark_markov_rank", "dspark_n_routed_experts", "dspark_n_activated_experts"})
+
+
+def validate_stage(c) -> None:
+    """The stage's settings, before any process group or model exists (c: train/build.py RunConfigs)."""
+    t = c.train
+    if t.stage not in STAGES:
+        raise ConfigError(f"train.stage={t.stage!r}: use one of {', '.join(STAGES)}")
+    if t.stage == "pretrain":
+        return
+    if not t.backbone:
+        raise ConfigError("train.stage=dspark needs train.backbone=PATH: the checkpoint of the pre-trained backbone "
+                          "(a run's checkpoints/step_XXXXXXXX, or launch/import_official.py's output)")
+    if not (Path(t.backbone) / ".metadata").is_file():
+        raise InputNotFoundError(f"train.backbone={t.backbone!r} is not a checkpoint (no .metadata); point it at a "
+                                 f"checkpoints/step_XXXXXXXX directory or an import of the release")
+    c.model.validate_drafter()
+    if c.model.dspark_n_routed_experts % c.parallel.ep:
+        raise ConfigError(f"parallel.ep={c.parallel.ep} does not divide model.dspark_n_routed_experts="
+                          f"{c.model.dspark_n_routed_experts} (the drafter's experts are sharded over ep too)")
+    if c.parallel.cp > 1:
+        raise ConfigError(f"parallel.cp={c.parallel.cp}: the DSpark stage does not split sequences yet; use "
+                          f"parallel.cp=1")
+    if c.parallel.pp > 1:
+        raise ConfigError(f"parallel.pp={c.parallel.pp}: the DSpark stage runs the frozen backbone and the drafter "
+                          f"without pipeline stages; use parallel.pp=1 (dp / ep / cp split the work)")
+    if t.spike.action == "rollback":
+        raise ConfigError("train.spike.action=rollback: the rollback's Anticipatory Routing is not implemented for "
+                          "the drafter; use train.spike.action=skip or none in the DSpark stage")
+
+
+def backbone_pointer(path: str | Path) -> dict:
+    """{"path": absolute path, "fingerprint": SHA-256 of the checkpoint's checksums.json (its manifest,
+    which holds every file's SHA-256), or of its .metadata when it has none}."""
+    path = Path(path).resolve()
+    manifest = path / "checksums.json"
+    data = (manifest if manifest.is_file() else path / ".metadata").read_bytes()
+    return {"path": str(path), "fingerprint": hashlib.sha256(data).hexdigest()}
+
+
+def check_backbone(saved: dict | None, current: dict, checkpoint: str | Path) -> None:
+    """A DSpark-stage checkpoint resumes only against the backbone it was trained against."""
+    if saved is None:
+        raise CheckpointError(f"checkpoint {checkpoint} records no backbone: it is not a DSpark-stage checkpoint "
+                              f"(train.stage=dspark); resume it with train.stage=pretrain, or start the stage in a new "
+                              f"run directory")
+    if saved["fingerprint"] != current["fingerprint"]:
+        raise CheckpointError(f"checkpoint {checkpoint} was trained against the backbone {saved['path']} (fingerprint "
+                              f"{saved['fingerprint'][:12]}), but train.backbone={current['path']} is a different "
+                              f"checkpoint (fingerprint {current['fingerprint'][:12]}); point train.backbone at the "
+                              f"backbone the drafter was trained against, or start a new run directory")
+    if saved["path"] != current["path"]:
+        log.info(f"the backbone {saved['path']} is now at {current['path']} (same fingerprint)")
+
+
+def has_drafter(path: str | Path) -> bool:
+    """Does the checkpoint hold drafter tensors (`mtp.*`: an import of the release)?"""
+    return any(k.startswith("model.mtp.") for k in read_metadata(path).state_dict_metadata)
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """The frozen backbone: no parameter requires a gradient (none is ever computed), eval mode."""
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def load_backbone(c, dims, device: torch.device, template: Transformer, path: str | Path,
+                  tensor_mode=None) -> Transformer:
+    """This rank's backbone (experts sharded over ep, positions split under cp) with the weights of `path`,
+    frozen; its model config must equal the run's but for the drafter's fields."""
+    from flashtrain.train.resume import check_model_config
+
+    model = build_rank_model(template, device, c.train.seed, None, dims.ep, dims.ep_rank, dims.ep_group, tensor_mode)
+    if dims.cp > 1:
+        model.set_context_parallel(dims.cp, dims.cp_rank, c.parallel.cp_balance, ContextComm(dims.cp_group))
+    if tensor_mode is None:
+        meta = load_weights(path, model, dims.global_layout(model))
+        saved = {k: v for k, v in meta["config"]["model"].items() if k not in DRAFTER_FIELDS}
+        mine = {k: v for k, v in c.cfg_dict["model"].items() if k not in DRAFTER_FIELDS}
+        saved["compress_ratios"] = saved.get("compress_ratios", [])[:c.model.n_layers]
+        mine["compress_ratios"] = mine["compress_ratios"][:c.model.n_layers]
+        check_model_config(saved, mine, path)
+        if meta.get("config", {}).get("train", {}).get("stage", "pretrain") == "dspark":
+            raise ConfigError(f"train.backbone={path} is a DSpark-stage checkpoint (a drafter); point train.backbone "
+                              f"at the backbone checkpoint it names in its meta, or use train.resume_from")
+    return freeze(model)
+
+
+def drafter_template(cfg) -> DSpark:
+    with torch.device("meta"):
+        return DSpark(cfg, init=False)
+
+
+def build_dspark_rank(c, plan, dims, device: torch.device, backbone_template: Transformer, mixed_precision: bool,
+                      op, lr: float, tensor_mode=None):
+    """The DSpark stage's parts of this rank (train/build.py RankParts): the drafter as the trained model
+    (expert-sharded under ep; from the backbone checkpoint's `mtp.*` when it has them), its optimizers and
+    gradient reducer, and the runner that holds the frozen backbone."""
+    from flashtrain.train.build import RankParts, _sinkhorn_row_group_of, counts_data
+
+    backbone = load_backbone(c, dims, device, backbone_template, c.train.backbone, tensor_mode)
+    drafter = build_rank_model(drafter_template(c.model), device, c.train.seed, None, dims.ep, dims.ep_rank,
+                               dims.ep_group, tensor_mode)
+    drafter.set_recompute(c.train.recompute)
+    if tensor_mode is None and has_drafter(c.train.backbone):
+        load_weights(c.train.backbone, drafter, dims.global_layout(drafter))
+        log.info(f"drafter initialised from the mtp.* tensors of {c.train.backbone}")
+    with tensor_mode or contextlib.nullcontext():
+        kinds, matrices = zero_inputs(route_parameters(drafter, c.model, c.optim))
+        zero_plan = dims.zero_plan(drafter, kinds, matrices)
+        optim = build_optimizers(drafter, c.model, c.optim, (lambda p: zero_plan[id(p)]) if dims.zero else None,
+                                 _sinkhorn_row_group_of(drafter, dims), lr=lr)
+        reducer = dims.grad_reducer(drafter)
+    runner = DSparkRunner(drafter, backbone, c.train.dspark, reducer, plan.accumulation, device=device,
+                          loss_tile_tokens=c.train.loss_tile_tokens, mixed_precision=mixed_precision,
+                          counts_data=counts_data(dims), op=op)
+    return RankParts(drafter, None, optim, reducer, runner)
+
+
+class DSparkRunner(StepRunner):
+    """The step's micro-batches: the frozen backbone's no-grad forward, then the drafter's forward over every
+    anchor, the objective (train/dspark_loss.py) and its backward (the drafter only)."""
+
+    def __init__(self, drafter: DSpark, backbone: Transformer, loss_cfg, reducer, accumulation: int, **common):
+        super().__init__(drafter, reducer, accumulation, **common)
+        self.backbone, self.loss_cfg = backbone, loss_cfg
+        self.targets = list(drafter.cfg.dspark_target_layer_ids)
+        self.K = drafter.block_size
+        self.stat_size = stat_size(self.K, loss_cfg.ece_bins)
+
+    def backbone_features(self, tokens, types, images):
+        """The frozen backbone's forward (no gradient): (the context features [B, L, n_targets x dim] at this
+        rank's positions, the final hidden states [B, S, dim] of the whole sequences)."""
+        bb = self.backbone
+        with torch.no_grad():
+            ctx = bb.context(tokens, types)
+            ctx.captures = dict.fromkeys(self.targets)
+            final = bb.final_hidden(bb.run_blocks(bb.embed_inputs(tokens, types, images), ctx))
+            return context_features(ctx.captures, self.targets), final
+
+    def micro_batch(self, batch: dict, stats: StepStats, scale: float):
+        """One micro-batch's objective (scale x; with its graph) and statistics vector."""
+        tokens, types, images = _on(self.device, batch)
+        labels = batch["labels"].to(self.device)
+        main_hidden, final = self.backbone_features(tokens, types, images)
+        split = self.backbone.sequence_split(tokens.shape[1])
+        positions = torch.arange(tokens.shape[1], device=self.device) if split is None else split.positions(
+            self.device)
+        first = labels[:, positions]
+        blocks = block_tokens(first, self.K, self.model.cfg.dspark_noise_token_id)
+        x = self.model.hidden(main_hidden, blocks, self.backbone.embed, stats, scale, split)
+        return dspark_loss(x, self.model, self.backbone.head, final, labels, positions, self.loss_cfg,
+                           self.loss_tile_tokens, scale, split)
+
+    def _passes(self, batches: list[dict], routes) -> tuple[StepValues, dict]:
+        if routes is not None:
+            raise ConfigError("Anticipatory Routing is not implemented for the DSpark drafter")
+        accum = self.accumulation
+        loads: dict[int, torch.Tensor] = {}
+        sums = StepValues(self.device, 0, {"dspark": self.stat_size})
+        for i, batch in enumerate(batches):
+            if i == accum - 1:
+                self.reducer.mark_final()
+            stats = StepStats()
+            loss, values = self.micro_batch(batch, stats, 1.0 / accum)
+            loss.backward()
+            accumulate_loads(loads, stats.expert_load)
+            sums.add("ce", loss.detach() * accum)
+            sums.add("balance_loss", stats.total("balance_loss"))
+            sums.add_vector("dspark", values)
+            if self.counts_data:
+                sums.add("pad_tokens", batch["pad_tokens"])
+                sums.add("positions", batch["tokens"].numel() + batch["tokens"].shape[0])
+        return sums, loads
+
+    def _record(self, batches) -> list[dict]:
+        raise ConfigError("Anticipatory Routing is not implemented for the DSpark drafter")
+
+    def _evaluate(self, batches, token_bytes) -> list[torch.Tensor]:
+        raise ConfigError("the held-out LM evaluation does not apply to the DSpark stage (the backbone is frozen); "
+                          "use launch/eval_dspark.py")
+
+
+def dspark_record(values: dict, cfg) -> dict:
+    """The DSpark fields of a step's metrics record from its summed values (train/dspark_loss.py)."""
+    return read_stats(values["dspark"], cfg.model.dspark_block_size, cfg.train.dspark.ece_bins)
