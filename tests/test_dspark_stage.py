@@ -278,3 +278,22 @@ def test_stage_resumes_exactly_and_refuses_another_backbone(tmp_path, corpus_arg
     assert all(torch.equal(oa[k], ob[k]) for k in oa)
     assert any(ma[k].abs().sum() > 0 for k in ma if k.endswith("ffn.gate.bias"))  # the drafter's biases moved
     assert backbone_pointer(backbone) == fingerprint  # the backbone's files are untouched
+    # launch/eval_dspark.py on the stage's checkpoint (in this process): its JSON, and the verified output is
+    # the backbone's greedy decoding for the drafter and both baselines
+    import contextlib
+    import io
+    import json
+
+    sys.path.insert(0, str(ROOT / "launch"))
+    import eval_dspark
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert eval_dspark.main([str(straight / "checkpoints" / "step_00000003"), "--prompts", "2", "--prompt-len",
+                                 "16", "--new-tokens", "6", "--check-greedy", "--json"]) == 0
+    result = json.loads(buf.getvalue().strip().splitlines()[-1])
+    assert result["equals_greedy"] and result["outputs_agree"] and result["backbone"] == str(backbone)
+    for r in (result, result["baselines"]["untrained"], result["baselines"]["block_1"]):
+        assert 1.0 <= r["mean_accepted_length"] and len(r["acceptance_per_position"]) in (1, 5)
+        assert r["confidence_ece"] is None or 0.0 <= r["confidence_ece"] <= 1.0
+    assert result["baselines"]["block_1"]["mean_accepted_length"] <= 2.0
