@@ -160,7 +160,8 @@ class Trainer:
         def hook(tmp):
             faults.inject("checkpoint_write", step, self.rank)
 
-        hasher = getattr(self.model, "engram_hasher", None)
+        hasher = getattr(self.model, "engram_hasher", None) or getattr(getattr(self.runner, "backbone", None),
+                                                                       "engram_hasher", None)
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg.cfg_dict,
                 "source_tokens": dict(self.source_tokens),
                 "engram_compressed_vocab_size": None if hasher is None else hasher.compressed_vocab}
