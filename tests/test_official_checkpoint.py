@@ -322,7 +322,8 @@ def drafter_release(tmp_path_factory):
     drafter = spread(DSpark(cfg, seed=2))
     writer = PartsWriter(d / "backbone")
     writer.add({"model": backbone})
-    writer.add({"meta": _blob({"step": 8, "tokens_seen": 0, "config": run_config, "engram_compressed_vocab_size": 401})})
+    writer.add({"meta": _blob({"step": 8, "tokens_seen": 0, "config": run_config,
+                               "engram_compressed_vocab_size": 401})})
     writer.close()
     stage = d / "stage"
     with warnings.catch_warnings():
@@ -377,7 +378,8 @@ def test_drafter_round_trip_names_dtypes_and_config(drafter_release):
                                    "dspark_n_activated_experts")} == {
         "n_mtp_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 511, "dspark_target_layer_ids": [5, 6, 7],
         "dspark_markov_rank": 8, "dspark_n_routed_experts": 4, "dspark_n_activated_experts": 2}
-    assert config["compress_ratios"] == [0, 0, 2, 2, 2, 1, 1, 1, 0, 0, 0] and config["engram_compressed_vocab_size"] == 401
+    assert config["compress_ratios"] == [0, 0, 2, 2, 2, 1, 1, 1, 0, 0, 0]
+    assert config["engram_compressed_vocab_size"] == 401
     # back: every tensor within its format's bound
     shapes, kinds = model_layout(cfg, drafter=True)
     got_backbone = model_template(cfg).materialize("cpu", 5)

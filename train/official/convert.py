@@ -51,10 +51,10 @@ from flashtrain.train.official.layout import (
     OfficialTensor,
     check_quantisable,
     config_differences,
+    has_drafter_config,
     normalise_name,
     official_config,
     official_tensors,
-    has_drafter_config,
     quantised_from_config,
 )
 from flashtrain.train.official.safetensors import SafeFile, ShardedWriter, read_index
