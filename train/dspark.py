@@ -77,9 +77,6 @@ def validate_stage(c) -> None:
     if c.model.dspark_n_routed_experts % c.parallel.ep:
         raise ConfigError(f"parallel.ep={c.parallel.ep} does not divide model.dspark_n_routed_experts="
                           f"{c.model.dspark_n_routed_experts} (the drafter's experts are sharded over ep too)")
-    if c.parallel.cp > 1:
-        raise ConfigError(f"parallel.cp={c.parallel.cp}: the DSpark stage does not split sequences yet; use "
-                          f"parallel.cp=1")
     if c.parallel.pp > 1:
         raise ConfigError(f"parallel.pp={c.parallel.pp}: the DSpark stage runs the frozen backbone and the drafter "
                           f"without pipeline stages; use parallel.pp=1 (dp / ep / cp split the work)")
@@ -195,6 +192,10 @@ class DSparkRunner(StepRunner):
             ctx = bb.context(tokens, types)
             ctx.captures = dict.fromkeys(self.targets)
             final = bb.final_hidden(bb.run_blocks(bb.embed_inputs(tokens, types, images), ctx))
+            split = bb.sequence_split(tokens.shape[1])
+            if split is not None:  # the target distribution at every position (a block's may be another rank's)
+                final = split.gather_entries([final[:, o:o + b - a] for (a, b), o in zip(split.chunks, split.offsets)],
+                                             1)
             return context_features(ctx.captures, self.targets), final
 
     def micro_batch(self, batch: dict, stats: StepStats, scale: float):

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from flashtrain.data.loader import IGNORE
 
@@ -95,16 +94,16 @@ def supervision(labels: torch.Tensor, positions: torch.Tensor, K: int, gamma: fl
 
 
 def _tile(drafter, head: nn.Linear, cfg: DSparkLossConfig, bins: int, denom: torch.Tensor, scale: float,
-          x, final, prev, targets, mask, weights):
-    """One tile of n anchors: x [n, K, D], final [n, K, D] (backbone hidden at the target positions),
-    prev / targets [n, K], mask / weights [n, K] -> (loss, statistics vector)."""
-    K = x.shape[1]
+          x, q, prev, targets, mask, weights):
+    """One tile of anchors: x [..., K, D], q [..., K, vocab] (the backbone's distribution at the target
+    positions, no gradient), prev / targets / mask / weights [..., K] -> (loss, statistics vector)."""
+    K = x.shape[-2]
+    x, q, prev, targets, mask, weights = (t.reshape(-1, K, *t.shape[x.dim() - 1:]) for t in
+                                          (x, q, prev, targets, mask, weights))
     bias, memb = drafter.markov(prev.clamp(min=0))  # unsupervised positions (IGNORE) read some token
     z = drafter.base_logits(x, head) + bias
     logp = z.log_softmax(-1)
     ce = -logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        q = head(final).float().softmax(-1)
     l1 = (logp.exp() - q).abs().sum(-1)
     accept = (1 - 0.5 * l1).clamp(0.0, 1.0)
     conf = drafter.confidence(x, memb)
@@ -132,34 +131,80 @@ def _tile(drafter, head: nn.Linear, cfg: DSparkLossConfig, bins: int, denom: tor
     return loss, stats
 
 
+class _TileGradients(torch.autograd.Function):
+    """The tiles' summed loss, whose backward hands x the gradient the tiles computed in the forward (scaled by
+    the incoming gradient; DeepSpeed's TiledFusedLogitsLoss pattern, as train/loss.py)."""
+
+    @staticmethod
+    def forward(ctx, x, total, grad):
+        ctx.save_for_backward(grad)
+        return total.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (grad,) = ctx.saved_tensors
+        return grad * g, None, None
+
+
+def _tiles(split, L: int, S: int, K: int, n: int):
+    """(anchor rows [r0, r1), target window [w0, w1)) per tile: n anchors of one contiguous local chunk (its
+    global positions g .. g + n - 1 draft the tokens at g + 1 .. g + n - 1 + K, inside the sequence)."""
+    chunks = [((0, L), 0)] if split is None else list(zip(split.chunks, split.offsets))
+    for (a, b), o in chunks:
+        for g0 in range(a, b, n):
+            g1 = min(b, g0 + n)
+            yield (o + g0 - a, o + g1 - a), (min(g0 + 1, S - 1), min(g1 + K, S))
+
+
 def dspark_loss(x: torch.Tensor, drafter, head: nn.Linear, final: torch.Tensor, labels: torch.Tensor,
                 positions: torch.Tensor, cfg: DSparkLossConfig, tile_tokens: int, scale: float = 1.0,
                 split=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, L, K, D] the drafter's hidden states at the anchors `positions` [L] (global), final [B, S, D]
-    the backbone's final hidden states of the whole sequences (no gradient), labels [B, S] -> (scale x the
-    objective of the micro-batch, its statistics vector float64 [stat_size]). Tiles of about `tile_tokens`
-    draft positions run under activation checkpointing (each tile's logits are recomputed in backward).
+    """x [B, L, K, D] the drafter's hidden states at the anchors `positions` [L] (this rank's: every position,
+    or `split`'s under context parallelism), final [B, S, D] the backbone's final hidden states of the whole
+    sequences (no gradient), labels [B, S] -> (scale x the objective of the micro-batch, its statistics
+    vector float64 [stat_size]).
+
+    Tiles of about `tile_tokens` draft positions (contiguous anchors): the backbone's distribution once per
+    target position of the tile (a position is the target of K anchors), and, when training, the tile's
+    backward right after its forward (into the drafter's head-side parameters, accumulated once per
+    micro-batch, and into x, handed over by the returned loss): no tile's [positions, vocab] tensors outlive
+    it and nothing is recomputed. The returned loss must be back-propagated with gradient 1 (as train/loss.py's).
     `split`: context parallelism (the weight sum over the whole sequences)."""
     B, L, K, D = x.shape
+    S = labels.shape[1]
     _, prev, targets, tgt_at, mask, weights = supervision(labels, positions, K, cfg.decay_gamma)
     denom = weights.sum()
     if split is not None:
         denom = split.sum(denom)
     denom = denom.clamp_min(1e-6).detach()
-    final_t = final[:, tgt_at.flatten()].view(B, L, K, D)
-    flat = [t.reshape(B * L, *t.shape[2:]) for t in (x, final_t, prev, targets, mask, weights)]
-    n = max(1, tile_tokens // K)
-    loss, stats = x.new_zeros((), dtype=torch.float32), None
-    for a in range(0, B * L, n):
-        args = [t[a:a + n] for t in flat]
-        fn = lambda *t: _tile(drafter, head, cfg, cfg.ece_bins, denom, scale, *t)  # noqa: E731
-        if torch.is_grad_enabled() and x.requires_grad:
-            tl, ts = checkpoint(fn, *args, use_reentrant=False)
+    train = torch.is_grad_enabled() and x.requires_grad
+    last = drafter.mtp[-1]
+    side = [p for m in (last.norm, last.markov_head, last.confidence_head) for p in m.parameters() if p.requires_grad]
+    grad_x = torch.zeros_like(x) if train else None
+    grad_side = [torch.zeros_like(p) for p in side] if train else []
+    total, stats = torch.zeros((), dtype=torch.float32, device=x.device), None
+    for (r0, r1), (w0, w1) in _tiles(split, L, S, K, max(1, tile_tokens // (K * B))):
+        with torch.no_grad():
+            q = head(final[:, w0:w1]).float().softmax(-1)[:, (tgt_at[r0:r1] - w0).clamp(0, w1 - w0 - 1)]
+        args = (prev[:, r0:r1], targets[:, r0:r1], mask[:, r0:r1], weights[:, r0:r1])
+        if not train:
+            tl, ts = _tile(drafter, head, cfg, cfg.ece_bins, denom, scale, x[:, r0:r1], q, *args)
         else:
-            tl, ts = fn(*args)
-        loss = loss + tl
+            with torch.enable_grad():
+                xt = x[:, r0:r1].detach().requires_grad_()
+                tl, ts = _tile(drafter, head, cfg, cfg.ece_bins, denom, scale, xt, q, *args)
+                got = torch.autograd.grad(tl, [xt, *side], allow_unused=True)
+            grad_x[:, r0:r1] = got[0]
+            for acc, g in zip(grad_side, got[1:]):
+                if g is not None:
+                    acc += g
+        total += tl.detach()
         stats = ts if stats is None else stats + ts
-    return loss, stats
+    if not train:
+        return total, stats
+    if side:  # one accumulation per parameter (its gradient-reduction hook fires once per micro-batch)
+        torch.autograd.backward(side, grad_side)
+    return _TileGradients.apply(x, total, grad_x), stats
 
 
 def read_stats(total: list[float] | torch.Tensor, K: int, bins: int) -> dict:
