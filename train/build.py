@@ -56,7 +56,7 @@ from flashtrain.train.config import (
     schedule,
     token_spec,
 )
-from flashtrain.train.dspark import validate_stage
+from flashtrain.train.dspark import check_backbone_path, validate_stage
 from flashtrain.train.evaluate import Evaluator
 from flashtrain.train.metrics import LoggingConfig
 from flashtrain.train.optim import build_optimizers
@@ -253,6 +253,7 @@ def check_start(c: RunConfigs, readers: int) -> None:
     """What a start needs on disk, checked before a process group exists: the data (shards, tokenizer, enough
     shards for `readers` data-parallel ranks x workers; data/loader.py `check_sources`) and train.resume_from."""
     check_sources(c.data, readers)
+    check_backbone_path(c)
     if c.train.eval.interval and c.data.val_shards is not None:
         resolve_shards(c.data.val_shards, "val_shards")  # a pattern that matches nothing fails now
     if c.train.resume_from and not Path(c.train.resume_from).is_dir():

@@ -61,18 +61,13 @@ DRAFTER_FIELDS = frozenset({"n_mtp_layers", "dspark_block_size", "dspark_noise_t
 
 
 def validate_stage(c) -> None:
-    """The stage's settings, before any process group or model exists (c: train/build.py RunConfigs)."""
+    """The stage's settings, before any process group or model exists (c: train/build.py RunConfigs); the
+    backbone checkpoint itself is checked at a start (`check_backbone_path`), not by the memory estimator."""
     t = c.train
     if t.stage not in STAGES:
         raise ConfigError(f"train.stage={t.stage!r}: use one of {', '.join(STAGES)}")
     if t.stage == "pretrain":
         return
-    if not t.backbone:
-        raise ConfigError("train.stage=dspark needs train.backbone=PATH: the checkpoint of the pre-trained backbone "
-                          "(a run's checkpoints/step_XXXXXXXX, or launch/import_official.py's output)")
-    if not (Path(t.backbone) / ".metadata").is_file():
-        raise InputNotFoundError(f"train.backbone={t.backbone!r} is not a checkpoint (no .metadata); point it at a "
-                                 f"checkpoints/step_XXXXXXXX directory or an import of the release")
     c.model.validate_drafter()
     if c.model.dspark_n_routed_experts % c.parallel.ep:
         raise ConfigError(f"parallel.ep={c.parallel.ep} does not divide model.dspark_n_routed_experts="
@@ -83,6 +78,19 @@ def validate_stage(c) -> None:
     if t.spike.action == "rollback":
         raise ConfigError("train.spike.action=rollback: the rollback's Anticipatory Routing is not implemented for "
                           "the drafter; use train.spike.action=skip or none in the DSpark stage")
+
+
+def check_backbone_path(c) -> None:
+    """A start of the stage needs its backbone checkpoint (train/build.py `check_start`)."""
+    t = c.train
+    if t.stage != "dspark":
+        return
+    if not t.backbone:
+        raise ConfigError("train.stage=dspark needs train.backbone=PATH: the checkpoint of the pre-trained backbone "
+                          "(a run's checkpoints/step_XXXXXXXX, or launch/import_official.py's output)")
+    if not (Path(t.backbone) / ".metadata").is_file():
+        raise InputNotFoundError(f"train.backbone={t.backbone!r} is not a checkpoint (no .metadata); point it at a "
+                                 f"checkpoints/step_XXXXXXXX directory or an import of the release")
 
 
 def backbone_pointer(path: str | Path) -> dict:
@@ -114,19 +122,33 @@ def has_drafter(path: str | Path) -> bool:
     return any(k.startswith("model.mtp.") for k in read_metadata(path).state_dict_metadata)
 
 
-def freeze(model: nn.Module) -> nn.Module:
-    """The frozen backbone: no parameter requires a gradient (none is ever computed), eval mode."""
+def freeze(model: nn.Module, low_precision: bool = False) -> nn.Module:
+    """The frozen backbone: no parameter requires a gradient (none is ever computed), eval mode.
+    `low_precision` (CUDA, bf16 autocast): no fp32 master weights are needed, so every parameter is kept in
+    bf16 but those the release stores in FP32 (sinks, mHC; train/official/layout.py), as the public inference
+    code holds them: half the bytes of the largest part of the stage's memory."""
     model.requires_grad_(False)
+    if low_precision:
+        from flashtrain.train.official.layout import storage_format
+
+        with torch.no_grad():
+            for name, t in model.named_parameters():  # (buffers: RoPE tables stay fp32, the gate biases are FP32)
+                if t.dtype == torch.float32 and storage_format(name, None, False) != "fp32":
+                    t.data = t.data.to(torch.bfloat16)
     return model.eval()
 
 
 def load_backbone(c, dims, device: torch.device, template: Transformer, path: str | Path,
-                  tensor_mode=None) -> Transformer:
+                  tensor_mode=None, mixed_precision: bool = False) -> Transformer:
     """This rank's backbone (experts sharded over ep, positions split under cp) with the weights of `path`,
     frozen; its model config must equal the run's but for the drafter's fields."""
+    import torch.distributed as dist
+
     from flashtrain.train.resume import check_model_config
 
-    model = build_rank_model(template, device, c.train.seed, None, dims.ep, dims.ep_rank, dims.ep_group, tensor_mode)
+    engram_group = dims.dp_cp_group if dims.engram_shard else None  # row-sharded Engram tables, as build_rank's
+    model = build_rank_model(template, device, c.train.seed, None, dims.ep, dims.ep_rank, dims.ep_group, tensor_mode,
+                             engram_group, dist.get_rank(engram_group) if engram_group is not None else 0, dims.dp_cp)
     if dims.cp > 1:
         model.set_context_parallel(dims.cp, dims.cp_rank, c.parallel.cp_balance, ContextComm(dims.cp_group))
     if tensor_mode is None:
@@ -139,7 +161,7 @@ def load_backbone(c, dims, device: torch.device, template: Transformer, path: st
         if meta.get("config", {}).get("train", {}).get("stage", "pretrain") == "dspark":
             raise ConfigError(f"train.backbone={path} is a DSpark-stage checkpoint (a drafter); point train.backbone "
                               f"at the backbone checkpoint it names in its meta, or use train.resume_from")
-    return freeze(model)
+    return freeze(model, low_precision=device.type == "cuda" or (tensor_mode is not None and mixed_precision))
 
 
 def drafter_template(cfg) -> DSpark:
@@ -154,7 +176,7 @@ def build_dspark_rank(c, plan, dims, device: torch.device, backbone_template: Tr
     gradient reducer, and the runner that holds the frozen backbone."""
     from flashtrain.train.build import RankParts, _sinkhorn_row_group_of, counts_data
 
-    backbone = load_backbone(c, dims, device, backbone_template, c.train.backbone, tensor_mode)
+    backbone = load_backbone(c, dims, device, backbone_template, c.train.backbone, tensor_mode, mixed_precision)
     drafter = build_rank_model(drafter_template(c.model), device, c.train.seed, None, dims.ep, dims.ep_rank,
                                dims.ep_group, tensor_mode)
     drafter.set_recompute(c.train.recompute)
