@@ -49,8 +49,8 @@ from flashtrain.parallel.construct import model_template
 from flashtrain.train.balancing import global_loads, update_biases
 from flashtrain.train.build import build_dims, build_rank, read_configs, run_plan
 from flashtrain.train.collectives import Operation
-from flashtrain.train.dspark import build_dspark_rank
 from flashtrain.train.config import BatchPlan
+from flashtrain.train.dspark import build_dspark_rank
 from flashtrain.train.step_runner import StepBatches
 
 
