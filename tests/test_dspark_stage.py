@@ -321,13 +321,15 @@ def test_stage_resumes_exactly_and_refuses_another_backbone(tmp_path, corpus_arg
 @pytest.mark.slow
 @pytest.mark.xdist_group("dspark_reference")
 @pytest.mark.parametrize("layout", [["parallel.ep=2", "data.num_workers=1"],
-                                    ["parallel.cp=2", "parallel.ep=2", "data.num_workers=2"]],
-                         ids=["dp2_ep2", "cp2_ep2"])
+                                    ["parallel.cp=2", "parallel.ep=2", "data.num_workers=2"],
+                                    ["parallel.pp=2", "parallel.stage_layers=[6,2]", "data.num_workers=2"]],
+                         ids=["dp2_ep2", "cp2_ep2", "pp2"])
 def test_stage_parity_with_one_process(tmp_path, corpus_args, reference, layout):
     """The same global batch in 2 processes: data parallel with the drafter's (and the backbone's) experts
     sharded over the 2 ranks; context parallel (each sequence's anchors split, the drafter's window halo and
-    the target distribution exchanged) with experts over the cp ranks. Losses, draft metrics and grad norms to
-    rounding, expert loads and acceptance counts as the reference's, for 2 steps."""
+    the target distribution exchanged) with experts over the cp ranks; the backbone in 2 pipeline stages of 6
+    and 2 blocks, the drafter on the second, target layer 5's hc-mean travelling with the carry. Losses, draft
+    metrics and grad norms to rounding, expert loads as the reference's, for 2 steps."""
     from test_trainer import records
 
     d, backbone = reference

@@ -41,14 +41,17 @@ from torch import nn
 from flashtrain.config.errors import CheckpointError, ConfigError, InputNotFoundError
 from flashtrain.model import Transformer
 from flashtrain.model.aux import StepStats
+from flashtrain.model.carry import Carry, SharedKV
 from flashtrain.model.dspark import DSpark, block_tokens, context_features
 from flashtrain.parallel.construct import build_rank_model
 from flashtrain.parallel.context import ContextComm
+from flashtrain.parallel.pipeline import local_stage_ranges
 from flashtrain.train.balancing import accumulate_loads
 from flashtrain.train.checkpoint import load_weights, read_metadata
 from flashtrain.train.dspark_loss import dspark_loss, read_stats, stat_size
 from flashtrain.train.optim import build_optimizers
 from flashtrain.train.optim.routing import route_parameters, zero_inputs
+from flashtrain.train.stages import plan_stages, stage_units
 from flashtrain.train.step_runner import StepRunner, _on
 from flashtrain.train.step_values import StepValues
 
@@ -72,9 +75,9 @@ def validate_stage(c) -> None:
     if c.model.dspark_n_routed_experts % c.parallel.ep:
         raise ConfigError(f"parallel.ep={c.parallel.ep} does not divide model.dspark_n_routed_experts="
                           f"{c.model.dspark_n_routed_experts} (the drafter's experts are sharded over ep too)")
-    if c.parallel.pp > 1:
-        raise ConfigError(f"parallel.pp={c.parallel.pp}: the DSpark stage runs the frozen backbone and the drafter "
-                          f"without pipeline stages; use parallel.pp=1 (dp / ep / cp split the work)")
+    if c.parallel.pp > 1 and c.parallel.stages_per_rank != 1:
+        raise ConfigError(f"parallel.pipeline_schedule={c.parallel.pipeline_schedule}: the DSpark stage pipelines the "
+                          f"frozen backbone's forward with one stage per rank; use parallel.pipeline_schedule=1f1b")
     if t.spike.action == "rollback":
         raise ConfigError("train.spike.action=rollback: the rollback's Anticipatory Routing is not implemented for "
                           "the drafter; use train.spike.action=skip or none in the DSpark stage")
@@ -139,16 +142,23 @@ def freeze(model: nn.Module, low_precision: bool = False) -> nn.Module:
 
 
 def load_backbone(c, dims, device: torch.device, template: Transformer, path: str | Path,
-                  tensor_mode=None, mixed_precision: bool = False) -> Transformer:
-    """This rank's backbone (experts sharded over ep, positions split under cp) with the weights of `path`,
-    frozen; its model config must equal the run's but for the drafter's fields."""
+                  tensor_mode=None, mixed_precision: bool = False, stages=None) -> Transformer:
+    """This rank's backbone (its pipeline stage's blocks, experts sharded over ep, positions split under cp)
+    with the weights of `path`, frozen; its model config must equal the run's but for the drafter's fields.
+    The last pipeline stage keeps the embedding too: the drafter embeds its blocks with it."""
     import torch.distributed as dist
 
     from flashtrain.train.resume import check_model_config
 
     engram_group = dims.dp_cp_group if dims.engram_shard else None  # row-sharded Engram tables, as build_rank's
-    model = build_rank_model(template, device, c.train.seed, None, dims.ep, dims.ep_rank, dims.ep_group, tensor_mode,
-                             engram_group, dist.get_rank(engram_group) if engram_group is not None else 0, dims.dp_cp)
+    keep_embed = stages is not None and stages[-1].is_last and template.embed is not None
+    embed = template.embed if keep_embed else None
+    model = build_rank_model(template, device, c.train.seed, stages, dims.ep, dims.ep_rank, dims.ep_group,
+                             tensor_mode, engram_group, dist.get_rank(engram_group) if engram_group is not None else 0,
+                             dims.dp_cp)
+    if keep_embed and model.embed is None:
+        with tensor_mode or contextlib.nullcontext():
+            model.embed = embed.to_empty(device=device)
     if dims.cp > 1:
         model.set_context_parallel(dims.cp, dims.cp_rank, c.parallel.cp_balance, ContextComm(dims.cp_group))
     if tensor_mode is None:
@@ -176,11 +186,21 @@ def build_dspark_rank(c, plan, dims, device: torch.device, backbone_template: Tr
     gradient reducer, and the runner that holds the frozen backbone."""
     from flashtrain.train.build import RankParts, _sinkhorn_row_group_of, counts_data
 
-    backbone = load_backbone(c, dims, device, backbone_template, c.train.backbone, tensor_mode, mixed_precision)
-    drafter = build_rank_model(drafter_template(c.model), device, c.train.seed, None, dims.ep, dims.ep_rank,
-                               dims.ep_group, tensor_mode)
+    stages, pipe = None, None
+    if dims.pp > 1:  # the backbone's blocks in the pre-training partition, the drafter on the last stage
+        units = stage_units(backbone_template, c.model, c.optim, c.parallel, c.data.seq_len, c.data.batch_size,
+                            c.train.recompute, mixed_precision, dims.dp_cp, dims.cp)
+        stages = local_stage_ranges(c.parallel, plan_stages(units, c.parallel), dims.pp_rank)
+        pipe = ForwardPipeline(c.model, stages[0], dims, c.data.batch_size, c.data.seq_len)
+    backbone = load_backbone(c, dims, device, backbone_template, c.train.backbone, tensor_mode, mixed_precision,
+                             stages)
+    template = drafter_template(c.model)
+    if pipe is not None and not pipe.last:
+        template.mtp = nn.ModuleList()  # only the last stage holds (and trains) the drafter
+    drafter = build_rank_model(template, device, c.train.seed, None, dims.ep, dims.ep_rank, dims.ep_group,
+                               tensor_mode)
     drafter.set_recompute(c.train.recompute)
-    if tensor_mode is None and has_drafter(c.train.backbone):
+    if tensor_mode is None and has_drafter(c.train.backbone) and len(drafter.mtp):
         load_weights(c.train.backbone, drafter, dims.global_layout(drafter))
         log.info(f"drafter initialised from the mtp.* tensors of {c.train.backbone}")
     with tensor_mode or contextlib.nullcontext():
@@ -191,29 +211,95 @@ def build_dspark_rank(c, plan, dims, device: torch.device, backbone_template: Tr
         reducer = dims.grad_reducer(drafter)
     runner = DSparkRunner(drafter, backbone, c.train.dspark, reducer, plan.accumulation, device=device,
                           loss_tile_tokens=c.train.loss_tile_tokens, mixed_precision=mixed_precision,
-                          counts_data=counts_data(dims), op=op)
+                          counts_data=counts_data(dims) and dims.pp_rank == 0, op=op, pipe=pipe)
     return RankParts(drafter, None, optim, reducer, runner)
 
 
-class DSparkRunner(StepRunner):
-    """The step's micro-batches: the frozen backbone's no-grad forward, then the drafter's forward over every
-    anchor, the objective (train/dspark_loss.py) and its backward (the drafter only)."""
+class ForwardPipeline:
+    """The frozen backbone's forward over pipeline stages (`parallel.pp`, one stage per rank): every rank of a
+    pipeline reads the same micro-batches (its dp rank's); stage r receives the carry of each micro-batch from
+    stage r - 1, runs its blocks without gradients and sends the carry on; nothing travels back (the backbone
+    has no backward). What crosses a boundary before block l: the carry's fields as in pre-training
+    (parallel/pipeline.py `boundary_specs`: h, pre_mix, the live CSA2 fields; not the tokens, which every stage
+    has), plus the hc-mean of every target layer before l (`dspark_target_layer_ids`), [b, L, dim] fp32 each:
+    the drafter on the last stage reads them. With the published targets 37, 38, 39 the last stage normally
+    holds all three and no capture crosses a boundary."""
 
-    def __init__(self, drafter: DSpark, backbone: Transformer, loss_cfg, reducer, accumulation: int, **common):
+    def __init__(self, cfg, stage, dims, micro_batch: int, seq_len: int):
+        import torch.distributed as dist
+
+        from flashtrain.model.layer_plan import layer_plan
+        from flashtrain.parallel.pipeline import FieldSpec, boundary_specs
+
+        self.stage, self.group = stage, dims.pp_group
+        self.first, self.last = stage.is_first, stage.is_last
+        local = -(-seq_len // dims.cp) if dims.cp > 1 else None
+        L = local or seq_len
+
+        def specs(boundary: int):
+            carry = boundary_specs(cfg, layer_plan(cfg), boundary, micro_batch, seq_len, local)[2:]  # not tokens
+            return carry + [FieldSpec(f"capture{t}", (micro_batch, L, cfg.dim), torch.float32)
+                            for t in cfg.dspark_target_layer_ids if t < boundary]
+
+        self.recv_specs = None if self.first else specs(stage.start)
+        self.send_specs = None if self.last else specs(stage.end)
+        rank = dims.pp_rank
+        self.prev = None if self.first else dist.get_global_rank(self.group, rank - 1)
+        self.next = None if self.last else dist.get_global_rank(self.group, rank + 1)
+
+    def receive(self, device) -> tuple[Carry, dict]:
+        """The carry and the captures of the previous stage."""
+        import torch.distributed as dist
+
+        got = {}
+        for s in self.recv_specs:
+            t = torch.empty(s.shape, dtype=s.dtype, device=device)
+            dist.recv(t, src=self.prev, group=self.group)
+            got[s.name] = t
+        captures = {int(k[len("capture"):]): got.pop(k) for k in list(got) if k.startswith("capture")}
+        h, pre = got.pop("h"), got.pop("pre_mix")
+        return Carry(h, pre, SharedKV(**got)), captures
+
+    def send(self, carry: Carry, captures: dict) -> None:
+        import torch.distributed as dist
+
+        for s in self.send_specs:
+            t = captures[int(s.name[len("capture"):])] if s.name.startswith("capture") else carry.get(s.name)
+            dist.send(t.to(s.dtype).contiguous(), dst=self.next, group=self.group)
+
+
+class DSparkRunner(StepRunner):
+    """The step's micro-batches: the frozen backbone's no-grad forward (over the pipeline's stages under pp,
+    `ForwardPipeline`), then, on the last stage, the drafter's forward over every anchor, the objective
+    (train/dspark_loss.py) and its backward (the drafter only)."""
+
+    def __init__(self, drafter: DSpark, backbone: Transformer, loss_cfg, reducer, accumulation: int,
+                 pipe: ForwardPipeline | None = None, **common):
         super().__init__(drafter, reducer, accumulation, **common)
-        self.backbone, self.loss_cfg = backbone, loss_cfg
+        self.backbone, self.loss_cfg, self.pipe = backbone, loss_cfg, pipe
         self.targets = list(drafter.cfg.dspark_target_layer_ids)
         self.K = drafter.block_size
         self.stat_size = stat_size(self.K, loss_cfg.ece_bins)
 
     def backbone_features(self, tokens, types, images):
         """The frozen backbone's forward (no gradient): (the context features [B, L, n_targets x dim] at this
-        rank's positions, the final hidden states [B, S, dim] of the whole sequences)."""
-        bb = self.backbone
+        rank's positions, the final hidden states [B, S, dim] of the whole sequences); under pp this rank's
+        stage only, and (None, None) but on the last stage."""
+        bb, pipe = self.backbone, self.pipe
         with torch.no_grad():
             ctx = bb.context(tokens, types)
             ctx.captures = dict.fromkeys(self.targets)
-            final = bb.final_hidden(bb.run_blocks(bb.embed_inputs(tokens, types, images), ctx))
+            if pipe is None:
+                carry = bb.run_blocks(bb.embed_inputs(tokens, types, images), ctx)
+            else:
+                carry, got = (bb.embed_inputs(tokens, types, images), {}) if pipe.first else pipe.receive(self.device)
+                carry = bb.run_blocks(carry, ctx, pipe.stage.start, pipe.stage.end)
+                got.update((t, v) for t, v in ctx.captures.items() if v is not None)
+                if not pipe.last:
+                    pipe.send(carry, got)
+                    return None, None
+                ctx.captures.update(got)
+            final = bb.final_hidden(carry)
             split = bb.sequence_split(tokens.shape[1])
             if split is not None:  # the target distribution at every position (a block's may be another rank's)
                 final = split.gather_entries([final[:, o:o + b - a] for (a, b), o in zip(split.chunks, split.offsets)],
@@ -225,6 +311,8 @@ class DSparkRunner(StepRunner):
         tokens, types, images = _on(self.device, batch)
         labels = batch["labels"].to(self.device)
         main_hidden, final = self.backbone_features(tokens, types, images)
+        if main_hidden is None:  # a pipeline stage before the last: its part is done
+            return None, None
         split = self.backbone.sequence_split(tokens.shape[1])
         positions = torch.arange(tokens.shape[1], device=self.device) if split is None else split.positions(
             self.device)
@@ -243,16 +331,18 @@ class DSparkRunner(StepRunner):
         for i, batch in enumerate(batches):
             if i == accum - 1:
                 self.reducer.mark_final()
+            if self.counts_data:  # (cp rank 0 of pipeline stage 0: each dp rank's batches counted once)
+                sums.add("pad_tokens", batch["pad_tokens"])
+                sums.add("positions", batch["tokens"].numel() + batch["tokens"].shape[0])
             stats = StepStats()
             loss, values = self.micro_batch(batch, stats, 1.0 / accum)
+            if loss is None:  # a pipeline stage before the last
+                continue
             loss.backward()
             accumulate_loads(loads, stats.expert_load)
             sums.add("ce", loss.detach() * accum)
             sums.add("balance_loss", stats.total("balance_loss"))
             sums.add_vector("dspark", values)
-            if self.counts_data:
-                sums.add("pad_tokens", batch["pad_tokens"])
-                sums.add("positions", batch["tokens"].numel() + batch["tokens"].shape[0])
         return sums, loads
 
     def _record(self, batches) -> list[dict]:
