@@ -3,7 +3,10 @@
 1. **backbone**: the README's main command, `torchrun --nproc_per_node=2 launch/pretrain.py +exp=flash_small
    train.max_steps=8` (`--backbone-procs 1`: one process), in OUT/backbone; a finished one is reused;
 2. **stage**: `launch/pretrain.py +exp=flash_small_dspark train.backbone=OUT/backbone/checkpoints/step_00000008
-   train.max_steps=STEPS` in OUT/stage (one process; resumes an interrupted one);
+   train.max_steps=STEPS data.seq_len=SEQ train.global_batch_tokens=TOKENS` in OUT/stage (one process; resumes an
+   interrupted one). `--stage-seq-len` / `--stage-batch-tokens` (default 256 / 512: 2 sequences per step, a
+   quarter of the exp's 2048-token step, so that a few hundred steps fit the shared 2-core machine; 0 keeps the
+   exp's);
 3. **measure**: `launch/eval_dspark.py OUT/stage/checkpoints/step_<STEPS> --json --check-greedy` with
    `--prompts`, `--prompt-len`, `--new-tokens`: the trained drafter's mean accepted length per verification step
    against the untrained drafter's and a block of 1, and the per-position acceptance.
@@ -48,6 +51,9 @@ def main() -> int:
     ap.add_argument("--backbone-steps", type=int, default=8, help="the README demo's steps")
     ap.add_argument("--backbone-procs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=300, help="DSpark stage steps")
+    ap.add_argument("--stage-seq-len", type=int, default=256, help="the stage's data.seq_len (0: the exp's)")
+    ap.add_argument("--stage-batch-tokens", type=int, default=512,
+                    help="the stage's train.global_batch_tokens (0: the exp's)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=48)
@@ -65,9 +71,11 @@ def main() -> int:
                                               *QUIET, *args.overrides], "the backbone run")
     final = stage_dir / "checkpoints" / f"step_{args.steps:08d}"
     if not (final / ".metadata").is_file():
+        shape = ([f"data.seq_len={args.stage_seq_len}"] if args.stage_seq_len else []) + (
+            [f"train.global_batch_tokens={args.stage_batch_tokens}"] if args.stage_batch_tokens else [])
         times["stage_s"] = run([sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_small_dspark",
                                 f"train.backbone={ckpt}", f"train.max_steps={args.steps}", f"hydra.run.dir={stage_dir}",
-                                "train.checkpoint.interval=50", *QUIET, *args.overrides], "the DSpark stage")
+                                "train.checkpoint.interval=50", *shape, *QUIET, *args.overrides], "the DSpark stage")
     cmd = [sys.executable, str(ROOT / "launch" / "eval_dspark.py"), str(final), "--json", "--check-greedy",
            "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
     print(f"$ {' '.join(cmd)}", flush=True)
