@@ -6,7 +6,7 @@
    train.max_steps=STEPS data.seq_len=SEQ train.global_batch_tokens=TOKENS` in OUT/stage (one process; resumes an
    interrupted one). `--stage-seq-len` / `--stage-batch-tokens` (default 256 / 512: 2 sequences per step, a
    quarter of the exp's 2048-token step, so that a few hundred steps fit the shared 2-core machine; 0 keeps the
-   exp's);
+   exp's; the schedule then spans exactly STEPS steps);
 3. **measure**: `launch/eval_dspark.py OUT/stage/checkpoints/step_<STEPS> --json --check-greedy` with
    `--prompts`, `--prompt-len`, `--new-tokens`: the trained drafter's mean accepted length per verification step
    against the untrained drafter's and a block of 1, and the per-position acceptance.
@@ -72,7 +72,8 @@ def main() -> int:
     final = stage_dir / "checkpoints" / f"step_{args.steps:08d}"
     if not (final / ".metadata").is_file():
         shape = ([f"data.seq_len={args.stage_seq_len}"] if args.stage_seq_len else []) + (
-            [f"train.global_batch_tokens={args.stage_batch_tokens}"] if args.stage_batch_tokens else [])
+            [f"train.global_batch_tokens={args.stage_batch_tokens}",  # the schedule over exactly STEPS steps
+             f"schedule.total_tokens={args.steps * args.stage_batch_tokens}"] if args.stage_batch_tokens else [])
         times["stage_s"] = run([sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_small_dspark",
                                 f"train.backbone={ckpt}", f"train.max_steps={args.steps}", f"hydra.run.dir={stage_dir}",
                                 "train.checkpoint.interval=50", *shape, *QUIET, *args.overrides], "the DSpark stage")
