@@ -193,6 +193,9 @@ class SimulatedRank:
         return skipped * sum(batch[k].numel() * batch[k].element_size() for k in ("tokens", "token_types", "labels"))
 
     def stages(self) -> list[int]:
+        forward_pipe = getattr(self.runner, "pipe", None)  # the DSpark stage's backbone pipeline
+        if forward_pipe is not None:
+            return [forward_pipe.stage.index]
         if self.pipe is None:
             return [0]
         return [mod.range.index for mod in self.pipe.modules]
