@@ -344,3 +344,17 @@ def test_stage_parity_with_one_process(tmp_path, corpus_args, reference, layout)
         assert y["balance_loss"] == pytest.approx(x["balance_loss"], rel=1e-5)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
         assert y["expert_load"] == x["expert_load"] and y["tokens_seen"] == x["tokens_seen"]
+
+
+def test_frozen_backbone_in_low_precision_keeps_the_release_fp32_tensors(cfg):
+    """On CUDA the frozen backbone needs no fp32 master weights: bf16, but for what the release keeps in FP32
+    (sinks, mHC); buffers (RoPE tables, gate biases) untouched."""
+    from flashtrain.train.dspark import freeze
+
+    model = freeze(Transformer(cfg, seed=1), low_precision=True)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["layers.0.attn.attn_sink"] == dtypes["layers.0.hc_attn_fn"] == torch.float32
+    assert dtypes["layers.0.attn.wq_a.weight"] == dtypes["embed.weight"] == dtypes["head.weight"] == torch.bfloat16
+    assert dtypes["layers.2.ffn.experts.w1"] == dtypes["layers.0.attn_norm.weight"] == torch.bfloat16
+    assert model.layers[0].attn.rope_freqs.dtype == model.layers[0].ffn.gate.bias.dtype == torch.float32
+    assert not any(p.requires_grad for p in model.parameters())
