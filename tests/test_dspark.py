@@ -205,3 +205,24 @@ def test_target_layer_inputs_are_hc_means():
             want = h.mean(dim=2)
             torch.testing.assert_close(feats[..., j * cfg.dim:(j + 1) * cfg.dim], want)
     assert not torch.equal(feats[..., :cfg.dim], feats[..., cfg.dim:2 * cfg.dim])
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputed_drafter_blocks_give_the_same_gradients(drafter, tiny_cfg, mode):
+    """train.recompute (exp=flash: full) on the drafter's blocks: the context (`ForwardContext.draft`) reaches
+    the recomputation; gradients equal the kept-activation run's."""
+    cfg = tiny_cfg
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.dim).requires_grad_(False)
+    main_hidden = torch.randn(2, 6, len(cfg.dspark_target_layer_ids) * cfg.dim)
+    tokens = block_tokens(torch.randint(3, 490, (2, 6)), cfg.dspark_block_size, cfg.dspark_noise_token_id)
+    grads = []
+    for m in ("none", mode):
+        drafter.set_recompute(m)
+        drafter.zero_grad(set_to_none=True)
+        drafter.hidden(main_hidden, tokens, embed).square().sum().backward()
+        grads.append({n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None})
+    drafter.set_recompute("none")
+    drafter.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 50
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-4, atol=1e-6, msg=n)
