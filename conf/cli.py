@@ -7,7 +7,8 @@ Under torchrun (`RANK` set) only global rank 0 prints the line; every other rank
 prints its own line -- so the message appears once, and is never lost when rank 0 did not fail -- and
 exits 2 too. torchrun itself then exits 1 with its `ChildFailedError` report (whose root cause is rank 0,
 `exitcode: 2`): torchrun turns every failed worker into exit status 1, and nothing a worker does changes
-that (README)."""
+that (README). `exit_with_help` / `overrides_help`: the --help of the tools (each says what it takes and
+what every default means)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import os
 import sys
 import time
 
+from flashtrain.config import CONF_DIR
 from flashtrain.config.errors import EXIT_USER_ERROR, USER_ERRORS
 
 DEBUG_ENV = ("FLASHTRAIN_DEBUG", "HYDRA_FULL_ERROR")  # =1: raise, with the traceback, instead of one line
@@ -40,3 +42,34 @@ def exit_on_user_error(main, *args, **kwargs):
         sys.stdout.flush()
         print(one_line(e) if rank == "0" else f"{one_line(e)} (rank {rank})", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None
+
+
+# --- --help (issue 32 item 2): every launch tool says what it takes and what each default means ----------
+HELP_FLAGS = ("-h", "--help")
+
+
+def overrides_help(more: str = "") -> str:
+    """The paragraph every tool that composes the configuration shows under --help: +exp=NAME, Hydra
+    overrides, where each default is written (and `more`), wrapped."""
+    import textwrap
+
+    exps = ", ".join(sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml")))
+    groups = ", ".join(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "exp"
+                              and any(p.glob("*.yaml"))))
+    text = (f"Configuration: +exp=NAME selects an experiment ({exps}; conf/exp/NAME.yaml), and Hydra overrides "
+            f"key=value set single values on top of it (data.seq_len=1024 parallel.pp=2 train.recompute=full). "
+            f"Every key has its default, with a comment saying what it means, in conf/GROUP/*.yaml (groups: "
+            f"{groups}); a misspelt key or exp is an error naming the nearest valid one.")
+    return textwrap.fill(text + (f" {more}" if more else ""), 108)
+
+
+def exit_with_help(doc: str, argv: list[str], overrides: bool = True) -> None:
+    """`-h` / `--help` in `argv`: print `doc` (the tool's docstring: what it takes and what each default
+    means), with `overrides_help()` when the tool composes the configuration, and exit 0. Launch tools
+    that parse their own arguments call it before their slow imports:
+    `if __name__ == "__main__": exit_with_help(__doc__, sys.argv[1:])`."""
+    if not any(a in HELP_FLAGS for a in argv):
+        return
+    print(doc.strip() + ("\n\n" + overrides_help() if overrides else ""))
+    raise SystemExit(0)
+

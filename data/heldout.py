@@ -4,9 +4,10 @@ evaluation (train/evaluate.py) scores every time, the same on every rank and in 
 - Sources: the documents of `data.val_shards` (default: the default corpus's held-out part,
   data/corpus.py), read in sorted shard order from the start; a document with an image belongs to the
   multimodal source `mm`, any other to `text`. Each source's share of the micro-batches follows the
-  training mix (`data.mix`, or with `data.sources` the sum of each modality's weights; in tokens): `M = ceil(tokens / (batch_size x seq_len))` micro-batches in
-  all, `max(1, round(M x weight / total weight))` for each source with a weight (a source without
-  held-out documents is left out, with a warning).
+  training mix (`data.mix`, or with `data.sources` the sum of each modality's weights; in tokens):
+  `M = ceil(tokens / (batch_size x seq_len))` micro-batches in all, `max(1, round(M x weight / total
+  weight))` for each source with a weight (a source without held-out documents is left out, with a
+  warning).
 - Rows: `[BOS] + segments + [EOS]` split into pieces of at most seq_len + 1 positions as for training
   (data/loader.py `document_pieces`), packed in reading order (next fit: a piece that does not fit
   closes the row, whose rest is PAD); a micro-batch holds `data.batch_size` rows of one source, so its

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,7 +111,17 @@ def decode_image(data: bytes):
             src.load()
             return src.convert("RGB")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise ImageDecodeError(f"cannot decode image ({len(data)} bytes): {e}") from e
+        raise ImageDecodeError(f"cannot decode image ({len(data)} bytes): {decode_problem(e)}") from e
+
+
+def decode_problem(error: Exception) -> str:
+    """What PIL's error says, without the in-memory file object it names (`<_io.BytesIO object at 0x...>`):
+    the caller names the file."""
+    from PIL import UnidentifiedImageError
+
+    if isinstance(error, UnidentifiedImageError):
+        return "not an image format PIL can read"
+    return re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(error)) or type(error).__name__
 
 
 def process_image(image, cfg: ImageProcessorConfig) -> ProcessedImage:

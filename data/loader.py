@@ -26,7 +26,9 @@ each worker's current shard of each stream.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import logging
 import random
 import tarfile
@@ -44,11 +46,12 @@ from flashtrain.data.images import (
     TEXT,
     ImageDecodeError,
     ImageProcessorConfig,
+    decode_problem,
     image_token_types,
     load_image,
     plan_image_size,
 )
-from flashtrain.data.shards import Document, ReadStats, is_url, read_shard
+from flashtrain.data.shards import Document, ReadStats, is_url, read_shard, scan_shard
 from flashtrain.data.sources import Source, default_sources
 
 log = logging.getLogger(__name__)
@@ -111,7 +114,7 @@ def image_grid(data: bytes, cfg: ImageProcessorConfig) -> tuple[int, int]:
         with Image.open(io.BytesIO(data)) as im:
             width, height = im.size
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise ImageDecodeError(f"cannot decode image ({len(data)} bytes): {e}") from e
+        raise ImageDecodeError(f"cannot decode image ({len(data)} bytes): {decode_problem(e)}") from e
     n_h, n_w, _, _ = plan_image_size(width, height, cfg)
     return n_h, n_w
 
@@ -252,8 +255,10 @@ class WorkerPipeline:
         self.counters = Counters()
         if "counters" in state:
             c = dict(state["counters"])
+            # the corrupt shards by name (a state from before names: as many placeholders as it counted)
+            corrupt = state.get("corrupt_shards_found", [f"{seed}#{i}" for i in range(c["corrupt_shards"])])
             self.counters = Counters(**{k: v for k, v in c.items() if k not in ("corrupt_shards", "bad_samples")},
-                                     read=ReadStats(c["corrupt_shards"], c["bad_samples"]))
+                                     read=ReadStats(c["bad_samples"], set(corrupt)))
         saved = state.get("sources", {})
         same_weights = state.get("weights") == dict(zip(self.names, self.weights))
         self.tags = [saved[n]["tag"] if n in saved else i for i, n in enumerate(self.names)]
@@ -268,6 +273,7 @@ class WorkerPipeline:
 
     def state(self) -> dict:
         return {"weights": dict(zip(self.names, self.weights)), "counters": self.counters.as_dict(),
+                "corrupt_shards_found": sorted(self.counters.read.corrupt),
                 "sources": {n: {"tag": self.tags[i], "stream": self.streams[i].state() if self.streams[i] else None,
                                 "mix_tokens": self.mix_tokens[i], "pending": [p.to_state() for p in self.pending[i]],
                                 "buffer": [p.to_state() for p in self.buffers[i]]}
@@ -393,9 +399,10 @@ class PackedLoader:
     its own: train/run_guard.py `die_with_parent`)."""
 
     def __init__(self, cfg: DataConfig, spec: TokenSpec, sources: list[Source], rank: int = 0, world: int = 1,
-                 state: dict | None = None, worker_init_fn=None):
+                 state: dict | None = None, worker_init_fn=None, known_corrupt: set[str] | frozenset = frozenset()):
         self.cfg, self.spec, self.rank, self.world = cfg, spec, rank, world
         self.worker_init_fn = worker_init_fn
+        self.known_corrupt = set(known_corrupt)  # this rank's shards the start-up check found unreadable
         self.sources = list(sources)
         if not any(s.shards for s in self.sources):
             raise DataError("no shards: set data.sources (or data.text_shards / data.mm_shards), or leave them null "
@@ -446,11 +453,16 @@ class PackedLoader:
                     f"; removed: {', '.join(removed)}" if removed else "")
 
     def counters(self) -> dict:
-        """Skipped/corrupt/padding counts summed over this rank's workers (cumulative)."""
+        """Skipped/corrupt/padding counts summed over this rank's workers (cumulative); `corrupt_shards`:
+        the distinct shards found unreadable, by the start-up check (`known_corrupt`) or while reading."""
         total: dict = {}
-        for s in self.worker_states.values():
+        corrupt = set(self.known_corrupt)
+        for w, s in self.worker_states.items():
             for k, v in s["counters"].items():
                 total[k] = total.get(k, 0) + v
+            old = [f"worker {w} #{i}" for i in range(s["counters"].get("corrupt_shards", 0))]  # a state before names
+            corrupt.update(s.get("corrupt_shards_found", old))
+        total["corrupt_shards"] = len(corrupt)
         return total
 
     def __iter__(self):
@@ -470,6 +482,19 @@ class PackedLoader:
         self.worker_states[w] = batch.pop("_state")
         self.next_worker = (w + 1) % max(1, self.cfg.num_workers)
         return batch
+
+
+def reader_shards(sources: list[Source], rank: int, world: int, num_workers: int) -> list[str]:
+    """The shards data-parallel rank `rank` of `world` reads, over its workers and every source."""
+    n = max(1, num_workers)
+    return [shard for s in sources for w in range(n) for shard in split_shards(list(s.shards), rank, world, w, n)]
+
+
+def check_shard_indexes(shards: list[str]) -> dict[str, str]:
+    """The start-up check of the shards a rank will read: {shard: what is wrong} for each local one whose
+    tar index cannot be walked to a clean end (data/shards.py `scan_shard`: headers only). Such a shard is
+    not an error: the loader reads its complete samples, logs it and counts it in `corrupt_shards`."""
+    return {s: problem for s in shards if (problem := scan_shard(s)) is not None}
 
 
 def check_workers(cfg: DataConfig, counts: dict[str, int], readers: int) -> None:
@@ -509,15 +534,49 @@ def configured_sources(cfg: DataConfig) -> list[Source]:
 
 
 def _configured_tokenizer(cfg: DataConfig, sources: list[Source]) -> str:
-    first = next(s.shards[0] for s in sources if s.shards)
-    if cfg.tokenizer is None and is_url(first):
-        raise DataError(f"data.tokenizer is not set and the shards are URLs ({first!r}); set data.tokenizer "
+    """`data.tokenizer`, or the one the shards were written with: each local shard folder's manifest.json
+    names its tokenizer (launch/prepare_data.py writes both; a folder without a manifest: tokenizer.json
+    beside its shards). Folders that name different tokenizers (other content) are an error naming them;
+    shards that are all URLs need `data.tokenizer`."""
+    if cfg.tokenizer is not None:
+        if not Path(cfg.tokenizer).is_file():
+            raise InputNotFoundError(f"tokenizer {cfg.tokenizer!r} not found; set data.tokenizer to the tokenizer.json "
+                                     f"written by launch/prepare_data.py")
+        return cfg.tokenizer
+    shards = [s for source in sources for s in source.shards]
+    local = [s for s in shards if not is_url(s)]
+    if not local:
+        raise DataError(f"data.tokenizer is not set and the shards are URLs ({shards[0]!r}); set data.tokenizer "
                         f"to a local copy of the tokenizer.json written by launch/prepare_data.py")
-    tokenizer = cfg.tokenizer or str(Path(first).parent / "tokenizer.json")
-    if not Path(tokenizer).is_file():
-        raise InputNotFoundError(f"tokenizer {tokenizer!r} not found; set data.tokenizer to the tokenizer.json "
+    folders = list(dict.fromkeys(Path(s).parent for s in local))
+    found = {folder: tok for folder in folders if (tok := _folder_tokenizer(folder)) is not None}
+    if not found:
+        raise InputNotFoundError(f"no tokenizer beside the shards (no manifest.json naming one, no tokenizer.json in "
+                                 f"{', '.join(map(str, folders))}); set data.tokenizer to the tokenizer.json "
                                  f"written by launch/prepare_data.py")
-    return tokenizer
+    by_content: dict[str, list[Path]] = {}
+    for tok in found.values():
+        by_content.setdefault(hashlib.sha256(tok.read_bytes()).hexdigest(), []).append(tok)
+    if len(by_content) > 1:
+        raise DataError("the shards come from folders with different tokenizers ("
+                        + ", ".join(str(toks[0]) for toks in by_content.values())
+                        + "): tokens written with one mean other words under another; set data.tokenizer to the "
+                          "one the shards were written with, or write every source with one tokenizer "
+                          "(launch/prepare_data.py --tokenizer, or --name SOURCE into one directory)")
+    return str(next(iter(found.values())))
+
+
+def _folder_tokenizer(folder: Path) -> Path | None:
+    """The tokenizer a shard folder's manifest.json names, else its tokenizer.json; None if neither."""
+    manifest = folder / "manifest.json"
+    try:
+        name = json.loads(manifest.read_text(encoding="utf-8")).get("tokenizer") if manifest.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        name = None
+    for path in ([folder / name] if isinstance(name, str) else []) + [folder / "tokenizer.json"]:
+        if path.is_file():
+            return path
+    return None
 
 
 def check_sources(cfg: DataConfig, readers: int) -> None:

@@ -8,8 +8,9 @@ per sample.
 Writing goes through webdataset's `ShardWriter` (shards closed by document count and by size); reading
 goes through webdataset's tar iteration (`tar_file_expander` + `group_by_keys`) over a local path or a
 webdataset URL (`pipe:CMD`, `http(s)://...`, opened by `webdataset.gopen`). Readers never raise on bad
-data: webdataset's error handlers feed `ReadStats` (a tar that cannot be read further: `corrupt_shards`;
-a sample that cannot be parsed: `bad_samples`), and the rest of a corrupt shard is skipped.
+data: webdataset's error handlers feed `ReadStats` (a tar that cannot be read further: `corrupt_shards`,
+by name; a sample that cannot be parsed: `bad_samples`), and the rest of a corrupt shard is skipped.
+`scan_shard` checks a local shard's tar index (headers only) before training starts.
 """
 
 from __future__ import annotations
@@ -47,10 +48,15 @@ class Document:
 
 @dataclass
 class ReadStats:
-    """Counts of what readers skipped (exposed to metrics)."""
+    """What readers skipped (exposed to metrics): samples that could not be parsed, and the shards found
+    truncated or unreadable, by name (each counted once however often it is read)."""
 
-    corrupt_shards: int = 0
     bad_samples: int = 0
+    corrupt: set = field(default_factory=set)
+
+    @property
+    def corrupt_shards(self) -> int:
+        return len(self.corrupt)
 
     def as_dict(self) -> dict:
         return {"corrupt_shards": self.corrupt_shards, "bad_samples": self.bad_samples}
@@ -189,6 +195,36 @@ class _TailReader:
         return str(self.raw)
 
 
+def scan_shard(path: str) -> str | None:
+    """The start-up check of one local shard from its tar headers alone (each header read, the member data
+    skipped by a seek; nothing decoded): None when the index walks to a clean end, else what is wrong --
+    unreadable, not a tar, a member that ends past the end of the file, no end-of-archive blocks. A
+    compressed tar (gzip, bzip2, xz, zstd: its index cannot be walked without decompressing it) and a URL
+    are not checked (None)."""
+    if is_url(path):
+        return None
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if magic.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ", b"\x28\xb5\x2f\xfd")):
+            return None
+        members = 0
+        with tarfile.open(path, mode="r:") as tar:
+            for info in tar:
+                members += 1
+                if info.offset_data + info.size > size:
+                    return (f"truncated: member {info.name!r} ends at byte {info.offset_data + info.size}, past the "
+                            f"end of the file ({size} bytes)")
+    except (tarfile.TarError, OSError, EOFError) as e:
+        return f"not readable as a tar ({type(e).__name__}: {e})"
+    if not members:
+        return "an empty tar"
+    if not _ends_cleanly(path):
+        return f"truncated: no end-of-archive blocks ({size} bytes)"
+    return None
+
+
 def _key(fname: str):
     return base_plus_ext(fname)[0]
 
@@ -200,7 +236,7 @@ def read_shard(path: str, stats: ReadStats, skip: int = 0) -> Iterator[Document 
     one that fails to read is counted in stats.corrupt_shards, and only its complete samples are read."""
     url = is_url(path)
     if not url and not _ends_cleanly(path):
-        stats.corrupt_shards += 1
+        stats.corrupt.add(path)
         log.warning("shard %s is truncated (no end-of-archive blocks); reading its complete samples only", path)
 
     # what the tar iteration is doing, for the handlers: the member being read (None between members),
@@ -222,7 +258,7 @@ def read_shard(path: str, stats: ReadStats, skip: int = 0) -> Iterator[Document 
         # an error reading a member of the sample being grouped (or between members) cuts that sample
         # short; an error on the first member of a new sample leaves the previous one complete
         drop_key = last_key if reading is None or _key(reading) == last_key else None
-        stats.corrupt_shards += 1
+        stats.corrupt.add(path)
         log.warning("shard %s is corrupt or truncated (%s); skipping the rest of it", path, exn)
         return False
 
@@ -289,7 +325,7 @@ def read_shard(path: str, stats: ReadStats, skip: int = 0) -> Iterator[Document 
                 on_tar_error(exn)
             else:
                 if not clean:
-                    stats.corrupt_shards += 1
+                    stats.corrupt.add(path)
                     log.warning("shard %s is truncated (no end-of-archive blocks); its complete samples were read",
                                 path)
     finally:

@@ -64,9 +64,15 @@ def _run(script: str, *args: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shard-gb", type=float, nargs="+", default=[0.05, 0.2])
-    ap.add_argument("--dir", default="/tmp/bench_convert")
+    from flashtrain.config.cli import overrides_help
+
+    ap = argparse.ArgumentParser(prog="launch/bench_convert.py", description=__doc__, allow_abbrev=False,
+                                 epilog=overrides_help("Default: +exp=flash_small."),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shard-gb", type=float, nargs="+", default=[0.05, 0.2],
+                    help="shard sizes (GiB) to export and import with, one pair of processes each (default 0.05 0.2)")
+    ap.add_argument("--dir", default="/tmp/bench_convert",
+                    help="work directory, emptied first (default /tmp/bench_convert)")
     args, overrides = ap.parse_known_args(argv)
     overrides = overrides or ["+exp=flash_small"]
     work = Path(args.dir)

@@ -1,6 +1,9 @@
 """Loader throughput on the default corpus with the flash_small settings: a benchmark, not a test.
 
-    python launch/bench_data.py [+exp=flash_small] [--batches 200]
+    python launch/bench_data.py [+exp=flash_small] [hydra overrides...] [--batches 200]
+
+`+exp=NAME` and overrides choose the data settings (no override at all: +exp=flash_small, whose data is
+the embedded default corpus); `--batches N`: the loader batches timed (default 200).
 
 Prints wall-clock tokens/s and tokens per CPU second of this process (steadier on a shared machine;
 with data.num_workers > 0 the workers' CPU time is not in it).
@@ -11,6 +14,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+from flashtrain.config.cli import exit_with_help  # noqa: E402 - imports nothing heavy
+
+if __name__ == "__main__":
+    exit_with_help(__doc__, sys.argv[1:])  # --help: this docstring, before the slow imports
 
 from flashtrain.data.loader import PackedLoader, data_sources  # noqa: E402
 from flashtrain.train.config import compose, data_config, model_config, token_spec  # noqa: E402

@@ -3,6 +3,9 @@
     torchrun --nproc_per_node=1 launch/bench_estimate.py +exp=flash_small data.seq_len=8192 [overrides...]
     ... --real-only     the real step only (estimate elsewhere: the estimator needs no GPU)
 
+Takes `+exp=NAME` and Hydra overrides (no default: name the exp); without `--real-only` both the real
+step and the estimate run.
+
 The estimator (train/estimate.py) simulates bf16 autocast on fake tensors with the CPU's autocast
 lists; the test suite checks it against a real CPU step only (tests/test_estimate.py). Here the
 trainer's real step runs on CUDA (bf16 autocast, the Triton optimizer kernels): one step creates the
@@ -27,6 +30,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from flashtrain.config.cli import exit_with_help  # noqa: E402 - imports nothing heavy
+
+if __name__ == "__main__":
+    exit_with_help(__doc__, sys.argv[1:])  # --help: this docstring, before the slow imports
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -217,10 +217,16 @@ def plot(out: Path, flash: list[dict], dense: list[dict], uni: dict, title: str)
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run-dir", type=Path)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "learning")
-    ap.add_argument("--baseline-lr", type=float, default=2e-3)
+    from flashtrain.config.cli import overrides_help
+
+    ap = argparse.ArgumentParser(prog="launch/bench_learning.py", description=__doc__, epilog=overrides_help(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    ap.add_argument("--run-dir", type=Path,
+                    help="the flashtrain run's directory (default /tmp/bench_learning/<hash of the overrides>)")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "learning",
+                    help="where learning.png and learning.json go (default docs/learning)")
+    ap.add_argument("--baseline-lr", type=float, default=2e-3,
+                    help="the dense baseline's peak LR, on the run's schedule shape (default 2e-3)")
     args, overrides = ap.parse_known_args(argv)
     overrides = overrides or DEFAULT_OVERRIDES
     key = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:10]

@@ -4,6 +4,12 @@ references in one process, tokens/s and MFU. A benchmark, not a test.
     python launch/bench_model.py [+exp=flash_small] [--batch 1] [--seq 256] [--rounds 3] [--peak-tflops T]
                                  [--no-optim] [--flops-only] [hydra overrides...]
 
+Options: `+exp=NAME` and Hydra overrides (default `+exp=flash_small`); `--batch` sequences per micro-batch
+(default 1); `--seq` tokens per sequence (default: the exp's data.seq_len, 256 for flash_small... see below);
+`--rounds` timed rounds per variant (default 3); `--peak-tflops` the MFU peak in TFLOP/s (default: the GPU
+table, or on CPU a measured matmul); `--no-optim` times forward+backward only (default: the optimizer step
+too); `--flops-only` prints the FLOP accounting without building weights.
+
 Variants (two models built from the same config and seed, so the same weights): `reference`
 (`model.use_triton=false`) and `kernels` (`model.use_triton=true`), and on the CPU `default`
 (`model.use_triton=null`: the references, but the routed experts through grouped GEMM). They alternate in one process
@@ -48,6 +54,11 @@ import dataclasses
 import json
 import statistics
 import sys
+
+from flashtrain.config.cli import exit_with_help  # noqa: E402 - imports nothing heavy
+
+if __name__ == "__main__":
+    exit_with_help(__doc__, sys.argv[1:])  # --help: this docstring, before the slow imports
 
 import torch  # noqa: E402
 from bench_util import alternate, format_ratio, ratio_summary, take_int  # noqa: E402

@@ -1,6 +1,9 @@
 """Optimizer benchmark on the flash_small parameter set (built for real, CPU): a benchmark, not a test.
 
-    python launch/bench_optim.py [+exp=flash_small] [--repeats 3]
+    python launch/bench_optim.py [+exp=flash_small] [hydra overrides...] [--repeats 3] [--distributed-muon]
+
+`+exp=NAME` and overrides choose the parameter set (default `+exp=flash_small`); `--repeats N` timed rounds
+per side (default 3); `--distributed-muon` the distributed comparison below (under torchrun).
 
 Prints a table and one JSON line:
 - Muon: our step (hybrid NS, 10 steps, batched by shape) vs `torch.optim.Muon` with the same number of
@@ -29,6 +32,11 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+
+from flashtrain.config.cli import exit_with_help  # noqa: E402 - imports nothing heavy
+
+if __name__ == "__main__":
+    exit_with_help(__doc__, sys.argv[1:])  # --help: this docstring, before the slow imports
 
 import torch  # noqa: E402
 from bench_util import alternate, format_ratio, ratio_summary, take_int  # noqa: E402

@@ -99,3 +99,13 @@ def take_int(argv: list[str], names: str | tuple[str, ...], default):
                 raise SystemExit(f"error: {name} needs a value")
             return int(argv[i + 1]), argv[:i] + argv[i + 2:]
     return default, argv
+
+
+if __name__ == "__main__":
+    from flashtrain.config.cli import exit_with_help
+
+    exit_with_help(__doc__ + "\nThis is the bench_*.py tools' helper module, imported by them; it takes no arguments "
+                   "and runs nothing by itself.", sys.argv[1:], overrides=False)
+    print("error: launch/bench_util.py is the timing helper of the bench_*.py tools, not a command (--help: what "
+          "it holds)", file=sys.stderr)
+    raise SystemExit(2)

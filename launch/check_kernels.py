@@ -1,7 +1,12 @@
 """The model's Triton kernels against their plain-PyTorch references at an exp's real shapes, on the GPU:
 the one prepared device check (a measurement script, not a test; the interpreter tests are the CI gate).
 
-    python launch/check_kernels.py [+exp=flash_small] [--seq 4096] [--dtype float32|bfloat16] [--seed 0]
+    python launch/check_kernels.py [+exp=flash_small] [hydra overrides...] [--seq 4096]
+                                   [--dtype float32|bfloat16] [--seed 0] [--rounds 3] [--tol 1e-4]
+
+`+exp=NAME` and overrides give the widths (default `+exp=flash_small`); `--seq` tokens of the one sequence
+(default 4096); `--dtype` of the inputs (default float32); `--seed` of the random inputs (default 0);
+`--rounds` timed rounds per side (default 3); `--tol` the largest float32 difference allowed (default 1e-4).
 
 For each kernel it builds random inputs of the exp's widths (one sequence of --seq tokens), runs the
 kernel path and the reference path of the same function on the same inputs with the same upstream
@@ -27,6 +32,11 @@ import dataclasses
 import json
 import statistics
 import sys
+
+from flashtrain.config.cli import exit_with_help  # noqa: E402 - imports nothing heavy
+
+if __name__ == "__main__":
+    exit_with_help(__doc__, sys.argv[1:])  # --help: this docstring, before the slow imports
 
 import torch  # noqa: E402
 from bench_util import alternate  # noqa: E402

@@ -4,7 +4,7 @@
     python launch/estimate.py +exp=flash_tiny --world 2 parallel.pp=2 --rank 1 --json
     python launch/estimate.py +exp=flash_2048gpu --json      # --world defaults to parallel.world (2048)
 
-Any Hydra override works (`parallel.*`, `train.recompute`, `data.*`, `model.*`). Without `--rank`, one
+Takes `+exp=NAME` and any Hydra override (`parallel.*`, `train.recompute`, `data.*`, `model.*`). Without `--rank`, one
 rank per pipeline position is simulated (ranks at one position differ only in their data-parallel /
 expert coordinates, which hold equal shares), each in its own process, `--jobs` at a time. Prints per
 rank the step's peak of live tensor bytes and its parts at that peak; `--json` prints
@@ -89,13 +89,22 @@ def human(report: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from flashtrain.config.cli import overrides_help
+
+    parser = argparse.ArgumentParser(
+        prog="launch/estimate.py", usage="python launch/estimate.py +exp=NAME [HYDRA OVERRIDES...] [--world N] "
+        "[--rank R] [--device cuda|cpu] [--jobs 2] [--json]", description=__doc__,
+        epilog=overrides_help(), formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--world", type=int, default=None,
-                        help="number of GPUs (processes) of the layout; default: the config's parallel.world")
-    parser.add_argument("--rank", type=int, default=None, help="simulate this rank only")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--jobs", type=int, default=2, help="ranks simulated at once (one process each)")
-    parser.add_argument("--json", action="store_true")
+                        help="number of GPUs (processes) of the layout; default: the config's parallel.world (an "
+                             "exp for a cluster sets it; null there: give --world)")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="simulate this rank only; default: the first rank of every pipeline position")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda (default): the GPU step, bf16 autocast; cpu: the CPU step in fp32")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="ranks simulated at once, one process each (default 2)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     args, overrides = parser.parse_known_args(argv)
     if args.world is None:
         args.world = configured_world(overrides)

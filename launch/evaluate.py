@@ -22,12 +22,16 @@ import os
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from flashtrain.config.cli import overrides_help
+
+    ap = argparse.ArgumentParser(prog="launch/evaluate.py", description=__doc__, epilog=overrides_help(),
+                                 usage="python launch/evaluate.py CHECKPOINT [+exp=NAME] [HYDRA OVERRIDES...] "
+                                       "[--shards S ...] [--tokens N] [--json]",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX directory, or an imported checkpoint")
     ap.add_argument("--shards", nargs="+", help="held-out shards (paths, globs or URLs; default: the run's)")
     ap.add_argument("--tokens", type=int, help="positions to score (default: the run's train.eval.tokens)")
-    ap.add_argument("--json", action="store_true", help="print the eval record as JSON")
+    ap.add_argument("--json", action="store_true", help="print the eval record as JSON (default: one line per source)")
     args, overrides = ap.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from flashtrain.train.evaluate import checkpoint_config, evaluate_checkpoint

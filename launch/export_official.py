@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="launch/export_official.py", description=__doc__,
+                                 epilog="No +exp or overrides: the checkpoint carries its run's config.",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("ckpt", help="a flashtrain checkpoint directory (<run dir>/checkpoints/step_XXXXXXXX)")
     ap.add_argument("out", help="directory to write the released layout into")
     ap.add_argument("--dtype", choices=("fp8", "bf16"), default="fp8",

@@ -732,7 +732,10 @@ class Fuzzer:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="launch/fuzz_restarts.py", description=__doc__.split("\n\nKills")[0],
+                                epilog="Its runs are +exp=flash_tiny on 4 layers; --extra adds Hydra overrides "
+                                       "(key=value, keys and defaults in conf/GROUP/*.yaml).",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--kills", type=int, default=20, help="SIGKILLs before the run may complete (default 20)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of the run (default 2 x kills + 10)")
     p.add_argument("--interval", type=int, default=2, help="train.checkpoint.interval (default 2)")
@@ -740,11 +743,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a random kill lands within this many seconds after the start's first step (default 1)")
     p.add_argument("--startup-kills", type=float, default=0.25,
                    help="fraction of the worker / job / launcher kills that land during start-up (default 0.25)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the kinds, moments and ranks of the kills")
+    p.add_argument("--seed", type=int, default=0, help="seeds the kinds, moments and ranks of the kills (default 0)")
     p.add_argument("--procs", type=int, default=2, help="torchrun --nproc_per_node (default 2)")
     p.add_argument("--keep-dir", default=None,
                    help="work directory to use and keep (default: a temporary one, removed after a pass)")
-    p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for both runs")
+    p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for both runs (default none)")
     p.add_argument("--strict-state", action="store_true",
                    help="fail when the final data-loader / RNG state differs (default: a note; parameters must match)")
     args = p.parse_args(argv)

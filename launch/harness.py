@@ -8,6 +8,13 @@ its own registry). Needs the optional extra: `pip install -e '.[eval]'`.
 
 Datasets come through the harness (Hugging Face `datasets`); offline, point `--include_path` at task
 YAMLs over local files (tests/test_trainer.py has one).
+
+The options are lm_eval's own (`python -m lm_eval --help` lists them all, with their defaults); those a
+flashtrain run needs: `--model flashtrain`; `--model_args` comma-separated: `checkpoint=DIR` (required: a
+run's checkpoints/step_XXXXXXXX, scored with the run's own config, or a weights-only import of
+launch/import_official.py, which also needs `exp=NAME`), `overrides=` Hydra overrides separated by spaces
+(default none; e.g. `overrides=model.use_triton=false`), `batch_size=` (default 1); `--tasks`;
+`--output_path` (default: print only). One process, the whole model; on CUDA when there is one.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from flashtrain.config.cli import exit_on_user_error
+    import sys
 
+    from flashtrain.config.cli import exit_on_user_error, exit_with_help
+
+    exit_with_help(__doc__, sys.argv[1:], overrides=False)  # --help: this, before lm_eval's slow import
     raise SystemExit(exit_on_user_error(main))

@@ -31,8 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from flashtrain.config.cli import overrides_help
+
+    ap = argparse.ArgumentParser(prog="launch/import_official.py", description=__doc__, epilog=overrides_help(),
+                                 usage="python launch/import_official.py SRC_DIR OUT_CKPT +exp=NAME "
+                                       "[HYDRA OVERRIDES...] [--part-gb 2]",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("src", help="directory of the released checkpoint")
     ap.add_argument("out", help="flashtrain checkpoint directory to write")
     ap.add_argument("--part-gb", type=float, default=2.0,

@@ -1,45 +1,71 @@
-"""Dry-run planner: build the model on the meta device (no memory) and report its shape.
+"""Plan a run before launching it: sizes and partition of any exp on the meta device, and the layouts that
+fit a cluster.
 
-    python launch/plan.py +exp=flash            # human-readable
-    python launch/plan.py +exp=flash --json     # one JSON object
+    python launch/plan.py +exp=flash                          # sizes, optimizer split, schedule, layer roles
+    python launch/plan.py +exp=flash --json                   # the same as one JSON object
     python launch/plan.py +exp=flash_small parallel.pp=2 --device cpu   # the partition a CPU run uses
     python launch/plan.py +exp=flash parallel.pp=16 parallel.ep=64 --world 1024  # state shares with dp=64:
                                                 # ZeRO-1 optimizer state, row-sharded Engram tables
     python launch/plan.py +exp=flash_2048gpu     # --world defaults to parallel.world; with parallel.cp:
                                                 # per-rank tokens, attention imbalance of the chunkings
+    python launch/plan.py +exp=flash --gpus 2048 --gpu-memory 80 --seq 65536   # layouts that fit
+    python launch/plan.py +exp=flash_node --gpus 8 --gpu-memory 80             # one node
+    python launch/plan.py +exp=flash --gpus 2048 --gpu-memory 80 --verify      # ... and the estimator's check
 
-Any Hydra override works (`model.dim=1024`). Reports parameter totals (text backbone, Engram tables,
-with text and vision separately, total), activated parameters per token, parameters and tensors per optimizer
-(the V4.1 routing), the
-with `parallel.pp=K` the pipeline partition (layers, the partitioner's cost-model bytes and compute per
-stage under `train.recompute`, imbalance -- a fast analytic view for choosing stage boundaries, for a CUDA
-run (bf16 autocast) unless `--device cpu`; the measurement of per-GPU memory is launch/estimate.py, which
-simulates the real training step),
-the LR schedule (total steps, tokens per step, step and LR at warmup end, decay start, decay end and the
-last step, the ViT unfreeze step), the per-layer role table and per-layer parameter counts.
+Takes `+exp=NAME` and any Hydra override (`model.dim=1024`, `parallel.pp=8`); builds nothing.
+
+Without --gpus: parameter totals (text backbone, Engram tables, with text and vision separately, total),
+activated parameters per token, parameters and tensors per optimizer (the V4.1 routing), the LR schedule
+(total steps, tokens per step, step and LR at warmup end, decay start, decay end and the last step, the ViT
+unfreeze step), the per-layer role table and per-layer parameter counts; with `parallel.pp=K` the pipeline
+partition (layers, the partitioner's cost-model bytes and compute per stage under `train.recompute`,
+imbalance) for a CUDA run (bf16 autocast) unless `--device cpu`.
+
+With --gpus N --gpu-memory GB: the layout search of train/layouts.py over pp x cp x ep x dp x pipeline
+schedule x recompute mode with the partitioner's cost model. It prints the fastest layouts that fit
+(`plan.show`) as ready-to-paste overrides, each with its per-GPU memory (cost model), pipeline compute
+imbalance, bubble fraction and step time relative to the fastest (parallel/step_time.py; assumptions in
+conf/plan/default.yaml), the configuration's own layout evaluated the same way, and how many layouts
+each constraint rules out (world-size / batch divisibility, state, the Engram stage, activations), with
+the example closest to fitting. Nothing fits: it says so, names the smallest GPU count (a power-of-two
+multiple of N) and the smallest GPU memory that would fit, and exits 2. `--verify` then runs
+launch/estimate.py on the first layout's worst rank (a few minutes for exp=flash on a CPU) and prints the
+simulated peak next to the cost model's figure and the cost model's stated error (`plan.cost_model_error`); the
+estimator shortens 1F1B steps to the micro-batches that set the peak and simulates other schedules whole
+(hours for hundreds of micro-batches).
+
+The cost model is a fast analytic view; per-GPU memory of a real step is launch/estimate.py's measurement.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import subprocess
 import sys
+from pathlib import Path
 
-import torch  # noqa: E402
+from flashtrain.config.cli import exit_on_user_error
+from flashtrain.config.errors import EXIT_USER_ERROR, ConfigError
 
-from flashtrain.config.cli import exit_on_user_error  # noqa: E402
-from flashtrain.config.errors import ConfigError  # noqa: E402
-from flashtrain.config.typed import typed_config
-from flashtrain.model import Transformer  # noqa: E402
-from flashtrain.model.inspect import inspect_model  # noqa: E402
-from flashtrain.parallel.config import ParallelConfig  # noqa: E402
-from flashtrain.parallel.partition import in_flight_microbatches, partition_report  # noqa: E402
-from flashtrain.parallel.pipeline import stage_ids  # noqa: E402
-from flashtrain.train.config import compose, model_config, optim_config, schedule  # noqa: E402
-from flashtrain.train.optim.routing import route_parameters, routing_summary  # noqa: E402
-from flashtrain.train.stages import plan_stages, stage_units  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+GiB = 1 << 30
 
 
 def build_report(overrides: list[str], device: str = "cuda", world: int | None = None) -> dict:
+    import torch
+    from omegaconf import OmegaConf
+
+    from flashtrain.config.typed import typed_config
+    from flashtrain.model import Transformer
+    from flashtrain.model.inspect import inspect_model
+    from flashtrain.parallel.config import ParallelConfig
+    from flashtrain.parallel.partition import in_flight_microbatches, partition_report
+    from flashtrain.parallel.pipeline import stage_ids
+    from flashtrain.train.config import compose, model_config, optim_config, schedule
+    from flashtrain.train.optim.routing import route_parameters, routing_summary
+    from flashtrain.train.stages import plan_stages, stage_units
+
     conf = compose(overrides)
     cfg, ocfg = model_config(conf), optim_config(conf)
     with torch.device("meta"):
@@ -47,8 +73,6 @@ def build_report(overrides: list[str], device: str = "cuda", world: int | None =
     report = inspect_model(model, cfg)
     groups = route_parameters(model, cfg, ocfg)
     report["optimizers"] = routing_summary(groups)
-    from omegaconf import OmegaConf
-
     parallel = typed_config(ParallelConfig, OmegaConf.to_container(conf.parallel, resolve=True), "parallel")
     world = world or parallel.world
     report["world"] = world
@@ -147,27 +171,186 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+# --- the layout search ------------------------------------------------------------------------------
+def _row(i: int, x: dict, best: float) -> str:
+    worst = x["rank_bytes"].index(max(x["rank_bytes"]))
+    return (f"{i:>3} {x['pp']:>3} {x['cp']:>4} {x['ep']:>4} {x['dp']:>5}  "
+            f"{x['pipeline_schedule'] if x['pp'] > 1 else '-':<16} {x['recompute']:<9} {gb(x['peak_bytes']):>10} "
+            f"{worst:>6} {x['imbalance_compute']:>9.3f} {100 * x['bubble_fraction']:>6.1f}% {x['step_s'] / best:>9.2f}")
+
+
+def gb(n: float) -> str:
+    from flashtrain.train.layouts import gb as layouts_gb
+
+    return layouts_gb(n)
+
+
+def propose(overrides: list[str], gpus: int, gpu_memory_gb: float, seq: int | None) -> dict:
+    """The layout search (train/layouts.py) as a report: the layouts that fit, the config's own, what rules
+    out the rest, and -- when nothing fits -- the smallest GPU count and memory that would."""
+    from flashtrain.train.config import compose
+    from flashtrain.train.layouts import LayoutSearch
+
+    if gpus < 1 or gpu_memory_gb <= 0:
+        raise ConfigError(f"--gpus {gpus} --gpu-memory {gpu_memory_gb:g}: give a positive number of GPUs and GB")
+    if seq is not None and seq < 1:
+        raise ConfigError(f"--seq {seq}: a sequence length in tokens, >= 1")
+    overrides = overrides + ([f"data.seq_len={seq}"] if seq is not None else [])
+    search = LayoutSearch(compose(overrides), gpu_memory_gb)
+    result = search.run(gpus)
+    own = search.configured_layout(gpus)
+    args = (gpus, search.seq_len, search.budget_gb)
+    report = {"gpus": gpus, "gpu_memory_gb": gpu_memory_gb, "budget_gb": search.budget_gb,
+              "usable_gb": search.usable / 1e9,
+              "headroom": search.plan.headroom, "seq_len": search.seq_len,
+              "global_sequences": search.global_sequences, "overrides": overrides, "considered": result.considered,
+              "cost_model_error": search.plan.cost_model_error,
+              "layouts": [x.as_dict(*args) for x in result.fitting],
+              "own": None if own is None else own.as_dict(*args),
+              "ruled_out": {reason: {"count": len(xs), "example": _closest(xs).as_dict(*args)}
+                            for reason, xs in sorted(result.by_reason().items(), key=lambda kv: -len(kv[1]))}}
+    if not result.fitting:
+        report["smallest_gpu_memory_gb"] = result.smallest_memory_gb(search.plan)
+        report["smallest_gpus"] = search.smallest_world(gpus)
+    report["show"] = search.plan.show
+    return report
+
+
+def _closest(layouts):
+    """The example of a reason: the layout nearest to fitting (the smallest peak), or the first."""
+    measured = [x for x in layouts if x.rank_bytes]
+    return min(measured, key=lambda x: x.peak_bytes) if measured else layouts[0]
+
+
+def format_proposals(r: dict) -> str:
+    from flashtrain.train.layouts import REASONS
+
+    low = r["cost_model_error"][0]
+    lines = [f"layouts for {r['gpus']} GPUs of {r['gpu_memory_gb']:g} GB, data.seq_len={r['seq_len']}, global batch "
+             f"{r['global_sequences']} sequences: a rank's peak may reach {gb(r['usable_gb'] * 1e9)} GB "
+             f"({100 * r['headroom']:g}% left to the allocator and communication buffers, plan.headroom), so its "
+             f"cost-model figure {r['budget_gb']:g} GB (the cost model may be {-100 * low:g}% below the estimator, "
+             f"plan.cost_model_error)",
+             f"{r['considered']} layouts considered, {len(r['layouts'])} fit (per pp, schedule and recompute mode: "
+             f"the smallest cp, then ep, that fits)"]
+    shown = r["layouts"][:r["show"]]
+    if shown:
+        best = shown[0]["step_s"]
+        lines += ["", "  #  pp   cp   ep    dp  schedule         recompute  GB per GPU  worst  imbalance  bubble  "
+                      "rel. step",
+                  *[_row(i, x, best) for i, x in enumerate(shown, 1)],
+                  "  (GB per GPU: the partitioner's cost model at the worst pipeline position; imbalance: slowest / "
+                  "mean pipeline rank's compute; rel. step: step time relative to #1, parallel/step_time.py)",
+                  "", "ready to paste (after your overrides):",
+                  *[f"  {i}. {' '.join(x['overrides'])}" for i, x in enumerate(shown, 1)]]
+    own = r["own"]
+    if own is not None:
+        lines += ["", f"your config's layout (pp={own['pp']} cp={own['cp']} ep={own['ep']} "
+                      f"{own['pipeline_schedule']}, recompute={own['recompute']}): " + (
+                          f"fits, {gb(own['peak_bytes'])} GB per GPU, imbalance {own['imbalance_compute']:.3f}, "
+                          f"bubble {100 * own['bubble_fraction']:.1f}%, rel. step "
+                          f"{own['step_s'] / shown[0]['step_s']:.2f}" if own["fits"] and shown else
+                          f"ruled out by {REASONS[own['reason']]}: {own['detail']}")]
+    if r["ruled_out"]:
+        lines += ["", "ruled out (at the largest ep; the example is the one closest to fitting):"]
+        for reason, v in r["ruled_out"].items():
+            x = v["example"]
+            lines.append(f"  {v['count']:>5} by {REASONS[reason]}, e.g. pp={x['pp']} cp={x['cp']} "
+                         f"{x['pipeline_schedule'] + ' ' if x['pp'] > 1 else ''}recompute={x['recompute']}: "
+                         f"{x['detail']}")
+    return "\n".join(lines)
+
+
+def nothing_fits(r: dict) -> ConfigError:
+    gpus = (f"{r['smallest_gpus']} GPUs of {r['gpu_memory_gb']:g} GB" if r.get("smallest_gpus")
+            else f"no power-of-two multiple of {r['gpus']} GPUs up to {1024 * r['gpus']}")
+    memory = (f"{r['gpus']} GPUs of {r['smallest_gpu_memory_gb']} GB" if r.get("smallest_gpu_memory_gb")
+              else "no memory size (no layout can be built)")
+    return ConfigError(f"no layout fits {r['gpus']} GPUs of {r['gpu_memory_gb']:g} GB (budget {r['budget_gb']:g} GB "
+                       f"per GPU, cost model); the smallest that would fit: {gpus}, or {memory}")
+
+
+def verify(r: dict, overrides: list[str], device: str) -> dict:
+    """launch/estimate.py on the first layout's worst rank: its simulated peak against the cost model's."""
+    x = r["layouts"][0]
+    cmd = [sys.executable, str(ROOT / "launch" / "estimate.py"), *overrides, *x["overrides"], "--world",
+           str(r["gpus"]), "--rank", str(x["worst_rank"]), "--device", device, "--json"]
+    print(f"verify: launch/estimate.py on rank {x['worst_rank']} ..." + (
+        "" if x["pipeline_schedule"] == "1f1b" or x["pp"] == 1 else
+        f" ({x['pipeline_schedule']} is simulated whole: {x['microbatches']} micro-batches, which may take hours)"),
+        file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode == EXIT_USER_ERROR:
+        raise ConfigError(out.stderr.strip().splitlines()[-1].removeprefix("error: "))
+    if out.returncode != 0:
+        raise SystemExit(f"error: the estimator failed on rank {x['worst_rank']}:\n{out.stderr[-4000:]}")
+    simulated = json.loads(out.stdout.strip().splitlines()[-1])["ranks"][0]["peak_bytes"]
+    ratio = x["peak_bytes"] / simulated - 1
+    low, high = r["cost_model_error"]
+    return {"rank": x["worst_rank"], "simulated_peak_bytes": simulated, "cost_model_bytes": x["peak_bytes"],
+            "cost_model_error": ratio, "within_stated_error": low <= ratio <= high,
+            "command": " ".join(cmd[1:])}
+
+
+def format_verify(v: dict, r: dict) -> str:
+    low, high = r["cost_model_error"]
+    return (f"verify (layout 1, rank {v['rank']}): simulated peak {gb(v['simulated_peak_bytes'])} GB "
+            f"(launch/estimate.py), cost model {gb(v['cost_model_bytes'])} GB: the cost model is "
+            f"{100 * v['cost_model_error']:+.1f}% of the simulation, "
+            + ("within" if v["within_stated_error"] else "OUTSIDE")
+            + f" its stated error ({100 * low:+.0f}% to {100 * high:+.0f}%, plan.cost_model_error)")
+
+
+def parser() -> argparse.ArgumentParser:
+    from flashtrain.config.cli import overrides_help
+
+    ap = argparse.ArgumentParser(epilog=overrides_help("Default: the defaults of conf/config.yaml (flash_small)."),
+        prog="launch/plan.py", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+        usage="python launch/plan.py [+exp=NAME] [HYDRA OVERRIDES...] [--json] [--device cuda|cpu] [--world N]\n"
+              "       python launch/plan.py +exp=NAME --gpus N --gpu-memory GB [--seq S] [--verify] [--json]",
+        description=__doc__.split("\n\n", 1)[0] + "\n\n" + __doc__.split("\n\n", 1)[1].split("\n\nThe cost")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="the run the cost model prices: cuda = bf16 autocast (default), cpu = fp32 throughout")
+    ap.add_argument("--world", type=int, default=None,
+                    help="processes of the layout shown without --gpus (gives dp for the ZeRO-1 and Engram shares); "
+                         "default: the config's parallel.world, and null there means one pipeline (dp=1)")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="propose layouts for this many GPUs (needs --gpu-memory); default: no search")
+    ap.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
+                    help="memory of one GPU in GB (1e9 bytes), e.g. 80; a layout fits when its cost-model peak is "
+                         "within GB x (1 - plan.headroom) x (1 + plan.cost_model_error[0]): 80 -> 64.8")
+    ap.add_argument("--seq", type=int, default=None, metavar="S",
+                    help="sequence length of the search (data.seq_len=S); default: the config's data.seq_len")
+    ap.add_argument("--verify", action="store_true",
+                    help="run launch/estimate.py on the first proposal's worst rank and compare (minutes at scale)")
+    return ap
+
+
 def main(argv: list[str]) -> int:
-    as_json = "--json" in argv
-    device, world = "cuda", None
-    overrides = [a for a in argv if a != "--json"]
-    if "--world" in overrides:
-        at = overrides.index("--world")
-        try:
-            world = int(overrides[at + 1])
-        except (IndexError, ValueError):
-            raise ConfigError("--world needs a number of processes") from None
-        del overrides[at:at + 2]
-    if "--device" in overrides:
-        at = overrides.index("--device")
-        device = overrides[at + 1] if at + 1 < len(overrides) else ""
-        del overrides[at:at + 2]
-    unknown = [a for a in overrides if a.startswith("--")]
-    if unknown or device not in ("cuda", "cpu"):
-        raise ConfigError(f"unknown option(s) {unknown or ['--device ' + device]}; usage: python launch/plan.py "
-                          f"[+exp=NAME] [hydra overrides...] [--device cuda|cpu] [--world N] [--json]")
-    report = build_report(overrides, device, world)
-    print(json.dumps(report) if as_json else format_report(report))
+    args, overrides = parser().parse_known_args(argv)
+    unknown = [a for a in overrides if a.startswith("-")]
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown}; see python launch/plan.py --help")
+    if (args.gpus is None) != (args.gpu_memory is None):
+        raise ConfigError("--gpus N and --gpu-memory GB go together: the GPUs to plan for and the memory of each")
+    if args.gpus is None:
+        if args.seq is not None or args.verify:
+            raise ConfigError("--seq and --verify belong to the layout search: add --gpus N --gpu-memory GB")
+        report = build_report(overrides, args.device, args.world)
+        print(json.dumps(report) if args.json else format_report(report))
+        return 0
+    report = propose(overrides, args.gpus, args.gpu_memory, args.seq)
+    if report["layouts"] and args.verify:
+        report["verify"] = verify(report, report["overrides"], args.device)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_proposals(report))
+        if "verify" in report:
+            print("\n" + format_verify(report["verify"], report))
+    if not report["layouts"]:
+        raise nothing_fits(report)
     return 0
 
 

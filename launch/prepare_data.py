@@ -4,11 +4,16 @@
         [--images DIR] [--interleaved FILE.jsonl] [--tokenizer tokenizer.json] [--docs-per-shard 256]
         [--shard-size 1G] [--name SOURCE]
 
+`+exp=NAME` and model overrides give the vocabulary size and special ids of the tokenizer (default
++exp=flash_small); the other options below.
+
 - `--text`: .txt files (one document per file, or per non-empty line with `--lines`), .jsonl /
   .jsonl.gz / .jsonl.zst files (one document per line, field "text") and .parquet files (one per row of
   the `text` column); a directory means every such file below it (data/inputs.py). Read as streams, twice
   when the tokenizer is trained (once for it, once to write the shards): nothing holds the whole input.
-- `--images DIR`: image-caption documents, one per image, caption from the .txt file of the same stem.
+- `--images DIR`: image-caption documents, one per image (.png .jpg .jpeg .webp .bmp .gif below DIR), the
+  caption from the .txt file of the same stem beside it (cat.png + cat.txt). Checked up front: images
+  without one are named and skipped; none with one is an error.
 - `--interleaved FILE.jsonl`: documents of interleaved text and images, one per line:
   {"segments": [{"text": "..."}, {"image": "path/relative/to/the/jsonl"}, ...]}.
 - `--tokenizer`: an existing tokenizer.json for this model; without it a byte-level BPE is trained on
@@ -22,9 +27,13 @@
   already there is used, else one is trained. The last lines print the `data.sources` entry to add.
 Writes OUT_DIR/{text,mm}-NNNNN.tar (with webdataset's ShardWriter), tokenizer.json, engram_map.json (the
 Engram compressed map) and manifest.json (per shard: documents, text tokens, images; totals by modality,
-with the sequence positions the images will take). A progress bar (documents/s, tokens) runs while the
-shards are written (on a terminal); a table per source ends the run: documents, tokens, images, and what
-was skipped and why (the last stdout line is the same as JSON). Point `data.text_shards` / `data.mm_shards` at the tar
+with the sequence positions the images will take; what was skipped). A progress bar (documents/s, tokens,
+images) runs on stderr while the shards are written (redrawn every 5 s when stderr is not a terminal).
+Every input that cannot be used is counted by reason and named where it is (`file`, `file:line` of a
+jsonl line, `file:row N` of a parquet row): a line on stderr as it is found, and in manifest.json
+(`skipped`: counts by modality and reason, `skipped_where`: the first 100 of each reason named). A table
+per source ends the run: documents, tokens, images, what was skipped and why, with the first few of each
+reason named (the last stdout line is the same as JSON). Point `data.text_shards` / `data.mm_shards` at the tar
 files (globs work; so do webdataset URLs such as `pipe:CMD` or `https://...` once the shards are served
 from elsewhere).
 """
@@ -38,19 +47,12 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from flashtrain.config.cli import exit_on_user_error  # noqa: E402
-from flashtrain.data.images import ImageDecodeError, decode_image, num_image_positions, plan_image_size  # noqa: E402
-from flashtrain.data.inputs import InputStats, iter_texts, text_files  # noqa: E402
-from flashtrain.data.shards import Document, write_shards  # noqa: E402
-from flashtrain.data.sources import SOURCE_NAME  # noqa: E402
-from flashtrain.data.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
-from flashtrain.train.config import compose, model_config, token_spec  # noqa: E402
-from flashtrain.train.engram_map import load_or_build_engram_map  # noqa: E402
-
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
+SHOWN = 5  # skipped inputs named per reason in the closing summary (manifest.json: data/inputs.py MAX_NAMED)
+WITHOUT_CAPTION = "image without a caption"
+BAD_INTERLEAVED = "bad interleaved document"
+IMAGE_UNREADABLE = "image file unreadable"
+IMAGE_UNDECODABLE = "image undecodable"
 
 
 def byte_size(text: str) -> int:
@@ -73,15 +75,77 @@ def positive_int(text: str) -> int:
     return n
 
 
-def image_caption_documents(folder: str) -> list[list]:
-    out = []
-    for img in sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in IMAGE_EXTS):
-        cap = img.with_suffix(".txt")
-        out.append([("image", img), ("text", cap.read_text(encoding="utf-8").strip() if cap.is_file() else "")])
-    return out
+def parser() -> argparse.ArgumentParser:
+    from flashtrain.config.cli import overrides_help
+
+    ap = argparse.ArgumentParser(prog="launch/prepare_data.py", description=__doc__, allow_abbrev=False,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=overrides_help("Default here: +exp=flash_small."))
+    ap.add_argument("out_dir", help="directory for the shards, tokenizer.json, engram_map.json and manifest.json")
+    ap.add_argument("--text", nargs="*", default=[],
+                    help=".txt / .jsonl / .jsonl.gz / .jsonl.zst / .parquet files or directories of them "
+                         "(default none)")
+    ap.add_argument("--lines", action="store_true",
+                    help="one document per non-empty line of .txt files (default: one per file)")
+    ap.add_argument("--images", metavar="DIR",
+                    help="image-caption pairs: each image with NAME.txt, its caption, beside it (default none)")
+    ap.add_argument("--interleaved", metavar="FILE.jsonl",
+                    help='documents of text and images, one per line: {"segments": [{"text": ...}, {"image": '
+                         'PATH}]} (default none)')
+    ap.add_argument("--tokenizer", metavar="tokenizer.json",
+                    help="an existing tokenizer for this model (default: the one already in OUT_DIR with --name, "
+                         "else a byte-level BPE trained on the given text)")
+    ap.add_argument("--docs-per-shard", type=positive_int, default=256,
+                    help="documents per shard at most (default 256)")
+    ap.add_argument("--shard-size", type=byte_size, default=byte_size("1G"),
+                    help="bytes of members per shard at most, e.g. 1G, 256M (default 1G)")
+    ap.add_argument("--name", help="write one named source (SOURCE-NNNNN.tar) for data.sources (default: the two "
+                                   "unnamed sources text-NNNNN.tar and mm-NNNNN.tar)")
+    return ap
 
 
-def interleaved_documents(path: str) -> list[list]:
+if __name__ == "__main__" and any(a in ("-h", "--help") for a in sys.argv[1:]):
+    parser().print_help()  # before the slow imports
+    raise SystemExit(0)
+
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from flashtrain.config.cli import exit_on_user_error  # noqa: E402
+from flashtrain.config.errors import DataError  # noqa: E402
+from flashtrain.data.images import ImageDecodeError, decode_image, num_image_positions, plan_image_size  # noqa: E402
+from flashtrain.data.inputs import InputStats, iter_texts, text_files  # noqa: E402
+from flashtrain.data.shards import Document, write_shards  # noqa: E402
+from flashtrain.data.sources import SOURCE_NAME  # noqa: E402
+from flashtrain.data.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
+from flashtrain.train.config import compose, model_config, token_spec  # noqa: E402
+from flashtrain.train.engram_map import load_or_build_engram_map  # noqa: E402
+
+
+def image_caption_documents(folder: str, stats: InputStats) -> list[tuple[str, list]]:
+    """(where, raw segments) per image with a caption; the caption requirement checked up front: images
+    without one are named once and counted, none with one is an error."""
+    if not Path(folder).is_dir():
+        raise DataError(f"--images {folder}: not a directory")
+    images = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in IMAGE_EXTS)
+    if not images:
+        raise DataError(f"--images {folder}: no image files ({' '.join(sorted(IMAGE_EXTS))}) below it")
+    missing = [img for img in images if not img.with_suffix(".txt").is_file()]
+    if len(missing) == len(images):
+        raise DataError(f"--images {folder}: none of its {len(images)} images has a caption; write each image's "
+                        f"caption into a .txt of the same name beside it ({images[0].name} -> "
+                        f"{images[0].with_suffix('.txt').name}), or give images with their text as --interleaved")
+    if missing:
+        print(f"--images {folder}: {len(missing)} of {len(images)} images have no caption (NAME.txt beside NAME.png) "
+              f"and are skipped: {', '.join(str(m) for m in missing[:SHOWN])}"
+              + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""), file=sys.stderr)
+    for img in missing:
+        stats.skip(WITHOUT_CAPTION, str(img), quiet=True)
+    return [(str(img), [("image", img), ("text", img.with_suffix(".txt").read_text(encoding="utf-8").strip())])
+            for img in images if img.with_suffix(".txt").is_file()]
+
+
+def interleaved_documents(path: str, stats: InputStats) -> list[tuple[str, list]]:
     base = Path(path).parent
     out = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
@@ -89,40 +153,31 @@ def interleaved_documents(path: str) -> list[list]:
             continue
         try:
             segs = json.loads(line)["segments"]
-            out.append([("text", s["text"]) if "text" in s else ("image", base / s["image"]) for s in segs])
+            out.append((f"{path}:{n}", [("text", s["text"]) if "text" in s else ("image", base / s["image"])
+                                        for s in segs]))
         except (ValueError, KeyError, TypeError) as e:
-            print(f"skipping {path}:{n}: bad interleaved document ({e})", file=sys.stderr)
+            stats.skip(BAD_INTERLEAVED, f"{path}:{n}", f"{type(e).__name__}: {e}")
     return out
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out_dir")
-    ap.add_argument("--text", nargs="*", default=[])
-    ap.add_argument("--lines", action="store_true", help="one document per non-empty line of .txt files")
-    ap.add_argument("--images")
-    ap.add_argument("--interleaved")
-    ap.add_argument("--tokenizer")
-    ap.add_argument("--docs-per-shard", type=positive_int, default=256, help="documents per shard at most")
-    ap.add_argument("--shard-size", type=byte_size, default=byte_size("1G"),
-                    help="bytes of members per shard at most, e.g. 1G, 256M (default 1G)")
-    ap.add_argument("--name", help="write one named source (SOURCE-NNNNN.tar) for data.sources")
-    args, overrides = ap.parse_known_args(argv)
+    args, overrides = parser().parse_known_args(argv)
     if args.name is not None and not SOURCE_NAME.match(args.name):  # a usable source name, before any work
         print(f"prepare_data.py: --name {args.name!r}: a source name is letters, digits, '_', '.', '-' (e.g. --name "
               f"web)", file=sys.stderr)
         return 2
     spec = token_spec(model_config(compose(overrides or ["+exp=flash_small"])))
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
 
+    text_stats, mm_stats = InputStats(), InputStats()
     files = text_files(args.text)
-    mm_raw = (image_caption_documents(args.images) if args.images else []) + \
-        (interleaved_documents(args.interleaved) if args.interleaved else [])
+    mm_raw = (image_caption_documents(args.images, mm_stats) if args.images else []) + \
+        (interleaved_documents(args.interleaved, mm_stats) if args.interleaved else [])
     if not files and not mm_raw:
         print("prepare_data.py: no documents given (use --text, --images or --interleaved)", file=sys.stderr)
         return 2
-    captions = [s[1] for d in mm_raw for s in d if s[0] == "text"]
+    out.mkdir(parents=True, exist_ok=True)
+    captions = [s[1] for _, d in mm_raw for s in d if s[0] == "text"]
     shared = out / "tokenizer.json"
     if args.tokenizer:
         tok = load_tokenizer(args.tokenizer, spec)
@@ -130,7 +185,7 @@ def main(argv: list[str]) -> int:
         print(f"prepare_data.py: source {args.name!r} uses the tokenizer already in {out} (give --tokenizer for "
               f"another)", file=sys.stderr)
         tok = load_tokenizer(str(shared), spec)
-    else:  # a first pass over the text, streamed into the tokenizer trainer
+    else:  # a first pass over the text, streamed into the tokenizer trainer (its skips are counted below)
         tok = train_tokenizer(itertools.chain(iter_texts(files, args.lines, InputStats()), captions), spec)
     tok.save(str(out / "tokenizer.json"))
     load_or_build_engram_map(out / "tokenizer.json")
@@ -138,66 +193,74 @@ def main(argv: list[str]) -> int:
     def ids(text: str) -> np.ndarray:
         return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
-    text_stats, mm_stats = InputStats(), InputStats()
-    bar = tqdm(desc="documents", unit="doc", disable=None, file=sys.stderr)
-    tokens = {"text": 0, "mm": 0}
+    tty = sys.stderr.isatty()
+    bar = tqdm(desc="documents", unit="doc", file=sys.stderr, mininterval=0.1 if tty else 5.0, dynamic_ncols=tty)
+    text_stats.report = mm_stats.report = lambda line: bar.write(line, file=sys.stderr)
+    counts = {"text": 0, "mm": 0, "images": 0}
     image_positions = [0]
 
     def counted(docs, source: str):
         for doc in docs:
-            tokens[source] += sum(len(seg[1]) for seg in doc.segments if seg[0] == "text")
+            counts[source] += sum(len(seg[1]) for seg in doc.segments if seg[0] == "text")
+            counts["images"] += sum(1 for seg in doc.segments if seg[0] == "image")
             bar.update(1)
-            bar.set_postfix(tokens=f"{sum(tokens.values()):,}", refresh=False)
+            bar.set_postfix(tokens=f"{counts['text'] + counts['mm']:,}", images=f"{counts['images']:,}", refresh=False)
             yield doc
 
     def mm_documents():
-        for raw in mm_raw:
+        for where, raw in mm_raw:
             doc = Document()
-            try:
-                for kind, value in raw:
-                    if kind == "text":
-                        doc.segments.append(("text", ids(value)))
-                    else:
-                        data = Path(value).read_bytes()
-                        img = decode_image(data)  # reject unreadable images now rather than at training time
-                        n_h, n_w, _, _ = plan_image_size(img.width, img.height, spec.image)
-                        image_positions[0] += num_image_positions(n_h, n_w)
-                        doc.segments.append(("image", data, Path(value).suffix.lstrip(".").lower() or "png"))
-            except OSError as e:
-                mm_stats.skipped["image file unreadable"] += 1
-                print(f"skipping a document: {e}", file=sys.stderr)
-                continue
-            except ImageDecodeError as e:
-                mm_stats.skipped["image undecodable"] += 1
-                print(f"skipping a document: {e}", file=sys.stderr)
-                continue
-            mm_stats.documents += 1
-            yield doc
+            for kind, value in raw:
+                if kind == "text":
+                    doc.segments.append(("text", ids(value)))
+                    continue
+                image = str(value) if where == str(value) else f"{value} (in {where})"
+                try:
+                    data = Path(value).read_bytes()
+                    img = decode_image(data)  # reject unreadable images now rather than at training time
+                except OSError as e:
+                    mm_stats.skip(IMAGE_UNREADABLE, image, e.strerror or type(e).__name__)
+                    break
+                except ImageDecodeError as e:
+                    mm_stats.skip(IMAGE_UNDECODABLE, image, str(e))
+                    break
+                n_h, n_w, _, _ = plan_image_size(img.width, img.height, spec.image)
+                image_positions[0] += num_image_positions(n_h, n_w)
+                doc.segments.append(("image", data, Path(value).suffix.lstrip(".").lower() or "png"))
+            else:
+                mm_stats.documents += 1
+                yield doc
 
     text_docs = (Document([("text", ids(t))]) for t in iter_texts(files, args.lines, text_stats))
     if args.name is not None:
         return write_source(out, args, counted(text_docs, "text"), counted(mm_documents(), "mm"), text_stats,
-                            mm_stats, tokens, image_positions, bar)
+                            mm_stats, counts, image_positions, bar)
     manifest = {"version": 1, "tokenizer": "tokenizer.json",
                 "text": write_shards(counted(text_docs, "text"), out, "text", args.docs_per_shard, args.shard_size),
                 "mm": write_shards(counted(mm_documents(), "mm"), out, "mm", args.docs_per_shard, args.shard_size)}
     bar.close()
-    skipped = {"text": dict(text_stats.skipped), "mm": dict(mm_stats.skipped)}
+    skipped, where = skips(text_stats, mm_stats)
     manifest["skipped_documents"] = sum(sum(v.values()) for v in skipped.values())
-    manifest["skipped"] = skipped
+    manifest["skipped"], manifest["skipped_where"] = skipped, where
     totals = {k: {f: sum(e[f] for e in manifest[k]) for f in ("documents", "text_tokens", "images")}
               for k in ("text", "mm")}
     totals["mm"]["image_positions"] = image_positions[0]
     manifest["totals"] = totals
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    print(summary_table(totals, skipped))
+    print(summary_table(totals, skipped, where))
     print(json.dumps({"out_dir": str(out), **totals, "skipped_documents": manifest["skipped_documents"],
-                      "skipped": skipped}))
+                      "skipped": skipped, "skipped_where": where}))
     return 0
 
 
+def skips(text_stats: InputStats, mm_stats: InputStats) -> tuple[dict, dict]:
+    """(counts, names) of the skipped inputs, by modality and reason."""
+    return ({"text": dict(text_stats.skipped), "mm": dict(mm_stats.skipped)},
+            {"text": dict(text_stats.named), "mm": dict(mm_stats.named)})
+
+
 def write_source(out: Path, args, text_docs, mm_docs, text_stats: InputStats, mm_stats: InputStats,
-                 tokens: dict[str, int], image_positions: list[int], bar) -> int:
+                 counts: dict[str, int], image_positions: list[int], bar) -> int:
     """`--name SOURCE`: the text and then the multimodal documents into SOURCE-NNNNN.tar; its entry in
     manifest.json (other sources kept); the data.sources entry to add."""
     name = args.name
@@ -209,37 +272,49 @@ def write_source(out: Path, args, text_docs, mm_docs, text_stats: InputStats, mm
     manifest = json.loads(path.read_text()) if path.is_file() else {}
     manifest.setdefault("version", 1)
     manifest["tokenizer"] = "tokenizer.json"
-    skipped = {k: v for k, v in (("text", dict(text_stats.skipped)), ("mm", dict(mm_stats.skipped)))}
+    skipped, where = skips(text_stats, mm_stats)
     totals = {f: sum(e[f] for e in entries) for f in ("documents", "text_tokens", "images")}
     totals["image_positions"] = image_positions[0]
     modality = "multimodal" if totals["images"] else "text"
     manifest.setdefault("sources", {})[name] = {"modality": modality, "shards": entries, "totals": totals,
-                                                "skipped": skipped}
+                                                "skipped": skipped, "skipped_where": where}
     tmp = path.with_name(f".manifest.json.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, path)
-    rows = {"text": {"documents": text_stats.documents, "text_tokens": tokens["text"], "images": 0},
-            "mm": {"documents": mm_stats.documents, "text_tokens": tokens["mm"], "images": totals["images"]}}
-    print(summary_table(rows, skipped, labels={"text": f"{name} (text)", "mm": f"{name} (with images)"}))
+    rows = {"text": {"documents": text_stats.documents, "text_tokens": counts["text"], "images": 0},
+            "mm": {"documents": mm_stats.documents, "text_tokens": counts["mm"], "images": totals["images"]}}
+    print(summary_table(rows, skipped, where, labels={"text": f"{name} (text)", "mm": f"{name} (with images)"}))
     entry = {"name": name, "shards": [str(out.resolve() / f"{name}-*.tar")], "weight": 1, "modality": modality}
     print("add to data.sources (set the weight):  - {" + ", ".join(
         f"{k}: {json.dumps(v) if k == 'shards' else v}" for k, v in entry.items()) + "}")
     print(json.dumps({"out_dir": str(out), "source": entry, "totals": totals,
-                      "skipped_documents": sum(sum(v.values()) for v in skipped.values()), "skipped": skipped}))
+                      "skipped_documents": sum(sum(v.values()) for v in skipped.values()), "skipped": skipped,
+                      "skipped_where": where}))
     return 0
 
 
-def summary_table(totals: dict, skipped: dict, labels: dict | None = None) -> str:
-    """One row per source: documents, text tokens, images, skipped (and why)."""
+def summary_table(totals: dict, skipped: dict, where: dict | None = None, labels: dict | None = None) -> str:
+    """One row per source: documents, text tokens, images, skipped (and why); then the first few skipped
+    inputs of each reason, named."""
     rows = [("source", "documents", "tokens", "images", "skipped")]
     for source in ("text", "mm"):
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped[source].items()))
         n_skipped = f"{sum(skipped[source].values())}" + (f" ({why})" if why else "")
-        rows.append(((labels or {}).get(source, source), f"{totals[source]['documents']:,}", f"{totals[source]['text_tokens']:,}",
-                     f"{totals[source]['images']:,}", n_skipped))
+        t = totals[source]
+        rows.append(((labels or {}).get(source, source), f"{t['documents']:,}", f"{t['text_tokens']:,}",
+                     f"{t['images']:,}", n_skipped))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r[:4], widths)))
-                     + "  " + r[4] for r in rows)
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r[:4], widths))) + "  " + r[4]
+             for r in rows]
+    named = [(source, reason, names) for source in ("text", "mm") for reason, names in sorted((where or {}).get(
+        source, {}).items())]
+    if named:
+        lines.append("skipped, where (manifest.json skipped_where names up to 100 of each reason):")
+        for source, reason, names in named:
+            more = skipped[source][reason] - min(len(names), SHOWN)
+            lines.append(f"  {(labels or {}).get(source, source)}, {reason}: {', '.join(names[:SHOWN])}"
+                         + (f" and {more} more" if more > 0 else ""))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

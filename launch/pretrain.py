@@ -1,7 +1,13 @@
 """Pre-training entry point (Hydra main); works under torchrun (any --nproc_per_node) and plain python.
 
-    torchrun --nproc_per_node=2 launch/pretrain.py +exp=flash_small train.max_steps=30
+    torchrun --standalone --nproc_per_node=2 launch/pretrain.py +exp=flash_small train.max_steps=30
     python launch/pretrain.py +exp=flash_tiny
+    python launch/pretrain.py +exp=flash_small --cfg job     # print the composed config and exit (Hydra)
+
+Takes `+exp=NAME` and Hydra overrides, nothing else of its own. With none, the defaults of
+conf/config.yaml (model flash_small, the V4.1 optimizer and schedule, the embedded default corpus);
+`train.max_steps` (default null: the schedule's length) stops early. Hydra's own flags work as usual
+(`--cfg job`, `--hydra-help`, `-m` for a sweep); `--help` prints this.
 
 The run directory (`hydra.run.dir`, default runs/<model>) holds the resolved config, metrics.jsonl,
 checkpoints/, the wandb run and Hydra's job log (`pretrain.log`, the trainer's log lines); starting again
@@ -21,6 +27,11 @@ report (root cause: rank 0, exitcode 2) -- it gives every failed worker exit sta
 from __future__ import annotations
 
 import sys
+
+from flashtrain.config.cli import exit_with_help  # noqa: E402 - imports nothing heavy
+
+if __name__ == "__main__":
+    exit_with_help(__doc__, sys.argv[1:])  # --help: this docstring, before the slow imports
 
 # Under torchrun: die with the launcher from before the slow imports on (a launcher killed during start-up
 # must not leave workers behind holding the run directory); train/run_guard.py imports nothing heavy.

@@ -145,55 +145,95 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
                micro_batch: int, costs: PartitionCosts, local_len: int | None = None) -> list[dict]:
     """Per block: state bytes, activations of one micro-batch (`carry`, `kept`, `work`, and
     `activation_bytes` = carry + kept, what each micro-batch in flight holds; `new_carry_bytes`, the
-    part of the carry the previous block wrote -- all a block after a stage's first adds) and forward
-    FLOPs per token, with the embedding/vision unit folded into block 0 and the head into the last
-    block. `local_len`: this rank's positions of each sequence under context parallelism."""
-    from flashtrain.parallel.pipeline import boundary_specs, live_shared_fields
+    part of the carry the previous block wrote -- all a block after a stage's first adds), forward
+    FLOPs per token and the part of them in the attention core and the indexer
+    (`attention_flops_per_token`: what `train.recompute=selective` runs again in backward), with the
+    embedding/vision unit folded into block 0 and the head into the last block. `local_len`: this
+    rank's positions of each sequence under context parallelism. (`UnitInventory` once, then its
+    `costs` for many layouts: the layout search of train/layouts.py.)"""
+    return UnitInventory(model, cfg, optimizer_of).costs(seq_len, micro_batch, costs, local_len)
 
-    n_state = {"muon": 1, "sinkhorn": 1, "adamw": 2}
-    units = []
-    per_expert = sum(p.numel() for p in model.layers[0].ffn.experts.parameters()) // cfg.n_routed_experts
-    local_len = local_len or seq_len
-    tokens = local_len * micro_batch
-    kinds = parameter_kinds(model)
 
-    def state_bytes(prefix: str, module: nn.Module) -> int:  # this rank's share (experts, ZeRO-1, Engram rows)
-        return int(sum(costs.param_state_bytes(kinds[f"{prefix}{n}"], p.numel(), n_state[optimizer_of[f"{prefix}{n}"]])
-                       for n, p in module.named_parameters()))
+class UnitInventory:
+    """What `unit_costs` reads from the model, read once: per block its parameters (kind, size,
+    optimizer buffers), activated parameters, routed-expert and Engram sizes, its forward FLOPs per token
+    at a sequence length, and the boundary tensors before it; the parameters outside the blocks. `costs`
+    then prices one layout (sharing, recompute, micro-batch shape) with the arithmetic of `unit_costs`."""
 
-    for role, block in zip(model.plan, model.layers):
-        params = sum(p.numel() for p in block.parameters())
-        engram = 0 if block.engram is None else block.engram.embed.weight.numel()
-        routed = sum(p.numel() for p in block.ffn.experts.parameters())
-        activated = params - engram - routed + cfg.n_activated_experts * per_expert
-        selected = cfg.index_topk if role.compress_ratio else 0
-        flops = 2 * activated + 4 * cfg.n_heads * cfg.head_dim * (cfg.window_size + selected)
-        if role.has_indexer:
-            visible = seq_len / (2 * role.compress_ratio)
-            flops += 2 * cfg.index_n_heads * cfg.index_head_dim * visible
-        specs = boundary_specs(cfg, model.plan, role.id, micro_batch, seq_len, local_len)
-        carry = sum(_nbytes(s) for s in specs)
-        written = live_shared_fields(model.plan, role.id)  # inside a stage, only what the previous block
-        new_carry = sum(_nbytes(s) for s in specs  # wrote is new; the rest are the same tensors
-                        if s.name in ("h", "pre_mix") or (s.name in written and written[s.name].id == role.id - 1))
-        rows = 0 if block.engram is None else block.engram.embed.weight.shape[0]
-        if rows and costs.engram_shard and costs.dp > 1:  # the local row block's dense gradient only
-            rows = -(-rows // costs.dp)
-        acts = block_activations(cfg, role, routed, rows, carry, tokens, micro_batch, costs, seq_len * micro_batch)
-        state = state_bytes(f"layers.{role.id}.", block)
-        if costs.mixed_precision:  # autocast's bf16 copies of the dense weights, once per step
-            state += 2 * (params - engram - routed)
-        units.append({"name": f"layers.{role.id}", "state_bytes": state, "carry_bytes": acts["carry"],
-                      "new_carry_bytes": new_carry, "kept_bytes": acts["kept"], "work_bytes": acts["work"],
-                      "activation_bytes": acts["carry"] + acts["kept"], "flops_per_token": flops})
-    first, last = units[0], units[-1]
-    for n, p in model.named_parameters():
-        if not n.startswith("layers."):
+    N_STATE = {"muon": 1, "sinkhorn": 1, "adamw": 2}  # optimizer buffers per value, by rule
+
+    def __init__(self, model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str]):
+        from flashtrain.parallel.pipeline import live_shared_fields
+
+        self.cfg, self.plan = cfg, model.plan
+        kinds = parameter_kinds(model)
+        per_expert = sum(p.numel() for p in model.layers[0].ffn.experts.parameters()) // cfg.n_routed_experts
+        self.blocks = []
+        for role, block in zip(model.plan, model.layers):
+            prefix = f"layers.{role.id}."
+            params = sum(p.numel() for p in block.parameters())
+            engram = 0 if block.engram is None else block.engram.embed.weight.numel()
+            routed = sum(p.numel() for p in block.ffn.experts.parameters())
+            self.blocks.append({
+                "role": role, "params": params, "engram": engram, "routed": routed,
+                "activated": params - engram - routed + cfg.n_activated_experts * per_expert,
+                "rows": 0 if block.engram is None else block.engram.embed.weight.shape[0],
+                "state": [(kinds[prefix + n], p.numel(), self.N_STATE[optimizer_of[prefix + n]])
+                          for n, p in block.named_parameters()],
+                "written": live_shared_fields(model.plan, role.id)})
+        self.outside = [(n, kinds[n], p.numel(), self.N_STATE[optimizer_of[n]]) for n, p in model.named_parameters()
+                        if not n.startswith("layers.")]
+        self._specs: dict = {}
+
+    def _boundary(self, layer: int, micro_batch: int, seq_len: int, local_len: int):
+        from flashtrain.parallel.pipeline import boundary_specs
+
+        key = (layer, micro_batch, seq_len, local_len)
+        if key not in self._specs:
+            self._specs[key] = boundary_specs(self.cfg, self.plan, layer, micro_batch, seq_len, local_len)
+        return self._specs[key]
+
+    def costs(self, seq_len: int, micro_batch: int, costs: PartitionCosts, local_len: int | None = None
+              ) -> list[dict]:
+        """`unit_costs` of this model for one layout."""
+        cfg = self.cfg
+        units = []
+        local_len = local_len or seq_len
+        tokens = local_len * micro_batch
+        for blk in self.blocks:
+            role = blk["role"]
+            selected = cfg.index_topk if role.compress_ratio else 0
+            attention = 4 * cfg.n_heads * cfg.head_dim * (cfg.window_size + selected)
+            flops = 2 * blk["activated"] + attention
+            if role.has_indexer:
+                visible = seq_len / (2 * role.compress_ratio)
+                flops += 2 * cfg.index_n_heads * cfg.index_head_dim * visible
+                attention += 2 * cfg.index_n_heads * cfg.index_head_dim * visible
+            specs = self._boundary(role.id, micro_batch, seq_len, local_len)
+            carry = sum(_nbytes(s) for s in specs)
+            written = blk["written"]  # inside a stage, only what the previous block wrote is new;
+            new_carry = sum(_nbytes(s) for s in specs  # the rest are the same tensors
+                            if s.name in ("h", "pre_mix") or (s.name in written and written[s.name].id == role.id - 1))
+            rows = blk["rows"]
+            if rows and costs.engram_shard and costs.dp > 1:  # the local row block's dense gradient only
+                rows = -(-rows // costs.dp)
+            acts = block_activations(cfg, role, blk["routed"], rows, carry, tokens, micro_batch, costs,
+                                     seq_len * micro_batch)
+            # this rank's share of the block's state (experts, ZeRO-1, Engram rows)
+            state = int(sum(costs.param_state_bytes(kind, numel, n_state) for kind, numel, n_state in blk["state"]))
+            if costs.mixed_precision:  # autocast's bf16 copies of the dense weights, once per step
+                state += 2 * (blk["params"] - blk["engram"] - blk["routed"])
+            units.append({"name": f"layers.{role.id}", "state_bytes": state, "carry_bytes": acts["carry"],
+                          "new_carry_bytes": new_carry, "kept_bytes": acts["kept"], "work_bytes": acts["work"],
+                          "activation_bytes": acts["carry"] + acts["kept"], "flops_per_token": flops,
+                          "attention_flops_per_token": attention})
+        first, last = units[0], units[-1]
+        for n, kind, numel, n_state in self.outside:
             unit = last if n.startswith(("head.", "norm.")) else first
-            unit["state_bytes"] += int(costs.param_state_bytes(kinds[n], p.numel(), n_state[optimizer_of[n]]))
-            if kinds[n] is ParamKind.HEAD:
-                unit["flops_per_token"] += 2 * p.numel()
-    return units
+            unit["state_bytes"] += int(costs.param_state_bytes(kind, numel, n_state))
+            if kind is ParamKind.HEAD:
+                unit["flops_per_token"] += 2 * numel
+        return units
 
 
 def bounds_from_counts(counts: list[int]) -> list[tuple[int, int]]:
@@ -239,6 +279,31 @@ def _stage_cost(units: list[dict], a: int, b: int, in_flight: int) -> float:
     return sum(u["state_bytes"] for u in units[a:b]) + _stage_activations(units, a, b, in_flight)
 
 
+def _cost_table(units: list[dict], pp: int, in_flight: list[int]) -> dict:
+    """`_stage_cost` of every (stage s, first unit i, end j) a split of the units into `pp` stages can
+    use. Integer costs (the cost model's) come from prefix sums -- the same integers, O(1) each, which is
+    what makes the layout search (train/layouts.py) affordable; other values are summed directly."""
+    n = len(units)
+    keys = [(s, i, j) for s in range(1, pp + 1) for j in range(s, n - (pp - s) + 1) for i in range(s - 1, j)]
+    first = [_held(u, True) for u in units]
+    rest = [_held(u, False) for u in units]
+    if not all(type(v) is int for u, f, r in zip(units, first, rest)
+               for v in (u["state_bytes"], u["work_bytes"], f, r)):
+        return {(s, i, j): _stage_cost(units, i, j, in_flight[s - 1]) for s, i, j in keys}
+    state, held = [0], [0]
+    for u, r in zip(units, rest):
+        state.append(state[-1] + u["state_bytes"])
+        held.append(held[-1] + r)
+    work = {}
+    for i in range(n):
+        top = 0
+        for j in range(i + 1, n + 1):
+            top = max(top, units[j - 1]["work_bytes"]) if j > i + 1 else units[i]["work_bytes"]
+            work[i, j] = top
+    return {(s, i, j): state[j] - state[i] + (in_flight[s - 1] * (first[i] + held[j] - held[i + 1]) + work[i, j])
+            for s, i, j in keys}
+
+
 def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
               in_flight: list[int] | None = None, memory_slack: float = 0.0, budget: float | None = None,
               stages_of_rank: list[list[int]] | None = None) -> list[tuple[int, int]]:
@@ -269,8 +334,7 @@ def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
             raise ConfigError(f"parallel.stage_layers={stage_layers}: needs {pp} positive counts summing to {n}")
         return bounds_from_counts(stage_layers)
     INF = float("inf")
-    cost = {(s, i, j): _stage_cost(units, i, j, in_flight[s - 1])
-            for s in range(1, pp + 1) for j in range(s, n - (pp - s) + 1) for i in range(s - 1, j)}
+    cost = _cost_table(units, pp, in_flight)
     prefix = [0.0]
     for u in units:
         prefix.append(prefix[-1] + u.get("flops_per_token", 0))

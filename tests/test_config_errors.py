@@ -8,7 +8,7 @@ from flashtrain.train.config import compose
 
 CASES = {
     "+foo=bar": "+foo=bar: 'foo' is not a config group or key; the top-level keys are data, logging, model, optim, "
-                "parallel, run_name, schedule, train",
+                "parallel, plan, run_name, schedule, train",
     "+trian.max_steps=3": "+trian.max_steps=3: 'trian' is not a config group or key (did you mean 'train'?)",
     "trian.max_steps=3": "trian.max_steps=3: 'trian' is not a config group or key (did you mean train?)",
     "train.max_step=3": "train.max_step=3: train has no key 'max_step' (did you mean train.max_steps?)",
@@ -33,7 +33,7 @@ def test_a_hydra_mistake_is_one_line_naming_the_nearest(override):
 def test_valid_overrides_still_compose():
     cfg = compose(["+exp=flash_tiny", "train.max_steps=3", "data.num_workers=1", "hydra.run.dir=/tmp/x"])
     assert cfg.train.max_steps == 3 and set(cfg) == {"model", "optim", "data", "schedule", "train", "logging",
-                                                      "parallel", "run_name"}
+                                                      "parallel", "plan", "run_name"}
 
 
 def test_a_config_composed_outside_hydra_resolves_whole():

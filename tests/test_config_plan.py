@@ -127,4 +127,4 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest -q tests" in readme and "python -m pytest -q tests" in ci
     assert "pip install torch==2.13.0 -e '.[test]'" in readme and "pip install -q torch==2.13.0 -e '.[test]'" in ci
-    assert "torchrun --nproc_per_node=2 launch/pretrain.py +exp=flash_small" in readme
+    assert "torchrun --standalone --nproc_per_node=2 launch/pretrain.py +exp=flash_small" in readme

@@ -15,8 +15,8 @@ from PIL import Image
 from flashtrain.data.config import DataConfig, TokenSpec
 from flashtrain.data.images import ImageProcessorConfig
 from flashtrain.data.loader import Counters, PackedLoader, ShardStream, data_sources, heldout_shards, split_shards
-from flashtrain.data.sources import default_sources
 from flashtrain.data.shards import Document, ReadStats, read_shard, write_shards
+from flashtrain.data.sources import default_sources
 from flashtrain.data.tokenizer import IMAGE_TOKEN, train_tokenizer
 
 pytestmark = pytest.mark.xdist_group("data")  # its module-scoped reference runs are shared
@@ -127,8 +127,12 @@ def test_inputs_stream_compressed_jsonl_and_parquet_and_count_what_they_skip(tmp
     stats = InputStats()
     assert list(iter_texts(text_files([str(src)]), False, stats)) == ["gz one", "gz two", "zst one", "pq one", "pq two"]
     assert stats.documents == 5 and dict(stats.skipped) == {
-        "not a JSON object with a text field": 2, "text field not a string": 1,
+        "not JSON": 1, "no text field": 1, "text field not a string": 1,
         "parquet row whose text is not a string": 1, "empty document": 1}
+    assert stats.named == {"not JSON": [f"{src}/a.jsonl.gz:2"], "no text field": [f"{src}/a.jsonl.gz:4"],
+                           "text field not a string": [f"{src}/b.jsonl.zst:2"],
+                           "parquet row whose text is not a string": [f"{src}/c.parquet:row 2"],
+                           "empty document": [f"{src}/c.parquet:row 4"]}
 
     rng = np.random.default_rng(0)  # incompressible text: the cut falls well inside the documents
     texts = ["".join(rng.choice(list("abcdefghij"), 60)) for _ in range(20000)]
@@ -363,8 +367,8 @@ def test_prepare_data_writes_named_sources_that_data_sources_reads(tmp_path, cap
     entry = json.loads(printed[-1])["source"]
     assert entry == {"name": "code", "shards": [str(out.resolve() / "code-*.tar")], "weight": 1,
                      "modality": "multimodal"}
-    cfg = DataConfig(seq_len=32, batch_size=2, sources=[{"name": "web", "shards": [str(out / "web-*.tar")], "weight": 3},
-                                                       dict(entry)])
+    web = {"name": "web", "shards": [str(out / "web-*.tar")], "weight": 3}
+    cfg = DataConfig(seq_len=32, batch_size=2, sources=[web, dict(entry)])
     cfg.validate()
     sources, tok = data_sources(cfg, SPEC)
     assert [s.name for s in sources] == ["web", "code"] and tok == str(out / "tokenizer.json")

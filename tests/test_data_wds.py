@@ -16,8 +16,8 @@ import flashtrain.data.loader as L
 from flashtrain.data.config import DataConfig, DataConfigError, TokenSpec, resolve_shards
 from flashtrain.data.images import ImageProcessorConfig, load_image
 from flashtrain.data.loader import PackedLoader, data_sources, image_grid
-from flashtrain.data.sources import default_sources
 from flashtrain.data.shards import Document, ReadStats, is_url, read_shard, write_shards
+from flashtrain.data.sources import default_sources
 
 SPEC = TokenSpec(vocab_size=512, image_token_id=496,
                  image=ImageProcessorConfig(patch_size=14, downsample_ratio=3, max_n_token=64, min_pixels=84 * 84))

@@ -35,7 +35,7 @@ from flashtrain.config.errors import ConfigError, InputNotFoundError
 from flashtrain.config.typed import typed_config
 from flashtrain.data.config import DataConfig, TokenSpec, resolve_shards
 from flashtrain.data.heldout import heldout_set
-from flashtrain.data.loader import PackedLoader, check_sources
+from flashtrain.data.loader import PackedLoader, check_shard_indexes, check_sources, reader_shards
 from flashtrain.data.tokenizer import load_tokenizer, token_byte_counts
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.param_kinds import ParamKind, parameter_kinds
@@ -223,10 +223,37 @@ def _sinkhorn_row_group_of(model, dims: ParallelDims):
     return lambda p: dims.dp_cp_group if id(p) in tables else None
 
 
-def build_loader(c: RunConfigs, sources, dims: ParallelDims) -> PackedLoader:
-    """This rank's loader; its workers die with this process (a SIGKILLed trainer leaves none behind)."""
+def build_loader(c: RunConfigs, sources, dims: ParallelDims, known_corrupt: set[str] | None = None) -> PackedLoader:
+    """This rank's loader; its workers die with this process (a SIGKILLed trainer leaves none behind).
+    `known_corrupt`: its shards the start-up check found unreadable (counted in `corrupt_shards` from the start)."""
     return PackedLoader(c.data, c.spec, sources, dims.dp_rank, dims.dp,
-                        worker_init_fn=functools.partial(die_with_parent, os.getpid()))
+                        worker_init_fn=functools.partial(die_with_parent, os.getpid()),
+                        known_corrupt=known_corrupt or set())
+
+
+def check_shards_at_start(c: RunConfigs, sources, dims: ParallelDims, device: torch.device, is_main: bool
+                          ) -> set[str]:
+    """The start-up check of every listed shard's tar index (headers only, nothing decoded;
+    data/loader.py `check_shard_indexes`): each rank that reads data (pipeline rank 0, context-parallel rank
+    0) checks the shards of its dp rank and names each unreadable one in a warning; rank 0 says how many
+    were checked and found unreadable (one all-reduce). A broken shard stops nothing: its complete samples
+    are read and it counts in `corrupt_shards`. Returns this rank's unreadable shards."""
+    from flashtrain.train.collectives import all_reduce
+
+    mine = reader_shards(sources, dims.dp_rank, dims.dp, c.data.num_workers) if \
+        dims.pp_rank == 0 and counts_data(dims) else []
+    problems = check_shard_indexes(mine)
+    for shard, problem in problems.items():
+        log.warning(f"shard {shard}: {problem}; its complete samples are read, the rest skipped (counted in "
+                    f"corrupt_shards)")
+    counts = torch.tensor([float(len(mine)), float(len(problems))])
+    all_reduce(counts, device)
+    if is_main:
+        checked, bad = int(counts[0]), int(counts[1])
+        log.info(f"start-up check of the shards' tar indexes: {checked} shard(s), "
+                 + (f"{bad} unreadable (named above; rank 0 names its own, each rank its own)" if bad else
+                    "all readable"))
+    return set(problems)
 
 
 def build_evaluator(c: RunConfigs, dims: ParallelDims, runner: StepRunner, shards: list[str], tokenizer: str,

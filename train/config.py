@@ -67,6 +67,17 @@ def global_sequences(global_batch_tokens: float, seq_len: int) -> int:
     return max(1, round(global_batch_tokens / seq_len))
 
 
+def rounded_batch_note(global_batch_tokens: float, seq_len: int) -> str | None:
+    """The warning a run logs when its global batch is not a whole number of sequences (None when it is):
+    the requested and the used tokens per step."""
+    used = global_sequences(global_batch_tokens, seq_len) * seq_len
+    if used == global_batch_tokens:
+        return None
+    return (f"train.global_batch_tokens={global_batch_tokens:g} is not a whole number of data.seq_len={seq_len} "
+            f"sequences: each step uses {used // seq_len} sequences = {used} tokens instead (set "
+            f"train.global_batch_tokens={used} to request exactly that)")
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """The batch arithmetic of one optimizer step, computed once (`plan_batches`): the global batch of

@@ -48,18 +48,25 @@ Peak per device (`train.peak_tflops.{cuda,cpu}`; null = automatic):
 - CUDA: the bf16 dense (no sparsity) tensor-core peak of the device, looked up by a substring of
   `torch.cuda.get_device_name()` in PEAK_TFLOPS; a GPU not in the table has no MFU (null) until
   `train.peak_tflops.cuda` is set.
-- CPU: measured once per process, the best FLOP/s of a 2048^3 fp32 matmul at the process's torch thread
-  count (`measured_cpu_peak` with a 0.5 s budget); `train.peak_tflops.cpu` fixes it instead (e.g. for
-  MFU figures comparable between runs on a shared, noisy machine).
+- CPU: measured once per machine and cached (`cached_cpu_peak`): the best FLOP/s of a 2048^3 fp32 matmul
+  at the process's torch thread count (`measured_cpu_peak`, up to 10 runs in 2 s), kept in
+  `$FLASHTRAIN_CACHE/peak_flops.json` (default `~/.cache/flashtrain/`, beside the default corpus) under the
+  machine's name, CPU model and thread count, so every later start -- and its MFU -- uses the same peak
+  whatever else runs then; deleting the file measures again. `train.peak_tflops.cpu` fixes it instead.
+The peak and where it comes from are logged once at start-up (`peak_flops`).
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import logging
+import os
+import platform
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -260,8 +267,53 @@ class PeakTflops:
             setattr(self, k, None if v is None else float(v))
 
 
-CPU_PEAK_SOURCE = "measured CPU fp32 matmul peak (2048^3, best of up to 5 in 0.5 s)"
+PEAK_CACHE = "peak_flops.json"  # in the flashtrain cache: the measured CPU peak per machine
 _peaks: dict[tuple, tuple[float | None, str]] = {}
+
+
+def cache_dir() -> Path:
+    """$FLASHTRAIN_CACHE, or ~/.cache/flashtrain (the default corpus lives there too)."""
+    return Path(os.environ.get("FLASHTRAIN_CACHE", Path.home() / ".cache" / "flashtrain"))
+
+
+def machine_key() -> str:
+    """What the CPU peak depends on: this machine, its CPU model, the torch threads a process uses."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{platform.node()} | {model} | {os.cpu_count()} cpus | {torch.get_num_threads()} torch threads"
+
+
+def cached_cpu_peak(measure=None) -> tuple[float, str]:
+    """(peak FLOP/s, where it comes from): this machine's entry of the cache, or a measurement (`measure`,
+    default `measured_cpu_peak` with up to 10 runs in 2 s) stored there for every later start (written
+    atomically; a cache that cannot be written leaves the measurement uncached, said so)."""
+    path, key = cache_dir() / PEAK_CACHE, machine_key()
+    entries: dict = {}
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+        entries = loaded if isinstance(loaded, dict) else {}
+    except (OSError, ValueError):
+        pass
+    entry = entries.get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
+        return float(entry["flops"]), (f"CPU fp32 matmul peak measured on this machine at {entry.get('measured_at')}, "
+                                       f"cached in {path} (delete it to measure again; train.peak_tflops.cpu sets one)")
+    flops = (measure or functools.partial(measured_cpu_peak, reps=10, budget_s=2.0))()
+    at = datetime.datetime.now().isoformat(timespec="seconds")
+    entries[key] = {"flops": flops, "measured_at": at}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{PEAK_CACHE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+        where = f"cached in {path} for later starts"
+    except OSError as e:
+        where = f"not cached ({e})"
+    return flops, f"CPU fp32 matmul peak measured now ({at}), {where}; train.peak_tflops.cpu sets one"
 
 
 def peak_flops(device: torch.device, configured: PeakTflops | None = None, announce: bool = True
@@ -280,7 +332,7 @@ def peak_flops(device: torch.device, configured: PeakTflops | None = None, annou
             source = ("bf16 dense peak (PEAK_TFLOPS, train/flops.py)" if peak else
                       f"'{name}' is not in PEAK_TFLOPS (train/flops.py): set train.peak_tflops.cuda for the MFU")
         elif device.type == "cpu":
-            peak, source = measured_cpu_peak(budget_s=0.5), CPU_PEAK_SOURCE
+            peak, source = cached_cpu_peak()
         else:
             peak, source = None, f"no peak known for device type {device.type!r}"
         _peaks[key] = (peak, source)

@@ -296,7 +296,7 @@ class MetricsLogger:
     `total_steps`: its last step."""
 
     def __init__(self, run_dir: str | Path, cfg: LoggingConfig, config: dict, enabled: bool, total_steps: int,
-                 start_step: int):
+                 start_step: int, progress_file=None):
         self.enabled, self.cfg = enabled, cfg
         self.run_dir = Path(run_dir)
         self.total_steps, self.first_step = total_steps, start_step + 1
@@ -321,7 +321,8 @@ class MetricsLogger:
         if cfg.progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             file=progress_file)
 
     def heatmap_due(self, step: int) -> bool:
         """The first step of this start (step 1 of a fresh run, the first step after a resume), every
@@ -363,11 +364,14 @@ class MetricsLogger:
             except Exception as e:  # noqa: BLE001
                 log.warning("wandb.log failed (%s); disabling wandb for this run", e)
                 self._wandb = None
-        if self._bar is not None:
-            self._bar.update(1)
+        if self._bar is not None:  # the step just finished: its values first, then the count that draws them
             loss, tok_s = record.get("loss"), record.get("tokens_per_s")
             self._bar.set_postfix(loss="-" if loss is None else f"{loss:.4f}",
-                                  tok_s="-" if tok_s is None else f"{tok_s:.0f}")
+                                  tok_s="-" if tok_s is None else f"{tok_s:.0f}", refresh=False)
+            if step != self._bar.n:  # (a rollback re-runs steps: the bar goes back with them)
+                self._bar.update(step - self._bar.n)
+            else:
+                self._bar.refresh()
 
     def event(self, event: dict, wandb_step: int) -> None:
         """A run event (a spike rollback): one line in metrics.jsonl with an "event" field (step records have

@@ -24,10 +24,23 @@ def stage_units(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig
     ranks holding the same parameters (dp x cp); under context parallelism a rank's activations are those
     of its seq_len / cp positions, plus the whole sequence's compressed entries and the indexer's scores
     against them (parallel/partition.py `block_activations`)."""
-    optimizer_of = {n: g.optimizer for g in route_parameters(model, model_cfg, optim_cfg) for n in g.names}
-    costs = PartitionCosts(recompute=recompute, mixed_precision=mixed_precision, ep=parallel.ep, dp=dp,
-                           zero=optim_cfg.zero, engram_shard=parallel.shard_engram(model_cfg, dp))
-    return unit_costs(model, model_cfg, optimizer_of, seq_len, micro_batch, costs, -(-seq_len // cp))
+    costs = partition_costs(model_cfg, optim_cfg, parallel, recompute, mixed_precision, dp)
+    return unit_costs(model, model_cfg, optimizers_of(model, model_cfg, optim_cfg), seq_len, micro_batch, costs,
+                      -(-seq_len // cp))
+
+
+def optimizers_of(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig) -> dict[str, str]:
+    """Each parameter's optimizer (its state size), by the V4.1 routing."""
+    return {n: g.optimizer for g in route_parameters(model, model_cfg, optim_cfg) for n in g.names}
+
+
+def partition_costs(model_cfg: ModelConfig, optim_cfg: OptimConfig, parallel: ParallelConfig, recompute: str,
+                    mixed_precision: bool, dp: int) -> PartitionCosts:
+    """How a run shares its state (`dp`: the ranks holding the same parameters, dp x cp) and what it keeps
+    for backward: the cost model's settings, for the trainer's partition and the layout search
+    (train/layouts.py) alike."""
+    return PartitionCosts(recompute=recompute, mixed_precision=mixed_precision, ep=parallel.ep, dp=dp,
+                          zero=optim_cfg.zero, engram_shard=parallel.shard_engram(model_cfg, dp))
 
 
 def plan_stages(units: list[dict], parallel: ParallelConfig) -> list[tuple[int, int]]:

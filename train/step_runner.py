@@ -53,7 +53,8 @@ class PipelineLoss:
         self.model, self.tile, self.accumulation = model, loss_tile_tokens, accumulation
         self.split = model.sequence_split(seq_len)
         self.token_bytes: torch.Tensor | None = None
-        self.source_ce: torch.Tensor | None = None  # while set, per-source CE sums (a [B, S, 2] target: labels, sources)
+        # while set, per-source CE sums (a [B, S, 2] target: labels, sources)
+        self.source_ce: torch.Tensor | None = None
 
     def __call__(self, hidden, labels):
         if self.token_bytes is not None:

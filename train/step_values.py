@@ -8,9 +8,13 @@ in one all-reduce at its end.
 | `balance_loss`, `indexer_loss` | the aux side channel (model/aux.py), every stage its own layers | micro-batch |
 | `pad_tokens`, `positions` | the batches (pipeline rank 0 only, so each is counted once per dp rank) | micro-batch |
 | loader counters (`LOADER_COUNTERS`) | the data loader's skip counts (pipeline rank 0) | step |
-| per source (`SOURCE_FIELDS`, one value per data source): `source_tokens` (positions read), `source_targets` (scored labels) | the batches (pipeline rank 0) | micro-batch |
-| `source_ce` (the CE sum of each source's labels) | the loss (the last pipeline stage; every cp rank its positions) | micro-batch |
+| per source (`SOURCE_FIELDS`): `source_tokens`, `source_targets` | the batches (pp rank 0) | micro-batch |
+| `source_ce` (each source's CE sum) | the loss (the last stage; every cp rank its positions) | micro-batch |
 | named vectors (`vectors`): `dspark` (train/dspark_loss.py) | the DSpark stage's objective | micro-batch |
+
+`source_tokens` counts the positions read, `source_targets` the scored labels.
+
+The metrics record reports the loader counters as three fields (`loader_fields`).
 """
 
 from __future__ import annotations
@@ -19,9 +23,23 @@ import torch
 import torch.distributed as dist
 
 LOADER_COUNTERS = ("skipped_empty", "skipped_bad_image", "skipped_oversized_image", "bad_samples", "corrupt_shards")
+# the record's three loader fields (`loader_fields`): samples skipped for any reason, those skipped for an image
+SAMPLE_COUNTERS = ("skipped_empty", "skipped_bad_image", "skipped_oversized_image", "bad_samples")
+IMAGE_COUNTERS = ("skipped_bad_image", "skipped_oversized_image")
 FIELDS = ("ce", "balance_loss", "indexer_loss", "pad_tokens", "positions") + LOADER_COUNTERS
 SOURCE_FIELDS = ("source_tokens", "source_targets", "source_ce")
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
+
+
+def loader_fields(v: dict) -> dict:
+    """The loader's counters as every metrics record carries them (cumulative since the run began, summed
+    over the dp ranks; data/loader.py): `skipped_samples`, every sample skipped -- one that could not be
+    parsed, an empty document, or one dropped for its image; `skipped_images`, the part of those dropped
+    for an image (undecodable, or a span longer than a row); `corrupt_shards`, the distinct shards found
+    truncated or unreadable, by the start-up check of their tar indexes or while reading."""
+    return {"skipped_samples": int(sum(v[k] for k in SAMPLE_COUNTERS)),
+            "skipped_images": int(sum(v[k] for k in IMAGE_COUNTERS)),
+            "corrupt_shards": int(v["corrupt_shards"])}
 
 
 class StepValues:

@@ -22,6 +22,7 @@ step and operation (train/collectives.py). docs/step_path.md lists the files one
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import logging
 import math
@@ -47,15 +48,16 @@ from flashtrain.train.build import (
     build_evaluator,
     build_loader,
     build_rank,
+    check_shards_at_start,
     check_start,
     counts_data,
     init_distributed,
     read_configs,
     run_plan,
 )
-from flashtrain.train.checkpoint import CheckpointWriter, load_checkpoint
+from flashtrain.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from flashtrain.train.collectives import CollectiveError, Operation, all_reduce, barrier, collective_error
-from flashtrain.train.config import CheckpointConfig, TrainConfig
+from flashtrain.train.config import CheckpointConfig, TrainConfig, rounded_batch_note
 from flashtrain.train.dspark import backbone_pointer, build_dspark_rank, check_backbone, dspark_record
 from flashtrain.train.engram_map import load_or_build_engram_map
 from flashtrain.train.flops import dspark_flops_per_token, flops_per_token, mfu, peak_flops
@@ -66,7 +68,7 @@ from flashtrain.train.run_guard import acquire_run_lock, die_with_launcher
 from flashtrain.train.spike import rng_state, set_rng_state
 from flashtrain.train.stability import StabilityGuard
 from flashtrain.train.step_runner import StepBatches
-from flashtrain.train.step_values import LOADER_COUNTERS, StepValues
+from flashtrain.train.step_values import LOADER_COUNTERS, StepValues, loader_fields
 
 __all__ = ["CheckpointConfig", "CollectiveError", "StepOutcome", "TrainConfig", "Trainer"]
 log = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class StepOutcome:
 
 class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: str | Path):
+        self.started = time.time()  # this start's wall clock, for the last log line
         world = int(os.environ.get("WORLD_SIZE", "1"))
         die_with_launcher()
         faults.validate_environment()
@@ -98,6 +101,8 @@ class Trainer:
         self.source_tokens: dict[str, int] = {}  # per data source, the positions read so far (every dp rank)
         if int(os.environ.get("RANK", "0")) == 0:  # one job per run directory (held until this process ends)
             self._run_lock = acquire_run_lock(self.run_dir)
+            if note := rounded_batch_note(c.train.global_batch_tokens, c.data.seq_len):
+                log.warning(note)
         check_start(c, self.plan.dp)
 
         self.rank, world, self.device = init_distributed(c.parallel.timeout_s)
@@ -117,6 +122,7 @@ class Trainer:
                 val = heldout_shards(c.data, c.spec) if c.train.eval.interval else []
                 token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
             barrier()
+        corrupt = check_shards_at_start(c, sources, self.dims, self.device, self.is_main)  # tar indexes, headers only
         self.dspark = c.train.stage == "dspark"  # the DSpark stage: the drafter is the trained model (train/dspark.py)
         build = build_dspark_rank if self.dspark else functools.partial(build_rank, log_pipeline=self.is_main)
         parts = build(c, self.plan, self.dims, self.device, model_template(c.model, token_map), self.mixed_precision,
@@ -125,7 +131,10 @@ class Trainer:
         self.counts_data = counts_data(self.dims)
         self.guard = StabilityGuard(c.train.spike, c.train.anticipatory_routing, self.model, self.optim.optimizers,
                                     self.device, self.op, self.is_main)
-        self.loader = build_loader(c, sources, self.dims)
+        self.loader = build_loader(c, sources, self.dims, corrupt)
+        # the MFU peak, once (rank 0 writes the records): configured, the GPU table, or this machine's cached
+        # CPU measurement -- stated in the log (train/flops.py)
+        self.peak = peak_flops(self.device, c.train.peak_tflops, True)[0] if self.is_main else None
         self.batches = StepBatches(self.loader, self.plan.accumulation)
         self.evaluator = None if self.dspark else build_evaluator(c, self.dims, self.runner, val, tok, self.device,
                                                                   self.is_main)
@@ -193,7 +202,9 @@ class Trainer:
             "indexer_loss": v["indexer_loss"] / n_micro, "lr": lr, "grad_norm": out.grad_norm.item(),
             "tokens_seen": self.tokens_seen, "tokens_per_s": self.schedule.tokens_per_step / dt, "step_time_s": dt,
             "padding_fraction": v["pad_tokens"] / max(v["positions"], 1.0),
-            "skipped_samples": int(sum(v[k] for k in LOADER_COUNTERS)),
+            # the loader's skips (cumulative, every dp rank): samples, the part of them skipped for an image, and
+            # the distinct shards found corrupt (at start-up or while reading); train/step_values.py
+            **loader_fields(v),
             "vit_trainable": bool(self.schedule.vit_trainable(self.step - 1)),
             # train.spike / train.anticipatory_routing: this step's verdict (null: normal), whether its MoE
             # layers routed by anticipated indices, and the run's totals
@@ -205,8 +216,7 @@ class Trainer:
             # / (peak per device * world), null without a known peak (train/flops.py; train.peak_tflops)
             "flops_per_token": (fpt := (dspark_flops_per_token if self.dspark else flops_per_token)(
                 self.cfg.model, self.cfg.data.seq_len)),
-            "mfu": mfu(fpt, self.schedule.tokens_per_step / dt,
-                       peak_flops(self.device, self.cfg.train.peak_tflops, self.is_main)[0], self.dims.world),
+            "mfu": mfu(fpt, self.schedule.tokens_per_step / dt, self.peak, self.dims.world),
         }
         if self.dspark:  # the drafter's metrics; the backbone is frozen (no indexer loss, no ViT)
             record.update(dspark_record(v, self.cfg))
@@ -280,15 +290,29 @@ class Trainer:
         profiler = StepProfiler.for_trainer(self)  # train.profile: traces / memory snapshots of chosen steps
         try:
             self._loop(metrics, profiler)
+            self.op.name = "finishing the last checkpoint write"
+            self.checkpoints.wait()  # (a SIGTERM stop leaves the last one in flight)
         except RuntimeError as e:
             raise collective_error(e, self.op, self.rank, self.cfg.parallel.timeout_s) from e
         finally:
             profiler.close()  # a trace / memory history still open (SIGTERM, a stop, a short run): write what it has
             metrics.close()
             signal.signal(signal.SIGTERM, previous)
+        if self.is_main:  # after the progress bar has closed: a line of its own
+            log.info(self.last_line())
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+    def last_line(self) -> str:
+        """The run's closing log line: where it stopped, what it read, how long this start took, and the
+        checkpoint a restart resumes from."""
+        wall = time.time() - self.started
+        newest = latest_checkpoint(self.run_dir)
+        how = "stopped by SIGTERM" if self._stop else "finished"
+        return (f"{how} at step {self.step} of {self.max_steps}: {self.tokens_seen:,} tokens seen, "
+                f"{wall:.0f} s wall time in this start ({datetime.timedelta(seconds=round(wall))}); newest "
+                f"checkpoint {newest if newest is not None else 'none'}")
 
     def _loop(self, metrics: MetricsLogger, profiler: StepProfiler) -> None:
         last_saved = self.step
@@ -320,6 +344,7 @@ class Trainer:
                 self.save()
                 last_saved = self.step
             if stop.item():
+                self._stop = True  # (the rank that got the signal may be another: the flag is all-reduced)
                 if self.is_main:
                     log.info(f"SIGTERM: saved step {self.step}, exiting")
                 return

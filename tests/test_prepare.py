@@ -1,0 +1,114 @@
+"""launch/prepare_data.py as a new user meets it (issue 32 item 3): every skipped input counted by reason and
+named where it is, on stderr, in the closing summary and in manifest.json; the caption requirement checked
+up front; image errors that name the file; and the loader's tokenizer found from the shard folders' own
+manifests, or an error naming the choice."""
+
+import io
+import json
+import runpy
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from flashtrain.config.errors import DataError
+from flashtrain.data.config import DataConfig
+from flashtrain.data.loader import data_sources
+from flashtrain.train.config import compose, model_config, token_spec
+
+SPEC = token_spec(model_config(compose(["+exp=flash_tiny"])))
+
+
+def run_prepare(*argv: str) -> int:
+    """launch/prepare_data.py in this process, as its command line runs it; its exit status."""
+    old = sys.argv
+    sys.argv = ["prepare_data.py", *argv]
+    try:
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path("launch/prepare_data.py", run_name="__main__")
+        return e.value.code
+    finally:
+        sys.argv = old
+
+
+def png(width: int = 60, height: int = 30, seed: int = 0) -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)  # incompressible
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_every_skipped_input_is_counted_by_reason_and_named(tmp_path, capsys):
+    src = tmp_path / "src"
+    (src / "imgs").mkdir(parents=True)
+    a = src / "a.jsonl"
+    a.write_text("\n".join([json.dumps({"text": "the first document"}), json.dumps({"id": 7, "body": "no text"}),
+                            '{"text": "cut off', json.dumps({"text": "the second document"})]) + "\n")
+    (src / "imgs" / "cat.png").write_bytes(png())
+    (src / "imgs" / "cat.txt").write_text("a noisy box")
+    cut = src / "imgs" / "cut.png"
+    cut.write_bytes(png(seed=1)[:2000])  # the header reads, the pixels end early
+    (src / "imgs" / "cut.txt").write_text("half a box")
+    lone = src / "imgs" / "lone.png"
+    lone.write_bytes(png(seed=2))  # no lone.txt
+    out = tmp_path / "out"
+    assert run_prepare(str(out), "+exp=flash_tiny", "--text", str(a), "--images", str(src / "imgs")) == 0
+    printed = capsys.readouterr()
+
+    counts = {"text": {"no text field": 1, "not JSON": 1}, "mm": {"image undecodable": 1, "image without a caption": 1}}
+    where = {"text": {"no text field": [f"{a}:2"], "not JSON": [f"{a}:3"]},
+             "mm": {"image undecodable": [str(cut)], "image without a caption": [str(lone)]}}
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["skipped"] == counts and manifest["skipped_where"] == where and manifest["skipped_documents"] == 4
+    assert manifest["totals"]["text"]["documents"] == 2 and manifest["totals"]["mm"]["documents"] == 1
+    last = json.loads(printed.out.strip().splitlines()[-1])
+    assert last["skipped"] == counts and last["skipped_where"] == where
+    # the closing summary names them; stderr reports each as found, the caption check before any work
+    for line in (f"text, no text field: {a}:2", f"text, not JSON: {a}:3", f"mm, image undecodable: {cut}",
+                 f"mm, image without a caption: {lone}"):
+        assert line in printed.out, printed.out
+    err = printed.err
+    assert f"1 of 3 images have no caption (NAME.txt beside NAME.png) and are skipped: {lone}" in err
+    assert err.index("have no caption") < err.index(f"skipping {a}:2: no text field (keys: id, body)")
+    assert f"skipping {a}:3: not JSON (" in err and f"skipping {cut}: image undecodable (cannot decode image" in err
+    assert "BytesIO" not in err + printed.out
+
+
+def test_the_caption_requirement_is_checked_up_front(tmp_path, capsys):
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.png").write_bytes(png())
+    assert run_prepare(str(tmp_path / "out"), "+exp=flash_tiny", "--images", str(tmp_path / "imgs")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --images {tmp_path / 'imgs'}: none of its 1 images has a caption; write each image's "
+                   f"caption into a .txt of the same name beside it (a.png -> a.txt), or give images with their text "
+                   f"as --interleaved"]
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_the_tokenizer_comes_from_the_shard_folders_manifests(tmp_path):
+    """Shards from two folders: the tokenizer their manifests name (not whatever sits beside the first
+    shard of the list); different tokenizers are an error naming both; the same one is fine."""
+    (tmp_path / "a.txt").write_text("".join(f"alpha beta gamma document {i}\n" for i in range(40)))
+    (tmp_path / "b.txt").write_text("".join(f"zeta eta theta {i} other words\n" for i in range(40)))
+    a, b = tmp_path / "A", tmp_path / "B"
+    assert run_prepare(str(a), "+exp=flash_tiny", "--text", str(tmp_path / "a.txt"), "--lines") == 0
+    assert run_prepare(str(b), "+exp=flash_tiny", "--text", str(tmp_path / "b.txt"), "--lines") == 0
+    other = tmp_path / "copied"  # shards copied without their tokenizer: listed first
+    other.mkdir()
+    shutil.copy(next(a.glob("text-*.tar")), other / "text-00009.tar")
+
+    cfg = DataConfig(seq_len=32, text_shards=[str(other / "*.tar"), str(a / "text-*.tar")], mm_shards=[])
+    assert data_sources(cfg, SPEC)[1] == str(a / "tokenizer.json")
+    cfg = DataConfig(seq_len=32, text_shards=[str(a / "text-*.tar"), str(b / "text-*.tar")], mm_shards=[])
+    with pytest.raises(DataError) as e:
+        data_sources(cfg, SPEC)
+    assert str(e.value).startswith(f"the shards come from folders with different tokenizers ({a / 'tokenizer.json'}, "
+                                   f"{b / 'tokenizer.json'}): ")
+    assert "set data.tokenizer" in str(e.value)
+    shutil.rmtree(b)
+    assert run_prepare(str(b), "+exp=flash_tiny", "--text", str(tmp_path / "b.txt"), "--lines", "--tokenizer",
+                       str(a / "tokenizer.json")) == 0
+    assert data_sources(cfg, SPEC)[1] == str(a / "tokenizer.json")  # the same tokenizer in both folders
