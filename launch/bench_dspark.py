@@ -47,17 +47,18 @@ def records(run_dir: Path) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="/tmp/bench_dspark")
-    ap.add_argument("--backbone-steps", type=int, default=8, help="the README demo's steps")
-    ap.add_argument("--backbone-procs", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=300, help="DSpark stage steps")
+    ap.add_argument("--out", default="/tmp/bench_dspark", help="directory of the runs and bench_dspark.json "
+                                                               "(default /tmp/bench_dspark; finished runs are reused)")
+    ap.add_argument("--backbone-steps", type=int, default=8, help="the backbone's steps (default 8, the README demo's)")
+    ap.add_argument("--backbone-procs", type=int, default=2, help="processes of the backbone run (default 2)")
+    ap.add_argument("--steps", type=int, default=300, help="DSpark stage steps (default 300)")
     ap.add_argument("--stage-seq-len", type=int, default=256, help="the stage's data.seq_len (0: the exp's)")
     ap.add_argument("--stage-batch-tokens", type=int, default=512,
                     help="the stage's train.global_batch_tokens (0: the exp's)")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for both runs")
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts for launch/eval_dspark.py (default 8)")
+    ap.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default 64)")
+    ap.add_argument("--new-tokens", type=int, default=48, help="tokens generated per prompt (default 48)")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides (key=value) for both runs")
     args = ap.parse_args()
     out = Path(args.out)
     backbone_dir, stage_dir = out / "backbone", out / "stage"
