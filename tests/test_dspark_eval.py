@@ -5,7 +5,7 @@ one right for exactly two positions, against hand counts; the calibration error 
 
 import pytest
 import torch
-from layer_plans import EIGHT_LAYERS
+from layer_plans import FOUR_LAYERS
 
 from flashtrain.model import Transformer
 from flashtrain.model.dspark import DSpark
@@ -20,28 +20,32 @@ from flashtrain.train.speculative import (
     speculative_decode,
 )
 
-TARGETS = [5, 6, 7]
-P, N = 12, 14
+TARGETS = [1, 2, 3]  # the last layers of the 4-layer plan
+P, N = 12, 10
 
 
 @pytest.fixture(scope="module")
 def parts():
-    cfg = model_config(compose(["+exp=flash_tiny", *EIGHT_LAYERS, "model.dspark_target_layer_ids=[5,6,7]"]))
+    cfg = model_config(compose(["+exp=flash_tiny", *FOUR_LAYERS, "model.dspark_target_layer_ids=[1,2,3]"]))
     torch.manual_seed(0)
     backbone = Transformer(cfg, seed=3)
     with torch.no_grad():  # a peaked next-token distribution, as a trained model has (no flat near-ties)
         backbone.head.weight.normal_(0, 0.5)
         backbone.embed.weight.normal_(0, 0.5)
     prompts = torch.randint(3, 400, (3, P), generator=torch.Generator().manual_seed(1))
-    return cfg, freeze(backbone), DSpark(cfg, seed=4).eval(), prompts
+    backbone = freeze(backbone)
+    K = cfg.dspark_block_size
+    # the backbone's greedy decoding, one token per forward (far enough for the oracles' drafts below), shared
+    truth = greedy_decode(backbone, prompts, N + 2 * K + 2, cfg.pad_id, P + N + 3 * K + 3)
+    return cfg, backbone, DSpark(cfg, seed=4).eval(), prompts, truth
 
 
 def test_verified_output_equals_greedy_decoding(parts):
     """A random drafter (few drafts accepted) and the oracle below (all accepted): both outputs are the
     backbone's greedy decoding."""
-    cfg, backbone, drafter, prompts = parts
+    cfg, backbone, drafter, prompts, truth = parts
     K = cfg.dspark_block_size
-    ref = greedy_decode(backbone, prompts, N, cfg.pad_id, P + N + K + 1)
+    ref = truth[:, :P + N]
     stats = Acceptance(K)
     got = speculative_decode(backbone, TARGETS, drafter_proposal(drafter, backbone), prompts, N, K, cfg.pad_id, stats)
     assert torch.equal(got, ref)
@@ -63,9 +67,8 @@ def oracle(backbone, K, truth, right: int | None = None):
 
 
 def test_accepted_lengths_by_hand(parts):
-    cfg, backbone, _, prompts = parts
+    cfg, backbone, _, prompts, truth = parts
     K = cfg.dspark_block_size
-    truth = greedy_decode(backbone, prompts, N + 2 * K + 2, cfg.pad_id, P + N + 3 * K + 3)
     for right, per_step in ((None, K + 1), (0, 1), (2, 3)):
         stats = Acceptance(K)
         out = speculative_decode(backbone, TARGETS, oracle(backbone, K, truth, right), prompts, N, K, cfg.pad_id,
@@ -90,7 +93,7 @@ def test_calibration_error_by_hand():
 
 
 def test_greedy_at_reads_the_head_at_the_given_positions(parts):
-    cfg, backbone, _, prompts = parts
+    cfg, backbone, _, prompts, _ = parts
     _, final = backbone_pass(backbone, prompts, [])
     want = backbone.head(final).argmax(-1)
     pos = torch.tensor([[0, 5], [11, 3], [7, 7]])
