@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from layer_plans import EIGHT_LAYERS, FOUR_LAYERS
+from layer_plans import FOUR_LAYERS
 
 from flashtrain.data.loader import IGNORE
 from flashtrain.model import Transformer
@@ -20,12 +20,12 @@ from flashtrain.train.config import compose, model_config
 from flashtrain.train.dspark_loss import DSparkLossConfig, dspark_loss, read_stats, stat_layout, supervision
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = ["model.dspark_target_layer_ids=[5,6,7]"]  # the last layers of the 8-layer plan
+TARGETS = ["model.dspark_target_layer_ids=[1,2,3]"]  # the last layers of the 4-layer plan
 
 
 @pytest.fixture(scope="module")
 def cfg():
-    return model_config(compose(["+exp=flash_tiny", *EIGHT_LAYERS, *TARGETS]))
+    return model_config(compose(["+exp=flash_tiny", *FOUR_LAYERS, *TARGETS]))
 
 
 def fixed_batch(cfg, B=2, S=32, seed=0):
@@ -164,7 +164,7 @@ def _autograd_leaves(t: torch.Tensor) -> set[int]:
     return out
 
 
-def test_fixed_batch_draft_loss_falls_and_the_backbone_never_changes():
+def test_fixed_batch_draft_loss_falls_and_the_backbone_never_changes(cfg):
     """Twelve optimizer steps of the stage's runner and optimizers on one batch: the objective and the draft
     CE fall; the backbone's parameters and buffers are bit-identical, none requires a gradient, none is a
     leaf of the objective's autograd graph, none has a .grad, and no optimizer holds one."""
@@ -176,9 +176,7 @@ def test_fixed_batch_draft_loss_falls_and_the_backbone_never_changes():
     from flashtrain.train.optim import build_optimizers
     from flashtrain.train.step_values import StepValues
 
-    overrides = ["+exp=flash_tiny", *FOUR_LAYERS, "model.dspark_target_layer_ids=[1,2,3]"]  # 4 layers suffice
-    c = read_configs(compose(overrides))  # the optimizer settings
-    cfg = model_config(compose(overrides))
+    c = read_configs(compose(["+exp=flash_tiny", *FOUR_LAYERS, *TARGETS]))  # the optimizer settings
     torch.manual_seed(0)
     backbone = Transformer(cfg, seed=5)
     with torch.no_grad():  # logits of a trained model's spread (at init std 0.006 every distribution is flat)
@@ -218,7 +216,7 @@ def test_fixed_batch_draft_loss_falls_and_the_backbone_never_changes():
 
 
 # ----------------------------------------------------------------------------------------- end to end
-STAGE = ["+exp=flash_tiny_dspark", *EIGHT_LAYERS, *TARGETS, "logging.wandb.mode=disabled", "logging.progress=false",
+STAGE = ["+exp=flash_tiny_dspark", *FOUR_LAYERS, *TARGETS, "logging.wandb.mode=disabled", "logging.progress=false",
          "logging.heatmap_interval=0", "data.mix=[1,1]", "train.checkpoint.interval=1", "train.checkpoint.keep=4"]
 
 
@@ -261,7 +259,7 @@ def reference(tmp_path_factory, corpus_args):
     """A backbone checkpoint and the stage's straight run against it: one process, 2 loader workers (the global
     batch of 2 data-parallel readers), 3 steps, a checkpoint after each."""
     d = tmp_path_factory.mktemp("dspark_reference")
-    backbone = write_backbone(d / "backbone", ["+exp=flash_tiny", *EIGHT_LAYERS], seed=11)
+    backbone = write_backbone(d / "backbone", ["+exp=flash_tiny", *FOUR_LAYERS], seed=11)
     stage(d / "straight", corpus_args, backbone, "train.max_steps=3", "data.num_workers=2")
     return d, backbone
 
@@ -277,7 +275,7 @@ def test_stage_resumes_exactly_and_refuses_another_backbone(tmp_path, corpus_arg
     from flashtrain.train.dspark import backbone_pointer
 
     d, backbone = reference
-    other = write_backbone(tmp_path / "other", ["+exp=flash_tiny", *EIGHT_LAYERS], seed=12)
+    other = write_backbone(tmp_path / "other", ["+exp=flash_tiny", *FOUR_LAYERS], seed=12)
     fingerprint = backbone_pointer(backbone)
     straight, resumed = d / "straight", tmp_path / "resumed"
     stage(resumed, corpus_args, backbone, "train.max_steps=2", "data.num_workers=2")
@@ -324,13 +322,13 @@ def test_stage_resumes_exactly_and_refuses_another_backbone(tmp_path, corpus_arg
 @pytest.mark.xdist_group("dspark_reference")
 @pytest.mark.parametrize("layout", [["parallel.ep=2", "data.num_workers=1"],
                                     ["parallel.cp=2", "parallel.ep=2", "data.num_workers=2"],
-                                    ["parallel.pp=2", "parallel.stage_layers=[6,2]", "data.num_workers=2"]],
+                                    ["parallel.pp=2", "parallel.stage_layers=[2,2]", "data.num_workers=2"]],
                          ids=["dp2_ep2", "cp2_ep2", "pp2"])
 def test_stage_parity_with_one_process(tmp_path, corpus_args, reference, layout):
     """The same global batch in 2 processes: data parallel with the drafter's (and the backbone's) experts
     sharded over the 2 ranks; context parallel (each sequence's anchors split, the drafter's window halo and
-    the target distribution exchanged) with experts over the cp ranks; the backbone in 2 pipeline stages of 6
-    and 2 blocks, the drafter on the second, target layer 5's hc-mean travelling with the carry. Losses, draft
+    the target distribution exchanged) with experts over the cp ranks; the backbone in 2 pipeline stages of 2
+    blocks each, the drafter on the second, target layer 1's hc-mean travelling with the carry. Losses, draft
     metrics and grad norms to rounding, expert loads as the reference's, for 2 steps."""
     from test_trainer import records
 
