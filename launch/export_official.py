@@ -4,13 +4,17 @@
     python launch/export_official.py CKPT OUT_DIR                 # FP8 weights, FP4 experts, FP8 Engram
     python launch/export_official.py CKPT OUT_DIR --dtype bf16    # unquantised BF16 variant
     python launch/export_official.py CKPT OUT_DIR --shard-gb 5
+    python launch/export_official.py runs/flash_dspark/checkpoints/step_XXXXXXXX OUT_DIR   # backbone + drafter
 
 CKPT is a `<run dir>/checkpoints/step_XXXXXXXX` directory (any pp / ep / dp layout). OUT_DIR receives
 `config.json` (the public ModelArgs fields), `model-0000i-of-0000N.safetensors` shards of at most
 --shard-gb each (a larger tensor gets its own) and `model.safetensors.index.json`. Names, dtypes and
 formats are the release's: FP8 E4M3 weights with one power-of-two (E8M0) scale per 32 x 32 tile, routed
 experts as one tensor per expert in FP4 E2M1 (two per byte) with an E8M0 scale per 32 inputs, Engram
-tables in FP8 with an E8M0 scale per 32 channels, the rest BF16 / FP32.
+tables in FP8 with an E8M0 scale per 32 channels, the rest BF16 / FP32. A DSpark-stage checkpoint
+(train.stage=dspark) exports the whole release: the backbone checkpoint it was trained against (named in its
+meta, its fingerprint checked) and the drafter `mtp.*` in the same formats, with the drafter's config fields
+(`n_mtp_layers`, `dspark_*`, `compress_ratios` with the drafter's zeros).
 
 Memory: checkpoint tensors are read --shard-gb at a time (DCP reads only what is asked for; a larger
 tensor alone, a stacked expert tensor as a whole) plus at most one output shard.

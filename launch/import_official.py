@@ -8,7 +8,10 @@ SRC_DIR holds `config.json`, `model*.safetensors` and `model.safetensors.index.j
 with their power-of-two 32 x 32 block scales, FP4 routed experts one tensor per expert, the FP8 Engram
 tables, BF16 / FP32 tensors; or the BF16 variant). `config.json` is checked against the model config of
 the given +exp, and every tensor's presence, dtype and shape, before anything is written; a mismatch names
-the field or tensor. Tensors the model does not use (`mtp.*`: the DSpark drafter) are listed.
+the field or tensor. A release with the DSpark drafter (`config.json` `dspark_block_size` > 0) has its `mtp.*`
+tensors imported as well, checked against the exp's drafter fields, so the DSpark stage can continue DeepSeek's
+drafter (`+exp=flash_dspark train.backbone=OUT_CKPT`); `--backbone-only` leaves them out. Tensors the model does
+not use are listed.
 
 OUT_CKPT is a DCP checkpoint of the weights alone (fp32, the experts stacked): `train.resume_from=OUT_CKPT`
 starts a run from it at step 0 with fresh optimizer state and the data from the start; the LR schedule is
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="flashtrain checkpoint directory to write")
     ap.add_argument("--part-gb", type=float, default=2.0,
                     help="converted tensors held before writing them out (GiB; default 2)")
+    ap.add_argument("--backbone-only", action="store_true",
+                    help="leave a released DSpark drafter (mtp.*) out of the import")
     args, overrides = ap.parse_known_args(argv)
     from omegaconf import OmegaConf
 
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     conf = compose(overrides)
     cfg = model_config(conf)
     report = import_official(args.src, args.out, cfg, {"model": OmegaConf.to_container(conf.model, resolve=True)},
-                             int(args.part_gb * GiB))
+                             int(args.part_gb * GiB), drafter=False if args.backbone_only else None)
     for note in report.notes:
         print(f"note: {note}")
     if report.unused:

@@ -297,6 +297,26 @@ class Attention(nn.Module):
             self.rope_freqs.copy_(rope_frequencies(*self._rope_args))
 
     # -------------------------------------------------------------------------------------------
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(the q latent qr [B, L, q_lora_rank], the RoPE'd queries [B, L, H, head_dim]) of x [B, L, dim]."""
+        qr = self.q_norm(self.wq_a(x))
+        return qr, apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
+
+    def window_keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The RoPE'd sliding-window K = V latent [B, L, head_dim] of x (fake-quantised with QAT)."""
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        if self.qat.window_kv_fp8:  # the public code keeps the window KV in FP8, the whole vector after RoPE
+            kv = fake_quant_fp8(kv, QATConfig.WINDOW_KV_BLOCK)
+        return kv
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The attention core's output o [B, L, H, head_dim] -> [B, L, dim]: inverse RoPE at the query
+        positions, then `wo_a` block-diagonal over the `o_groups` groups and `wo_b`."""
+        B, L = o.shape[:2]
+        o = apply_rope(o, cos, sin, inverse=True).reshape(B, L, self.n_groups, -1)
+        wo_a = self.wo_a.value().view(self.n_groups, self.o_lora_rank, -1)
+        return self.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
+
     def _select(self, x, qr, k_i, candidates, cos, sin, n_vis, made: dict):
         """Run this layer's indexer over index-K `k_i` (inside the pool `candidates` when restricted):
         top-k indices [B, S, k], grad-carrying logits of the selected entries and their validity (for the
@@ -332,11 +352,8 @@ class Attention(nn.Module):
         split = split or SequenceSplit.whole(L)
         pos = split.positions(x.device)
         cos, sin = rope_angles(self.rope_freqs, pos)
-        qr = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
-        window_kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        if self.qat.window_kv_fp8:  # the public code keeps the window KV in FP8, the whole vector after RoPE
-            window_kv = fake_quant_fp8(window_kv, QATConfig.WINDOW_KV_BLOCK)
+        qr, q = self.queries(x, cos, sin)
+        window_kv = self.window_keys(x, cos, sin)
         pooled = self.role.role is Role.FULL and self.ratio > 1
         proj = self.compressor.project(x) if pooled else None
         halos = self._halos(split, window_kv, proj)
@@ -381,11 +398,7 @@ class Attention(nn.Module):
             targets.append(target_c)
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         kl_target = targets[0] if len(targets) == 1 else torch.cat(targets, dim=1)
-        o = apply_rope(o, cos, sin, inverse=True)
-
-        o = o.reshape(B, L, self.n_groups, -1)
-        wo_a = self.wo_a.value().view(self.n_groups, self.o_lora_rank, -1)
-        out = self.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
+        out = self.output(o, cos, sin)
 
         if sel_logits is not None and kl_target.shape[-1] and self.kl_weight > 0 and torch.is_grad_enabled():
             loss = self.kl_weight * indexer_kl(kl_target, sel_logits, sel_valid, split)

@@ -7,6 +7,12 @@ model is built and every error names the field, the bad value and what would fix
 Choices the report leaves open are fields too (documented where they are used):
 `balance_loss_alpha`, `indexer_loss_weight`, `init_std`, `hc_fn_init_scale`, `hc_comb_init_logit`,
 `attn_chunk_size`.
+
+The DSpark drafter (V41_SPEC §8b) has the public `ModelArgs` fields `n_mtp_layers`, `dspark_block_size`,
+`dspark_noise_token_id`, `dspark_target_layer_ids`, `dspark_markov_rank`, `dspark_n_routed_experts`,
+`dspark_n_activated_experts`, and `compress_ratios` may list one (0) entry per drafter layer after the
+backbone's, as the released config does. Only the DSpark stage builds the drafter (model/dspark.py); its
+fields are checked by `validate_drafter()` there, so a backbone run with a short layer plan is unaffected.
 """
 
 from __future__ import annotations
@@ -136,6 +142,15 @@ class ModelConfig:
     eos_id: int = 1
     pad_id: int = 2
     image_token_id: int = 129264
+    # DSpark drafter (V41_SPEC §8b; public ModelArgs names): built only by the DSpark stage (model/dspark.py)
+    n_mtp_layers: int = 3  # drafter blocks, stored as mtp.0 .. mtp.{n-1}
+    dspark_block_size: int = 5  # draft positions per block: the last accepted token + block_size - 1 noise tokens
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: list[int] = field(default_factory=lambda: [37, 38, 39])  # backbone layers whose
+    # attention inputs (hc-mean) form the drafter's context
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_n_activated_experts: int = 3
     # indexer KL auxiliary loss weight (not published; Megatron-LM's DSA form, §2)
     indexer_loss_weight: float = 1.0
     # initialisation (not published; see model/init.py)
@@ -178,9 +193,15 @@ class ModelConfig:
             raise bad("n_shared_experts", "V4.1 has exactly one shared expert (0 disables it)")
         if self.hc_mult != 4:
             raise bad("hc_mult", "the single-pass mHC layout (24 mixes per site) is defined for 4 streams")
-        if len(self.compress_ratios) != self.n_layers:
+        if len(self.compress_ratios) not in (self.n_layers, self.n_layers + self.n_mtp_layers):
             raise bad("compress_ratios", f"needs one entry per layer: {len(self.compress_ratios)} given, "
-                                         f"n_layers={self.n_layers}")
+                                         f"n_layers={self.n_layers} (optionally followed by one 0 per drafter "
+                                         f"layer, n_mtp_layers={self.n_mtp_layers})")
+        if any(self.compress_ratios[self.n_layers:]):
+            raise bad("compress_ratios", f"the drafter layers' entries (after the first {self.n_layers}) must be 0: "
+                                         f"the DSpark blocks attend over a sliding window only")
+        if self.n_mtp_layers < 0:
+            raise bad("n_mtp_layers", "must be >= 0")
         if any(r < 0 for r in self.compress_ratios):
             raise bad("compress_ratios", "entries must be 0 (SWA only), 1, or a pooling ratio m > 1")
         L = self.n_layers
@@ -279,3 +300,33 @@ class ModelConfig:
             raise bad("use_triton", "must be null (kernels on CUDA, references on CPU), true or false")
         if self.norm_eps <= 0 or self.hc_eps <= 0:
             raise bad("norm_eps", "norm_eps and hc_eps must be > 0")
+
+    @property
+    def backbone_compress_ratios(self) -> list[int]:
+        """The backbone layers' entries of `compress_ratios` (without the drafter's trailing zeros)."""
+        return list(self.compress_ratios[:self.n_layers])
+
+    def validate_drafter(self) -> None:
+        """The DSpark drafter's fields (V41_SPEC §8b), checked where the drafter is built (the DSpark stage)."""
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"model.{name}={getattr(self, name)!r}: {why}")
+
+        self.validate()
+        if self.n_mtp_layers < 1:
+            raise bad("n_mtp_layers", "the DSpark stage needs at least one drafter block")
+        if self.dspark_block_size < 1:
+            raise bad("dspark_block_size", "must be >= 1 (the draft positions per block)")
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size or self.dspark_noise_token_id in (
+                self.bos_id, self.eos_id, self.pad_id, self.image_token_id):
+            raise bad("dspark_noise_token_id", f"must be a token id in [0, {self.vocab_size}) that the data never "
+                                               f"holds (not BOS/EOS/PAD or the image token): a reserved id")
+        ids = list(self.dspark_target_layer_ids)
+        if not ids or ids != sorted(set(ids)) or not all(0 <= i < self.n_layers for i in ids):
+            raise bad("dspark_target_layer_ids", f"needs strictly increasing backbone layer ids in "
+                                                 f"[0, {self.n_layers - 1}] (with a short layer plan, set them to "
+                                                 f"its last layers)")
+        if self.dspark_markov_rank < 1:
+            raise bad("dspark_markov_rank", "must be >= 1")
+        if self.dspark_n_routed_experts < 1 or not 1 <= self.dspark_n_activated_experts <= self.dspark_n_routed_experts:
+            raise bad("dspark_n_activated_experts", f"needs 1 <= dspark_n_activated_experts <= dspark_n_routed_experts"
+                                                    f"={self.dspark_n_routed_experts}")

@@ -69,7 +69,7 @@ def layer_plan(cfg: ModelConfig) -> tuple[LayerRole, ...]:
     cfg.validate()
     cand = cfg.candidate_source_layer
     roles = []
-    for l, ratio in enumerate(cfg.compress_ratios):
+    for l, ratio in enumerate(cfg.backbone_compress_ratios):
         engram = l in cfg.engram_layer_ids
         if ratio == 0:
             roles.append(LayerRole(l, Role.SWA, 0, None, None, False, False, engram))

@@ -211,13 +211,14 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, n_experts
     f_i = E / (k T) * #{t : i in topk(t)},  P_i = (1/T) sum_t s_it / sum_j s_jt.
     Under context parallelism (`split`) the T tokens here are this rank's part of each sequence: the
     selection counts are summed over the split (f has no gradient) and P is this rank's share of the
-    sum over the whole sequence, so the ranks' values add up to the loss.
+    sum over the whole sequence, so the ranks' values add up to the loss. (The DSpark drafter routes
+    `dspark_block_size` tokens per position: T / split.length of them, model/dspark.py.)
     """
     B, T, k = indices.shape
     sel = torch.zeros(B, n_experts, dtype=torch.float32, device=scores.device)
     sel.scatter_add_(1, indices.reshape(B, -1), torch.ones(B, T * k, device=scores.device))
     if split is not None:
-        sel, T = split.sum(sel), split.seq_len
+        sel, T = split.sum(sel), split.seq_len * (T // split.length)
     f = sel * n_experts / (k * T)
     p = (scores / scores.sum(-1, keepdim=True)).sum(dim=1) / T
     return (f * p).sum(-1).mean()

@@ -63,10 +63,17 @@ class ForwardContext:
     # Anticipatory Routing (train/anticipatory.py): routing indices to use, by layer id; a dict to record into
     routes: dict[int, torch.Tensor] | None = None
     recorded: dict[int, torch.Tensor] | None = None
+    # DSpark (model/dspark.py): layer id -> the layer's attention input averaged over the hc streams, filled
+    # for the ids present (the drafter's target layers); and the drafter's own inputs in its blocks
+    captures: dict[int, torch.Tensor | None] | None = None
+    draft: object | None = None  # model/dspark.py DraftInputs
 
 
 class Block(nn.Module):
-    """Engram (if any) -> attention site -> FFN site, each with single-pass mHC (V41_SPEC §3)."""
+    """Engram (if any) -> attention site -> FFN site, each with single-pass mHC (V41_SPEC §3). The DSpark
+    drafter's block (model/dspark.py) is this block with another attention (`attention_cls`, `_attend`)."""
+
+    attention_cls = Attention
 
     STORED = {f"hc_{site}_{part}": Stored.FP32 for site in ("attn", "ffn") for part in ("fn", "base", "scale")}
 
@@ -79,7 +86,7 @@ class Block(nn.Module):
         n, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
         self.engram = Engram(cfg, role.id, engram_rows) if role.engram else None
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.qat)
-        self.attn = Attention(cfg, role)
+        self.attn = self.attention_cls(cfg, role)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.qat)
         self.ffn = MoE(cfg, role.id)
         self.recompute = "none"  # train.recompute (model/recompute.py); set by Transformer.set_recompute
@@ -102,9 +109,11 @@ class Block(nn.Module):
         if self.engram is not None:
             h = self.engram(h, ctx.engram_ids[:, :, self.engram.index], ctx.image_mask,
                             ctx.engram_requests.get(self.engram.layer_id))
+        if ctx.captures is not None and self.layer_id in ctx.captures:  # the public forward's main_hiddens
+            ctx.captures[self.layer_id] = h.mean(dim=2)
         attn_pre, attn_post, attn_comb = self._mixes(h, "attn")
         x = self.attn_norm(hc_collapse(h, carry.pre_mix, self.use_triton))
-        x = self.attn(x, carry.shared, ctx.stats, ctx.aux_grad_scale, ctx.split)
+        x = self._attend(x, carry, ctx)
         h = hc_expand(x, h, attn_post, attn_comb, self.use_triton)
 
         ffn_pre, ffn_post, ffn_comb = self._mixes(h, "ffn")
@@ -112,6 +121,9 @@ class Block(nn.Module):
         x = self.ffn(x, ctx.image_mask, ctx.stats, ctx.aux_grad_scale, ctx.split, ctx.routes, ctx.recorded)
         h = hc_expand(x, h, ffn_post, ffn_comb, self.use_triton)
         return Carry(h, ffn_pre, carry.shared)
+
+    def _attend(self, x: torch.Tensor, carry: Carry, ctx: ForwardContext) -> torch.Tensor:
+        return self.attn(x, carry.shared, ctx.stats, ctx.aux_grad_scale, ctx.split)
 
 
 class Transformer(nn.Module):

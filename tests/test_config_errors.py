@@ -15,7 +15,8 @@ CASES = {
     "train.checkpoint.kep=3": "train.checkpoint.kep=3: train.checkpoint has no key 'kep' (did you mean "
                               "train.checkpoint.keep?)",
     "+exp=flash_smal": "+exp=flash_smal: there is no exp 'flash_smal' (did you mean +exp=flash_small?); the exp "
-                       "options are flash, flash_2048gpu, flash_2048gpu_1m, flash_node, flash_small, flash_tiny",
+                       "options are flash, flash_2048gpu, flash_2048gpu_1m, flash_dspark, flash_node, flash_small, "
+                       "flash_small_dspark, flash_tiny, flash_tiny_dspark",
     "model=flash_tin": "model=flash_tin: there is no model 'flash_tin' (did you mean model=flash_tiny?)",
     "exp=flash_tiny": "exp=flash_tiny: exp is not selected by default, so it is added with a +: +exp=flash_tiny",
     "train.max_steps": "cannot parse the override 'train.max_steps'",

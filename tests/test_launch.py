@@ -91,7 +91,8 @@ def test_the_other_launch_tools_share_the_one_line_exit():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and [line for line in out.stderr.splitlines() if line.strip()] == [
         "error: +exp=flash_smal: there is no exp 'flash_smal' (did you mean +exp=flash_small?); the exp options are "
-        "flash, flash_2048gpu, flash_2048gpu_1m, flash_node, flash_small, flash_tiny (conf/exp/*.yaml)"], out.stderr
+        "flash, flash_2048gpu, flash_2048gpu_1m, flash_dspark, flash_node, flash_small, flash_small_dspark, "
+        "flash_tiny, flash_tiny_dspark (conf/exp/*.yaml)"], out.stderr
     out = subprocess.run([sys.executable, str(ROOT / "launch" / "evaluate.py"), "/nonexistent/step_00000001"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and [line for line in out.stderr.splitlines() if line.strip()] == [

@@ -286,3 +286,135 @@ def test_a_run_starts_from_the_import_and_restarts_from_its_own_checkpoint(expor
     again = subprocess.run(base + ["train.max_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "holds weights only" in again.stdout and "resumed from" in again.stdout and "step 1" in again.stdout
+
+
+# ------------------------------------------------------------------------------------- the DSpark drafter
+DRAFTER = OVERRIDES + ["model.n_layers=8", "model.compress_ratios=[0,0,2,2,2,1,1,1]", "model.kv_source_layers=[2,5]",
+                       "model.index_source_layers=[2,5,6]", "model.candidate_source_layer=5",
+                       "model.engram_layer_ids=[1,4]", "model.dspark_target_layer_ids=[5,6,7]"]
+
+
+@pytest.fixture(scope="module")
+def drafter_release(tmp_path_factory):
+    """A backbone checkpoint (weights, manifest) and a DSpark-stage checkpoint naming it, with weights of every
+    magnitude; the stage's export (the whole release) and its import (backbone + drafter), in process."""
+    from omegaconf import OmegaConf
+
+    from flashtrain.model.dspark import DSpark
+    from flashtrain.train.dspark import backbone_pointer
+    from flashtrain.train.official.convert import export_official
+    from flashtrain.train.official.dcp_parts import PartsWriter
+
+    d = tmp_path_factory.mktemp("official_dspark")
+    conf = compose(DRAFTER)
+    cfg, run_config = model_config(conf), OmegaConf.to_container(conf, resolve=True)
+    g = torch.Generator().manual_seed(1)
+
+    def spread(model):
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                t.add_(torch.randn(t.shape, generator=g) * 1e-3)
+                if t.dim():
+                    t.mul_(torch.logspace(-4, 0, t.shape[0]).view(-1, *[1] * (t.dim() - 1)))
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    backbone = spread(model_template(cfg).materialize("cpu", 0))
+    drafter = spread(DSpark(cfg, seed=2))
+    writer = PartsWriter(d / "backbone")
+    writer.add({"model": backbone})
+    writer.add({"meta": _blob({"step": 8, "tokens_seen": 0, "config": run_config,
+                               "engram_compressed_vocab_size": 401})})
+    writer.close()
+    stage = d / "stage"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        dcp.save({"model": drafter, "meta": _blob({"step": 3, "tokens_seen": 0, "config": run_config,
+                                                   "backbone": backbone_pointer(d / "backbone")})},
+                 checkpoint_id=str(stage))
+    export_official(stage, d / "release", shard_bytes=1 << 20, log=lambda *_: None)
+    import_official(d / "release", d / "imported", cfg, {"model": run_config["model"]}, log=lambda *_: None)
+    return d, cfg, backbone, drafter
+
+
+def test_drafter_round_trip_names_dtypes_and_config(drafter_release):
+    """Export of a DSpark-stage checkpoint -> import: the backbone and the drafter back within the format
+    bounds (FP32 exactly, BF16 as its rounding, FP8 / FP4 within the bound of the stored scales); the drafter's
+    tensors under the release's names and dtypes; config.json with the drafter's fields; the stage starts its
+    drafter from the import (train/dspark.py `has_drafter`)."""
+    from flashtrain.model.dspark import DSpark
+    from flashtrain.train.checkpoint import load_weights
+    from flashtrain.train.dspark import has_drafter
+    from flashtrain.train.official.convert import model_layout
+
+    d, cfg, backbone, drafter = drafter_release
+    stored = _stored(d / "release")
+    D, r, V = cfg.dim, cfg.dspark_markov_rank, cfg.vocab_size
+    expect = {
+        "mtp.0.main_proj.weight": (torch.float8_e4m3fn, (D, 3 * D)),
+        "mtp.0.main_proj.scale": (torch.float8_e8m0fnu, (D // 32, 3 * D // 32)),
+        "mtp.0.main_norm.weight": (torch.bfloat16, (D,)),
+        "mtp.1.attn.wq_b.weight": (torch.float8_e4m3fn, (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank)),
+        "mtp.1.attn.attn_sink": (torch.float32, (cfg.n_heads,)),
+        "mtp.1.attn.wo_a.weight": (torch.bfloat16, tuple(drafter["mtp.1.attn.wo_a.weight"].shape)),
+        "mtp.2.ffn.experts.3.w1.weight": (torch.int8, (cfg.moe_inter_dim, D // 2)),
+        "mtp.2.ffn.experts.3.w1.scale": (torch.float8_e8m0fnu, (cfg.moe_inter_dim, D // 32)),
+        "mtp.2.ffn.shared_experts.w2.weight": (torch.float8_e4m3fn, (D, cfg.moe_inter_dim)),
+        "mtp.2.ffn.gate.bias_vl": (torch.float32, (cfg.dspark_n_routed_experts,)),
+        "mtp.2.ffn.gate.weight": (torch.bfloat16, (cfg.dspark_n_routed_experts, D)),
+        "mtp.0.hc_ffn_base": (torch.float32, (24,)),
+        "mtp.2.norm.weight": (torch.bfloat16, (D,)),
+        "mtp.2.markov_head.embed.weight": (torch.bfloat16, (V, r)),
+        "mtp.2.markov_head.head.weight": (torch.bfloat16, (V, r)),
+        "mtp.2.confidence_head.proj.weight": (torch.bfloat16, (1, D + r)),
+    }
+    for name, (dtype, shape) in expect.items():
+        assert stored[name].dtype == dtype and tuple(stored[name].shape) == shape, name
+    assert f"mtp.2.ffn.experts.{cfg.dspark_n_routed_experts}.w1.weight" not in stored
+    assert not any(n.startswith("mtp.") and n.endswith(("embed.weight", "head.weight")) and "markov" not in n
+                   for n in stored)  # the shared embedding and head are the backbone's
+    config = json.loads((d / "release" / "config.json").read_text())
+    assert {k: config[k] for k in ("n_mtp_layers", "dspark_block_size", "dspark_noise_token_id",
+                                   "dspark_target_layer_ids", "dspark_markov_rank", "dspark_n_routed_experts",
+                                   "dspark_n_activated_experts")} == {
+        "n_mtp_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 511, "dspark_target_layer_ids": [5, 6, 7],
+        "dspark_markov_rank": 8, "dspark_n_routed_experts": 4, "dspark_n_activated_experts": 2}
+    assert config["compress_ratios"] == [0, 0, 2, 2, 2, 1, 1, 1, 0, 0, 0]
+    assert config["engram_compressed_vocab_size"] == 401
+    # back: every tensor within its format's bound
+    shapes, kinds = model_layout(cfg, drafter=True)
+    got_backbone = model_template(cfg).materialize("cpu", 5)
+    load_weights(d / "imported", got_backbone)
+    assert has_drafter(d / "imported")
+    got_drafter = DSpark(cfg, seed=9)
+    load_weights(d / "imported", got_drafter)
+    got = {**got_backbone.state_dict(), **got_drafter.state_dict()}
+    want = {**backbone, **drafter}
+    assert set(got) == set(want) == set(shapes)
+    formats = set()
+    for t in official_tensors(shapes, kinds, True):
+        w = want[t.source] if t.expert is None else want[t.source][t.expert]
+        b = got[t.source] if t.expert is None else got[t.source][t.expert]
+        formats.add((t.name.split(".")[0], t.fmt))
+        if t.fmt == "fp32":
+            assert torch.equal(b, w), t.name
+        elif t.fmt == "bf16":
+            assert torch.equal(b, w.to(torch.bfloat16).float()), t.name
+        else:
+            assert ((b - w).abs() <= error_bound(t, w, stored[t.scale_name])).all(), t.name
+    assert {f for p, f in formats if p == "mtp"} == {"fp32", "bf16", "fp8", "fp4"}
+
+
+def test_drafter_import_can_leave_the_drafter_out_and_export_checks_the_backbone(drafter_release, tmp_path):
+    from flashtrain.train.dspark import has_drafter
+    from flashtrain.train.official.convert import export_official
+
+    d, cfg, _, _ = drafter_release
+    report = import_official(d / "release", tmp_path / "bb", cfg, {}, log=lambda *_: None, drafter=False)
+    assert not has_drafter(tmp_path / "bb") and "mtp.0.main_proj.weight" in report.unused
+    # the backbone the stage names, changed (its manifest gone: the fingerprint is then .metadata's): refused
+    (d / "backbone" / "checksums.json").rename(d / "backbone" / "checksums.json.bak")
+    try:
+        with pytest.raises(OfficialCheckpointError, match="whose files have changed"):
+            export_official(d / "stage", tmp_path / "out", log=lambda *_: None)
+    finally:
+        (d / "backbone" / "checksums.json.bak").rename(d / "backbone" / "checksums.json")

@@ -51,8 +51,9 @@ def update_biases(model: nn.Module, loads: dict[int, torch.Tensor], rate: float)
     device (no host read). A modality absent from the step (all counts 0) leaves its bias as it is: every
     count equals the mean, so every sign is 0. Returns the number of (layer, modality) biases updated."""
     updated = 0
+    drafter = getattr(model, "moe_layers", None)  # the DSpark drafter (model/dspark.py): its own MoE layer ids
     for layer, load in loads.items():
-        ffn = getattr(model.layers[layer], "ffn", None)
+        ffn = drafter.get(layer) if drafter is not None else getattr(model.layers[layer], "ffn", None)
         if ffn is None:
             continue  # another pipeline stage owns this layer (and applies the same update)
         gate = ffn.gate

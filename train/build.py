@@ -57,6 +57,7 @@ from flashtrain.train.config import (
     schedule,
     token_spec,
 )
+from flashtrain.train.dspark import check_backbone_path, validate_stage
 from flashtrain.train.evaluate import Evaluator
 from flashtrain.train.metrics import LoggingConfig
 from flashtrain.train.optim import build_optimizers
@@ -88,11 +89,13 @@ class RunConfigs:
 def read_configs(cfg: DictConfig) -> RunConfigs:
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     model = model_config(cfg)
-    return RunConfigs(cfg_dict, model, optim_config(cfg), data_config(cfg),
-                      typed_config(TrainConfig, cfg_dict["train"], "train"),
-                      typed_config(LoggingConfig, cfg_dict.get("logging"), "logging"),
-                      typed_config(ParallelConfig, cfg_dict.get("parallel"), "parallel"), schedule(cfg),
-                      token_spec(model))
+    c = RunConfigs(cfg_dict, model, optim_config(cfg), data_config(cfg),
+                   typed_config(TrainConfig, cfg_dict["train"], "train"),
+                   typed_config(LoggingConfig, cfg_dict.get("logging"), "logging"),
+                   typed_config(ParallelConfig, cfg_dict.get("parallel"), "parallel"), schedule(cfg),
+                   token_spec(model))
+    validate_stage(c)
+    return c
 
 
 def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: ParallelConfig, world: int,
@@ -281,6 +284,7 @@ def check_start(c: RunConfigs, readers: int) -> None:
     """What a start needs on disk, checked before a process group exists: the data (shards, tokenizer, enough
     shards for `readers` data-parallel ranks x workers; data/loader.py `check_sources`) and train.resume_from."""
     check_sources(c.data, readers)
+    check_backbone_path(c)
     if c.train.eval.interval and c.data.val_shards is not None:
         resolve_shards(c.data.val_shards, "val_shards")  # a pattern that matches nothing fails now
     if c.train.resume_from and not Path(c.train.resume_from).is_dir():

@@ -24,6 +24,7 @@ from flashtrain.model.config import ModelConfig
 from flashtrain.parallel.config import ParallelConfig
 from flashtrain.parallel.dims import ParallelDims
 from flashtrain.train.anticipatory import AnticipatoryRoutingConfig
+from flashtrain.train.dspark_loss import DSparkLossConfig
 from flashtrain.train.evaluate import EvalConfig
 from flashtrain.train.flops import PeakTflops
 from flashtrain.train.optim.config import OptimConfig
@@ -58,6 +59,9 @@ class TrainConfig:
     spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike detection and rollback (train/spike.py)
     anticipatory_routing: AnticipatoryRoutingConfig = field(default_factory=AnticipatoryRoutingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (train/evaluate.py)
+    stage: str = "pretrain"  # pretrain | dspark: the frozen backbone, the drafter trained (train/dspark.py)
+    backbone: str | None = None  # the DSpark stage's backbone checkpoint
+    dspark: DSparkLossConfig = field(default_factory=DSparkLossConfig)  # its objective (train/dspark_loss.py)
 
 
 def global_sequences(global_batch_tokens: float, seq_len: int) -> int:

@@ -25,6 +25,11 @@ FakeTensorMode; `_static_stages` stands in for the pipeline schedule's warm-up v
 `_warmup_p2p`, which reads a tensor on the host); and the code paths that read tensor values on the host
 ask `flashtrain.model.simulation.simulated` (which lists them) for the shape-only path.
 
+The DSpark stage (`train.stage=dspark`, train/dspark.py) is simulated the same way: the rank's frozen
+backbone (counted with the parameters: bf16 on CUDA but its FP32 tensors, expert- and Engram-sharded as in
+pre-training; its no-grad forward's temporaries) and its drafter with everything that trains it; the
+backbone checkpoint is not read (fake tensors hold no values).
+
 What a simulation cannot know, it assumes: routing is balanced (each expert receives its even share
 of the (token, expert) pairs -- what the bias update steers towards); `device='cuda'` simulates bf16
 autocast with the CPU's autocast lists; the CUDA caching allocator's fragmentation and the
@@ -45,6 +50,7 @@ from flashtrain.train.balancing import global_loads, update_biases
 from flashtrain.train.build import build_dims, build_rank, read_configs, run_plan
 from flashtrain.train.collectives import Operation
 from flashtrain.train.config import BatchPlan
+from flashtrain.train.dspark import build_dspark_rank
 from flashtrain.train.step_runner import StepBatches
 
 
@@ -137,9 +143,12 @@ class SimulatedRank:
                                                                     self.dims.pp_rank))
         self.mixed_precision = device_type == "cuda"
         m = c.model
-        parts = build_rank(c, self.layout, self.dims, self.device, model_template(m, _any_token_map(m)),
-                           self.mixed_precision, Operation(), self.schedule.lr(self.step), tensor_mode=fake_mode)
+        self.dspark = c.train.stage == "dspark"  # the DSpark stage (train/dspark.py): drafter trained, backbone frozen
+        build = build_dspark_rank if self.dspark else build_rank
+        parts = build(c, self.layout, self.dims, self.device, model_template(m, _any_token_map(m)),
+                      self.mixed_precision, Operation(), self.schedule.lr(self.step), tensor_mode=fake_mode)
         self.model, self.pipe, self.optim, self.runner = parts.model, parts.pipe, parts.optim, parts.runner
+        self.backbone = getattr(self.runner, "backbone", None)  # the DSpark stage's frozen backbone
         if self.pipe is not None:
             self.pipe.schedule._warmup_p2p = _static_stages  # the library's vote reads a tensor on the host
         with fake_mode:
@@ -156,7 +165,9 @@ class SimulatedRank:
         sums, loads = self.runner.run(next(self.batches) if batches is None else batches)
         self.dims.clip(self.model, c.train.grad_clip, self.device)
         self.optim.step()
-        loads = global_loads(loads, c.model.n_layers, c.model.n_routed_experts, device=self.device)
+        m = c.model
+        loads = global_loads(loads, m.n_layers + m.n_mtp_layers * self.dspark,
+                             m.dspark_n_routed_experts if self.dspark else m.n_routed_experts, device=self.device)
         update_biases(self.model, loads, c.train.balance_rate)
         sums.all_reduce()
 
@@ -165,7 +176,7 @@ class SimulatedRank:
         step), so the measured step is the steady state without simulating a whole extra step. The
         step simulated is the first with the ViT unfrozen (every parameter trains: the largest state)."""
         self.step = self.schedule.vit_unfreeze_step
-        if self.cfg.model.vision_n_layers:
+        if self.cfg.model.vision_n_layers and not self.dspark:
             set_vision_body_trainable(self.model, True)
         for p in self.model.parameters():
             if p.requires_grad:
@@ -182,6 +193,9 @@ class SimulatedRank:
         return skipped * sum(batch[k].numel() * batch[k].element_size() for k in ("tokens", "token_types", "labels"))
 
     def stages(self) -> list[int]:
+        forward_pipe = getattr(self.runner, "pipe", None)  # the DSpark stage's backbone pipeline
+        if forward_pipe is not None:
+            return [forward_pipe.stage.index]
         if self.pipe is None:
             return [0]
         return [mod.range.index for mod in self.pipe.modules]
@@ -210,7 +224,8 @@ def _step_tracker():
       one tracked region, as its per-module statistics would mix);
     - no per-module peaks (MemTracker walks every module it has seen on every operator, which makes a
       40-block step quadratic);
-    - module inputs are watched without keeping their graphs alive (`_acyclic_multi_grad_hook`)."""
+    - module inputs are watched without keeping their graphs alive (`_acyclic_multi_grad_hook`);
+    - a frozen module's parameters get no gradient hooks."""
     import torch.distributed._tools.mod_tracker as mod_tracker
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
@@ -231,6 +246,11 @@ def _step_tracker():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            # a frozen module (the DSpark stage's backbone) has no gradient to watch (nor can it be hooked)
+            trains = any(p.requires_grad for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and trains)
 
         def _pre_fw_hook(self, module, inputs):
             if not self._mod_tracker.is_bw and module in self.memory_tracking:
@@ -262,7 +282,8 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
             tracker = _step_tracker()
             # ShardedAdamW (ZeRO-1) holds its state in an inner torch AdamW (None on a rank owning no chunk)
             optims = [getattr(o, "inner", o) for o in sim.optim.optimizers.values()]
-            tracker.track_external(sim.model, *[o for o in optims if o is not None])
+            frozen = [sim.backbone] if sim.backbone is not None else []  # the DSpark stage's backbone
+            tracker.track_external(sim.model, *frozen, *[o for o in optims if o is not None])
             batches = next(sim.batches)  # read before tracking: the loader's batches are host memory
             with tracker:
                 sim.run_step(batches)

@@ -32,6 +32,14 @@ the trainer, `--seq` in the benchmark):
   work, and activation recomputation (`train.recompute`): these are model FLOPs, so the MFU does not
   rise when a run recomputes.
 
+The DSpark stage (train/dspark.py; `dspark_flops_per_token`), per token of the data (one anchor): the frozen
+backbone's forward (a third of the above), plus, 6x (forward and backward), the drafter's matmul parameters
+once per anchor for `main_proj` and K = `dspark_block_size` times for the rest (each draft position runs the
+drafter blocks, the shared head, the Markov head's projection and the confidence head; the drafter's
+`n_activated_experts` of its routed experts), plus its attention core on every draft query over its
+min(window, t + 1) context slots and the K block slots, per layer. Not counted: the embedding and Markov
+lookups and the context keys' projection per anchor (small next to the K draft positions').
+
 MFU = flops_per_token * tokens_per_s / (peak_flops * world), with tokens_per_s the global batch's
 tokens (padding positions included: every position is computed) over the step's wall time, and
 peak_flops the per-device peak (`peak_flops`): every rank of the run is one device.
@@ -180,6 +188,35 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs (forward + backward) per token at sequence length `seq_len` (the module docstring);
     cached per (config, seq_len): the first call builds the model's meta-device template (~0.1-0.2 s)."""
     return _flops_per_token(json.dumps(asdict(cfg), sort_keys=True), int(seq_len))
+
+
+def dspark_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The DSpark stage's model FLOPs per token at `seq_len` (the module docstring); cached as `flops_per_token`."""
+    return _dspark_flops_per_token(json.dumps(asdict(cfg), sort_keys=True), int(seq_len))
+
+
+@functools.lru_cache(maxsize=8)
+def _dspark_flops_per_token(cfg_json: str, seq: int) -> float:
+    from flashtrain.model.dspark import DSpark
+
+    cfg = typed_config(ModelConfig, json.loads(cfg_json), "model")
+    with torch.device("meta"):
+        drafter = DSpark(cfg, init=False)
+    k_over_e = cfg.dspark_n_activated_experts / cfg.dspark_n_routed_experts
+    per_anchor, per_draft = 0.0, float(cfg.vocab_size * cfg.dim)  # the shared head on every draft position
+    for name, p in drafter.named_parameters():
+        rest = name.split(".", 2)[2]
+        if p.dim() < 2 or rest.startswith("markov_head.embed."):
+            continue  # element-wise, or a lookup
+        if rest == "main_proj.weight":
+            per_anchor += p.numel()
+        else:
+            per_draft += p.numel() * (k_over_e if rest.startswith("ffn.experts.") else 1.0)
+    K = cfg.dspark_block_size
+    window = (torch.arange(seq, dtype=torch.float64) + 1).clamp(max=cfg.window_size)
+    core = 3 * 2 * 2 * cfg.head_dim * cfg.n_heads * float((window + K).mean()) * cfg.n_mtp_layers
+    backbone_forward = _flops_per_token(json.dumps(asdict(cfg), sort_keys=True), seq) / 3
+    return backbone_forward + 6 * (per_anchor + K * per_draft) + K * core
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None, world: int = 1) -> float | None:

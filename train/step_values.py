@@ -10,6 +10,7 @@ in one all-reduce at its end.
 | loader counters (`LOADER_COUNTERS`) | the data loader's skip counts (pipeline rank 0) | step |
 | per source (`SOURCE_FIELDS`): `source_tokens`, `source_targets` | the batches (pp rank 0) | micro-batch |
 | `source_ce` (each source's CE sum) | the loss (the last stage; every cp rank its positions) | micro-batch |
+| named vectors (`vectors`): `dspark` (train/dspark_loss.py) | the DSpark stage's objective | micro-batch |
 
 `source_tokens` counts the positions read, `source_targets` the scored labels.
 
@@ -42,9 +43,14 @@ def loader_fields(v: dict) -> dict:
 
 
 class StepValues:
-    def __init__(self, device: torch.device, n_sources: int = 0):
+    def __init__(self, device: torch.device, n_sources: int = 0, vectors: dict[str, int] | None = None):
         self.n_sources = n_sources
-        self.values = torch.zeros(len(FIELDS) + len(SOURCE_FIELDS) * n_sources, dtype=torch.float64, device=device)
+        self.vectors: dict[str, slice] = {}
+        at = len(FIELDS) + len(SOURCE_FIELDS) * n_sources
+        for name, size in (vectors or {}).items():
+            self.vectors[name] = slice(at, at + size)
+            at += size
+        self.values = torch.zeros(at, dtype=torch.float64, device=device)
 
     def add(self, name: str, value) -> None:
         """Add a number or a (device) tensor to field `name`."""
@@ -58,6 +64,10 @@ class StepValues:
         at = len(FIELDS) + SOURCE_FIELDS.index(name) * self.n_sources
         values = values.detach().to(self.values.device, torch.float64).reshape(-1, self.n_sources).sum(0)
         self.values[at:at + self.n_sources] += values
+
+    def add_vector(self, name: str, values: torch.Tensor) -> None:
+        """Add a vector to the named vector `name` (given at construction)."""
+        self.values[self.vectors[name]] += values.detach().to(self.values.device, torch.float64)
 
     def all_reduce(self, group=None) -> "StepValues":
         """Sum over `group` (default: every rank), in place; the one collective of the step's values."""
@@ -90,6 +100,8 @@ class StepValues:
         for i, name in enumerate(SOURCE_FIELDS):
             at = len(FIELDS) + i * self.n_sources
             out[name] = values[at:at + self.n_sources]
+        for name, where in self.vectors.items():
+            out[name] = values[where]
         return out
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import math
 import os
@@ -57,8 +58,9 @@ from flashtrain.train.build import (
 from flashtrain.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from flashtrain.train.collectives import CollectiveError, Operation, all_reduce, barrier, collective_error
 from flashtrain.train.config import CheckpointConfig, TrainConfig, rounded_batch_note
+from flashtrain.train.dspark import backbone_pointer, build_dspark_rank, check_backbone, dspark_record
 from flashtrain.train.engram_map import load_or_build_engram_map
-from flashtrain.train.flops import flops_per_token, mfu, peak_flops
+from flashtrain.train.flops import dspark_flops_per_token, flops_per_token, mfu, peak_flops
 from flashtrain.train.metrics import MetricsLogger, load_statistics, load_stats
 from flashtrain.train.profile import StepProfiler
 from flashtrain.train.resume import check_model_config, resume_path
@@ -122,8 +124,10 @@ class Trainer:
                 token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
             barrier()
         corrupt = check_shards_at_start(c, sources, self.dims, self.device, self.is_main)  # tar indexes, headers only
-        parts = build_rank(c, self.plan, self.dims, self.device, model_template(c.model, token_map),
-                           self.mixed_precision, self.op, self.schedule.lr(self.step), log_pipeline=self.is_main)
+        self.dspark = c.train.stage == "dspark"  # the DSpark stage: the drafter is the trained model (train/dspark.py)
+        build = build_dspark_rank if self.dspark else functools.partial(build_rank, log_pipeline=self.is_main)
+        parts = build(c, self.plan, self.dims, self.device, model_template(c.model, token_map), self.mixed_precision,
+                      self.op, self.schedule.lr(self.step))
         self.model, self.optim, self.reducer, self.runner = parts.model, parts.optim, parts.reducer, parts.runner
         self.counts_data = counts_data(self.dims)
         self.guard = StabilityGuard(c.train.spike, c.train.anticipatory_routing, self.model, self.optim.optimizers,
@@ -133,7 +137,8 @@ class Trainer:
         # CPU measurement -- stated in the log (train/flops.py)
         self.peak = peak_flops(self.device, c.train.peak_tflops, True)[0] if self.is_main else None
         self.batches = StepBatches(self.loader, self.plan.accumulation)
-        self.evaluator = build_evaluator(c, self.dims, self.runner, val, tok, self.device, self.is_main)
+        self.evaluator = None if self.dspark else build_evaluator(c, self.dims, self.runner, val, tok, self.device,
+                                                                  self.is_main)
         self.checkpoints = CheckpointWriter(self.run_dir, c.train.checkpoint.keep, c.train.checkpoint.async_save)
         self._resume()
 
@@ -144,6 +149,8 @@ class Trainer:
         meta, mine = load_checkpoint(path, self.model, self.optim.optimizers, self.dims.dp_rank, self.dims.dp,
                                      self.dims.global_layout(self.model))
         check_model_config(meta["config"]["model"], self.cfg.cfg_dict["model"], path)
+        if self.dspark:
+            check_backbone(meta.get("backbone"), backbone_pointer(self.cfg.train.backbone), path)
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
         if mine is None:  # weights alone: fresh optimizer state, data from the start, the schedule from step 0
             if self.is_main:
@@ -163,10 +170,13 @@ class Trainer:
         def hook(tmp):
             faults.inject("checkpoint_write", step, self.rank)
 
-        hasher = getattr(self.model, "engram_hasher", None)
+        hasher = getattr(self.model, "engram_hasher", None) or getattr(getattr(self.runner, "backbone", None),
+                                                                       "engram_hasher", None)
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg.cfg_dict,
                 "source_tokens": dict(self.source_tokens),
                 "engram_compressed_vocab_size": None if hasher is None else hasher.compressed_vocab}
+        if self.dspark:  # the backbone the drafter is trained against (a resume checks it)
+            meta["backbone"] = backbone_pointer(self.cfg.train.backbone)
         rank_state = {"data": self.loader.state_dict(), "rng": rng_state(), **self.guard.state_dict()}
         self.checkpoints.save(self.step, self.model, self.optim.optimizers, meta, rank_state, self.dims.dp_rank,
                               fault_hook=hook, layout=self.dims.global_layout(self.model),
@@ -209,11 +219,15 @@ class Trainer:
             "per_source": self._per_source(v),
             # model FLOPs (forward + backward) per token at data.seq_len, and MFU = flops_per_token * tokens_per_s
             # / (peak per device * world), null without a known peak (train/flops.py; train.peak_tflops)
-            "flops_per_token": (fpt := flops_per_token(self.cfg.model, self.cfg.data.seq_len)),
+            "flops_per_token": (fpt := (dspark_flops_per_token if self.dspark else flops_per_token)(
+                self.cfg.model, self.cfg.data.seq_len)),
             "mfu": mfu(fpt, self.schedule.tokens_per_step / dt, self.peak, self.dims.world),
             # CUDA: this rank's peak of allocated bytes during the step (torch.cuda.max_memory_allocated); null on CPU
             "memory_peak_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
         }
+        if self.dspark:  # the drafter's metrics; the backbone is frozen (no indexer loss, no ViT)
+            record.update(dspark_record(v, self.cfg))
+            del record["indexer_loss"], record["vit_trainable"]
         return record, out.loads
 
     def _per_source(self, v: dict) -> dict:
@@ -235,7 +249,7 @@ class Trainer:
         verdict's): the step's batches, forward/backward of every micro-batch with the gradient reduction
         (the step runner), clipping, the stability verdict, the optimizer step, the MoE bias update, the
         all-reduce of the step's values (train/step_values.py)."""
-        if self.cfg.model.vision_n_layers:
+        if self.cfg.model.vision_n_layers and not self.dspark:
             set_vision_body_trainable(self.model, self.schedule.vit_trainable(self.step))
         self.optim.set_lr(self.schedule.lr(self.step))
         if self.guard.reads_ahead(self.step + 1):  # Anticipatory Routing: batches and routes from its buffer
@@ -251,7 +265,9 @@ class Trainer:
             self.op.name = "the optimizer step"
             self.optim.step()
         self.op.name = "the expert-load all-reduce"
-        loads = global_loads(loads, self.cfg.model.n_layers, self.cfg.model.n_routed_experts, device=self.device)
+        m = self.cfg.model  # the DSpark stage's MoE layers are the drafter's (ids n_layers ..), its own experts
+        loads = global_loads(loads, m.n_layers + m.n_mtp_layers * self.dspark,
+                             m.dspark_n_routed_experts if self.dspark else m.n_routed_experts, device=self.device)
         if spike is None:
             update_biases(self.model, loads, self.cfg.train.balance_rate)
         if self.dims.pp_rank == 0 and self.counts_data:  # the loader's counters of this step's reads, once per dp rank

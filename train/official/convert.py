@@ -5,11 +5,16 @@ model needs is checked for presence, dtype and shape before anything is written,
 dequantised as the public inference code does (FP8: codes x the power-of-two scale of their 32 x 32 tile;
 FP4 experts: the E2M1 value x the scale of its 32 input channels; Engram rows: codes x the scale of their
 32 channels) and written as fp32 into a DCP checkpoint under flashtrain's names, the experts of a layer
-as rows of one stacked tensor. Tensors the model does not use (`mtp.*`, the DSpark drafter) are listed.
+as rows of one stacked tensor. A release with the DSpark drafter (`config.json` `dspark_block_size` > 0) has its
+`mtp.*` tensors imported too (checked against the model config's drafter fields), so the DSpark stage can start
+from DeepSeek's drafter (`train.backbone=` the import); `--backbone-only` leaves them out (listed as unused, as
+every tensor the model does not use).
 
 Export: the reverse, from a flashtrain checkpoint: each tensor read on its own from DCP, quantised into the
 release's formats (layout.py) and written into size-limited safetensors shards with an index and
-`config.json`.
+`config.json`. From a DSpark-stage checkpoint (train.stage=dspark) the export is the whole release: the
+backbone read from the checkpoint the stage names in its meta (its fingerprint checked), the drafter from the
+stage checkpoint; an import holding `mtp.*` exports both from itself.
 
 Memory: the source is read tensor by tensor (safetensors files are memory-mapped and closed after use;
 DCP reads only the requested tensor), and the destination holds at most one part / shard of converted
@@ -46,6 +51,7 @@ from flashtrain.train.official.layout import (
     OfficialTensor,
     check_quantisable,
     config_differences,
+    has_drafter_config,
     normalise_name,
     official_config,
     official_tensors,
@@ -74,15 +80,24 @@ class OfficialCheckpointError(FlashtrainError, ValueError):
     """A released checkpoint does not match the model: the message names each tensor or config field."""
 
 
-def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the model's state dict (parameters and persistent buffers) and its shape, in order."""
-    return model_layout(cfg)[0]
+def model_shapes(cfg: ModelConfig, drafter: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model's state dict (parameters and persistent buffers) and its shape, in order;
+    `drafter`: the DSpark drafter's `mtp.*` after the backbone's."""
+    return model_layout(cfg, drafter)[0]
 
 
-def model_layout(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, ParamKind]]:
-    """`model_shapes`, and each parameter's kind (model/param_kinds.py), from one meta-device template."""
+def model_layout(cfg: ModelConfig, drafter: bool = False) -> tuple[dict[str, tuple[int, ...]], dict[str, ParamKind]]:
+    """`model_shapes`, and each parameter's kind (model/param_kinds.py), from meta-device templates."""
     template = model_template(cfg)
-    return {k: tuple(v.shape) for k, v in template.state_dict().items()}, parameter_kinds(template)
+    shapes, kinds = {k: tuple(v.shape) for k, v in template.state_dict().items()}, parameter_kinds(template)
+    if drafter:
+        from flashtrain.model.dspark import DSpark
+
+        with torch.device("meta"):
+            d = DSpark(cfg, init=False)
+        shapes.update((k, tuple(v.shape)) for k, v in d.state_dict().items())
+        kinds.update(parameter_kinds(d))
+    return shapes, kinds
 
 
 def engram_rows(shapes: dict[str, tuple[int, ...]], kinds: dict[str, ParamKind]) -> list[int]:
@@ -174,15 +189,19 @@ def _check_stored(src: Path, tensors: list[OfficialTensor], where: dict[str, tup
 
 
 def import_official(src: str | Path, out: str | Path, cfg: ModelConfig, run_config: dict,
-                    part_bytes: int = 2 * GiB, log=print) -> ImportReport:
+                    part_bytes: int = 2 * GiB, log=print, drafter: bool | None = None) -> ImportReport:
     """Convert the released checkpoint in `src` into a flashtrain DCP checkpoint `out` for model `cfg`
     (`run_config`: the resolved run configuration, stored as the checkpoint's config). Fails, before
-    writing anything, on a config.json field or a tensor that does not match."""
+    writing anything, on a config.json field or a tensor that does not match. `drafter`: import the DSpark
+    drafter's `mtp.*` (default: when config.json describes one)."""
     src, out = Path(src), Path(out)
     found = _read_config(src)
     quantised = quantised_from_config(found)
-    shapes, kinds = model_layout(cfg)
-    expected = official_config(cfg, engram_rows(shapes, kinds), quantised)
+    drafter = has_drafter_config(found) if drafter is None else drafter
+    if drafter:
+        cfg.validate_drafter()
+    shapes, kinds = model_layout(cfg, drafter)
+    expected = official_config(cfg, engram_rows(shapes, kinds), quantised, drafter=drafter)
     diff = config_differences(found, expected)
     if diff:
         raise OfficialCheckpointError(f"{src}/config.json does not match the model config:\n  " + "\n  ".join(diff)
@@ -239,7 +258,7 @@ def import_official(src: str | Path, out: str | Path, cfg: ModelConfig, run_conf
         log(f"[{n}/{len(by_file)}] {file}: {len(group)} tensors")
     flush()
     meta = {"step": 0, "tokens_seen": 0, "config": run_config, "weights_only": True, "imported_from": str(src),
-            "unused_tensors": report.unused}
+            "unused_tensors": report.unused, "drafter": drafter}
     writer.add({"meta": _blob(meta)})
     writer.close()
     return report
@@ -286,15 +305,18 @@ def export_official(ckpt: str | Path, out: str | Path, quantised: bool = True, s
                     read_bytes: int = 1 * GiB, log=print) -> ExportReport:
     """Write the flashtrain checkpoint `ckpt` in the released layout into `out` (config.json, safetensors
     shards of at most `shard_bytes` (a larger tensor gets its own), model.safetensors.index.json),
-    reading at most `read_bytes` of checkpoint tensors at a time (a larger tensor alone)."""
+    reading at most `read_bytes` of checkpoint tensors at a time (a larger tensor alone). A DSpark-stage
+    checkpoint gives the whole release: its drafter and the backbone checkpoint it names (module docstring)."""
     ckpt, out = Path(ckpt), Path(out)
     meta, md = _checkpoint_meta(ckpt)
     cfg = typed_config(ModelConfig, meta["config"]["model"], "model")
-    shapes, kinds = model_layout(cfg)
-    missing = [k for k in shapes if f"model.{k}" not in md]
+    sources, vocab = _export_sources(ckpt, meta, md)
+    drafter = any(k.startswith("model.mtp.") for k in md)
+    shapes, kinds = model_layout(cfg, drafter)
+    where = {k: next(s for s in sources if k.startswith("mtp.") == s[2]) for k in shapes}
+    missing = [k for k in shapes if f"model.{k}" not in where[k][1]]
     if missing:
         raise OfficialCheckpointError(f"{ckpt} lacks model tensor(s) {missing[:8]}: was it written by this model?")
-    vocab = meta.get("engram_compressed_vocab_size")
     if cfg.engram_layer_ids and cfg.engram_compressed_vocab_size is None and vocab is None:
         raise OfficialCheckpointError(
             f"{ckpt}: model.engram_compressed_vocab_size is null and the checkpoint does not record the size the "
@@ -303,7 +325,7 @@ def export_official(ckpt: str | Path, out: str | Path, quantised: bool = True, s
     if quantised:
         check_quantisable(tensors)
     out.mkdir(parents=True, exist_ok=True)
-    config = official_config(cfg, engram_rows(shapes, kinds), quantised, vocab)
+    config = official_config(cfg, engram_rows(shapes, kinds), quantised, vocab, drafter=drafter)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     writer = ShardedWriter(out, shard_bytes, metadata={"format": "pt", "exported_by": "flashtrain",
                                                        "step": str(meta.get("step", 0))})
@@ -312,10 +334,12 @@ def export_official(ckpt: str | Path, out: str | Path, quantised: bool = True, s
     for t in tensors:
         by_source.setdefault(t.source, []).append(t)
     done = 0
-    for batch in _batches(list(by_source), md, read_bytes):
-        state = {"model": {k: torch.empty(tuple(md[f"model.{k}"].size), dtype=md[f"model.{k}"].properties.dtype)
+    batches = [(path, md_s, batch) for path, md_s, mtp in sources
+               for batch in _batches([k for k in by_source if k.startswith("mtp.") == mtp], md_s, read_bytes)]
+    for path, md_s, batch in batches:
+        state = {"model": {k: torch.empty(tuple(md_s[f"model.{k}"].size), dtype=md_s[f"model.{k}"].properties.dtype)
                            for k in batch}}
-        _load(state, ckpt)  # one DCP read for the batch: it reads only these tensors
+        _load(state, path)  # one DCP read for the batch: it reads only these tensors
         for key in batch:
             value = state["model"].pop(key)
             for t in by_source[key]:
@@ -329,6 +353,31 @@ def export_official(ckpt: str | Path, out: str | Path, quantised: bool = True, s
     weight_map = writer.close()
     report.shards = len(set(weight_map.values()))
     return report
+
+
+def _export_sources(ckpt: Path, meta: dict, md: dict) -> tuple[list[tuple[Path, dict, bool]], int | None]:
+    """Where the export reads each tensor: [(checkpoint, its DCP metadata, holds the `mtp.*` tensors)], and the
+    Engram compressed vocabulary the backbone's token map gave. A DSpark-stage checkpoint names its backbone
+    checkpoint (train/dspark.py `backbone_pointer`): read from there, once its fingerprint is the recorded
+    one."""
+    vocab = meta.get("engram_compressed_vocab_size")
+    pointer = meta.get("backbone")
+    if pointer is None:
+        return [(ckpt, md, False), (ckpt, md, True)], vocab
+    from flashtrain.train.dspark import backbone_pointer
+
+    backbone = Path(pointer["path"])
+    if not (backbone / ".metadata").is_file():
+        raise OfficialCheckpointError(f"{ckpt} was trained against the backbone {backbone}, which is not a checkpoint "
+                                      f"any more: restore it there (the export writes the backbone with the drafter)")
+    if backbone_pointer(backbone)["fingerprint"] != pointer["fingerprint"]:
+        raise OfficialCheckpointError(f"{ckpt} was trained against the backbone {backbone} (fingerprint "
+                                      f"{pointer['fingerprint'][:12]}), whose files have changed since: export the "
+                                      f"drafter with the backbone it was trained against")
+    backbone_meta, backbone_md = _checkpoint_meta(backbone)
+    if vocab is None:
+        vocab = backbone_meta.get("engram_compressed_vocab_size")
+    return [(backbone, backbone_md, False), (ckpt, md, True)], vocab
 
 
 def error_bound(t: OfficialTensor, value: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

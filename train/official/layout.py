@@ -12,7 +12,15 @@ parameter dtypes (`ModelArgs.dtype = "fp8"`, `expert_dtype = "fp4"`):
 | `fp4`      | routed experts `w1`, `w2`, `w3`                                  | `.weight` I8 [out, in/2] (two E2M1 codes per byte, the even element in the low nibble) + `.scale` F8_E8M0 [out, in/32] |
 | `fp8_rows` | the Engram tables `engram.embed.weight`                          | `.weight` F8_E4M3 [rows, head_dim] + `engram.embed.scale` F8_E8M0 [rows, head_dim/32] |
 | `fp32`     | `attn_sink`, `ffn.gate.bias`, `ffn.gate.bias_vl`, the mHC `hc_{attn,ffn}_{fn,base,scale}` (fp32 parameters there) | F32 |
-| `bf16`     | everything else: embeddings, head, norms, `wo_a`, the compressor, indexer `wk` / `weights_proj`, the gate weight, Engram `q_weight` / `k_weight`, the ViT and the aligner | BF16 |
+| `bf16`     | everything else: embeddings, head, norms, `wo_a`, the compressor, indexer `wk` / `weights_proj`, the gate weight, Engram `q_weight` / `k_weight`, the ViT and the aligner, the DSpark Markov head (`markov_head.embed` / `head`) and confidence head (`confidence_head.proj`) | BF16 |
+
+The DSpark drafter (`mtp.{i}.*`, model/dspark.py) is stored like a backbone block (the same rows apply to
+`mtp.{i}.` as to `layers.{i}.`: FP8 attention projections and shared expert, FP4 routed experts, FP32 sink,
+gate biases and mHC) plus `mtp.0.main_proj` in FP8 and `mtp.0.main_norm`, `mtp.{n-1}.norm` and the Markov and
+confidence heads in BF16, as the public code's parameter dtypes say (`DSparkBlock`, `DSparkMarkovHead`,
+`DSparkConfidenceHead`: "proj in the checkpoint is stored in bf16"). A release with a drafter says so in
+`config.json` (`n_mtp_layers`, `dspark_block_size` > 0, the other `dspark_*` fields, `compress_ratios` with one 0
+per drafter layer after the backbone's); one without has `n_mtp_layers` 0 and `dspark_block_size` 0.
 
 `--dtype bf16` (the unquantised variant) stores the `fp8` / `fp4` / `fp8_rows` tensors in BF16 without
 scales, names unchanged (experts still one tensor each); its `config.json` says `"dtype": "bf16"`,
@@ -36,9 +44,9 @@ from flashtrain.model.param_kinds import ParamKind
 
 BLOCK = 32  # the release's fp8 tile / fp4 and Engram scale block (inference/model.py: fp8_block_size, fp4_block_size)
 
-_FP8 = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
-                  r"|engram\.wkv)\.weight$")
-_FP32 = re.compile(r"^layers\.\d+\.(attn\.attn_sink|ffn\.gate\.bias|ffn\.gate\.bias_vl"
+_FP8 = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
+                  r"|engram\.wkv|main_proj)\.weight$")
+_FP32 = re.compile(r"^(layers|mtp)\.\d+\.(attn\.attn_sink|ffn\.gate\.bias|ffn\.gate\.bias_vl"
                    r"|hc_(attn|ffn)_(fn|base|scale))$")
 
 
@@ -130,24 +138,40 @@ _SAME_NAME = ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "n_ro
               "vision_patch_size", "vision_rope_theta", "vision_downsample_ratio", "vision_max_n_token",
               "vision_min_pixels", "vision_max_wh_ratio", "image_token_id")
 # fixed by the architecture flashtrain implements (V41_SPEC §1, §4): the public ModelArgs could say otherwise
-ARCHITECTURE = {"score_func": "sqrtsoftplus", "gate_temp": 1.0, "norm_topk_prob": True, "n_mtp_layers": 0}
+ARCHITECTURE = {"score_func": "sqrtsoftplus", "gate_temp": 1.0, "norm_topk_prob": True}
 FORMAT_FIELDS = ("dtype", "expert_dtype")
+# the DSpark drafter's fields (public ModelArgs names): written when the release holds the drafter
+DRAFTER_CONFIG = ("n_mtp_layers", "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+                  "dspark_markov_rank", "dspark_n_routed_experts", "dspark_n_activated_experts")
+
+
+def has_drafter_config(found: dict) -> bool:
+    """Does a config.json describe a drafter (the public Transformer builds `mtp` iff dspark_block_size)?"""
+    return bool(found.get("dspark_block_size")) and bool(found.get("n_mtp_layers"))
 
 
 def official_config(cfg: ModelConfig, engram_rows: list[int], quantised: bool = True,
-                    compressed_vocab: int | None = None) -> dict:
+                    compressed_vocab: int | None = None, drafter: bool = False) -> dict:
     """The public `ModelArgs` fields for this model. `engram_rows`: each Engram table's row count
     (`engram_num_embeddings`); `compressed_vocab` fills a null `engram_compressed_vocab_size`. Without the
     candidate restriction the public code gets no candidate source (`candidate_source_layer = -1`): its
-    rule restricts every indexer after a source."""
+    rule restricts every indexer after a source. `drafter`: the release holds the DSpark drafter (its
+    fields, and one 0 per drafter layer in `compress_ratios`); else `n_mtp_layers` and `dspark_block_size` 0."""
     out = {k: getattr(cfg, k) for k in _SAME_NAME}
     out = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in out.items()}
+    out["compress_ratios"] = cfg.backbone_compress_ratios
     if out["engram_compressed_vocab_size"] is None:
         out["engram_compressed_vocab_size"] = compressed_vocab
     out["candidate_source_layer"] = cfg.candidate_source_layer if cfg.candidate_restriction else -1
     out["engram_num_embeddings"] = list(engram_rows)
     out.update(ARCHITECTURE)
     out["dtype"], out["expert_dtype"] = ("fp8", "fp4") if quantised else ("bf16", None)
+    if drafter:
+        out.update({k: list(getattr(cfg, k)) if k == "dspark_target_layer_ids" else getattr(cfg, k)
+                    for k in DRAFTER_CONFIG})
+        out["compress_ratios"] = cfg.backbone_compress_ratios + [0] * cfg.n_mtp_layers
+    else:
+        out["n_mtp_layers"], out["dspark_block_size"] = 0, 0
     return out
 
 
@@ -156,17 +180,21 @@ def config_differences(found: dict, expected: dict) -> list[str]:
     format fields) that config.json lacks or holds another value for. Numbers compare by value (JSON
     has no int / float distinction); a null compressed vocabulary in `expected` is not compared; the
     drafter layers (`n_mtp_layers`, their `compress_ratios` entries after the backbone's) are not part of
-    the model trained here, and their tensors (`mtp.*`) are listed as unused on import."""
+    the model trained here, and their tensors (`mtp.*`) are listed as unused on import -- unless `expected` has
+    a drafter (`official_config(..., drafter=True)`): then its fields are compared too."""
     out = []
     n_layers = expected["n_layers"]
+    drafter = has_drafter_config(expected)
     for k, want in expected.items():
-        if k in FORMAT_FIELDS or k == "n_mtp_layers" or (k == "engram_compressed_vocab_size" and want is None):
+        if k in FORMAT_FIELDS or (k == "engram_compressed_vocab_size" and want is None):
+            continue
+        if k in DRAFTER_CONFIG and not drafter:
             continue
         if k not in found:
             out.append(f"{k}: missing from config.json (the model config has {want!r})")
             continue
         got = found[k]
-        if k == "compress_ratios" and isinstance(got, list):
+        if k == "compress_ratios" and isinstance(got, list) and not drafter:
             got = got[:n_layers]  # the release lists its drafter (MTP) layers' ratios after the backbone's
         same = (list(got) == list(want)) if isinstance(want, list) and isinstance(got, (list, tuple)) else got == want
         if not same:

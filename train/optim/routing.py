@@ -8,7 +8,9 @@ decides, else by name, by the first matching rule:
 | sinkhorn        | kinds EMBEDDING and HEAD (`embed.weight`, `head.weight`) | SinkhornBalanced |
 | sinkhorn_engram | kind ENGRAM_TABLE (`layers.*.engram.embed.weight`) | SinkhornBalanced, lr x `engram_lr_mult` |
 | adamw_norm      | RMSNorm weights (`*norm.weight`, `norm1/norm2`, `q_norm`, `kv_norm`, `k_norm`, ...) | AdamW, weight decay |
-| muon_q_heads    | `layers.*.attn.wq_b.weight` | head-wise Muon, `n_heads` heads |
+| sinkhorn_markov | the DSpark Markov head's `mtp.*.markov_head.embed.weight` / `head.weight` ([vocab, rank]: a token embedding and an output head, like `embed` / `head`; our choice) | SinkhornBalanced |
+| adamw_probe     | the DSpark confidence head's `mtp.*.confidence_head.proj.weight` ([1, dim + rank]: a linear probe to one logit, where Muon's orthogonalisation would only normalise the row; our choice) | AdamW, no weight decay |
+| muon_q_heads    | `layers.*.attn.wq_b.weight`, the drafter's `mtp.*.attn.wq_b.weight` | head-wise Muon, `n_heads` heads |
 | muon_index_heads| `layers.*.attn.indexer.wq_b.weight` | head-wise Muon, `index_n_heads` heads |
 | adamw           | biases, `attn_sink`, mHC `hc_*_base` / `hc_*_scale`, Engram `q_weight` / `k_weight`, image START / NEWLINE / END vectors | AdamW, no weight decay |
 | muon            | kind ROUTED_EXPERT (stacked `experts.w1/w2/w3` [E, out, in]); every other `.weight` matrix, mHC `hc_*_fn` | Muon |
@@ -48,13 +50,16 @@ KIND_RULES: dict[ParamKind, str] = {ParamKind.EMBEDDING: "sinkhorn", ParamKind.H
                                     ParamKind.ENGRAM_TABLE: "sinkhorn_engram", ParamKind.ROUTED_EXPERT: "muon"}
 RULES: tuple[tuple[str, str], ...] = (  # the matrices and vectors, by name
     ("adamw_norm", r"(^|\.)(\w*norm\d?)\.weight$"),
-    ("muon_q_heads", r"^layers\.\d+\.attn\.wq_b\.weight$"),
+    ("sinkhorn_markov", r"\.markov_head\.(embed|head)\.weight$"),
+    ("adamw_probe", r"\.confidence_head\.proj\.weight$"),
+    ("muon_q_heads", r"^(layers|mtp)\.\d+\.attn\.wq_b\.weight$"),
     ("muon_index_heads", r"^layers\.\d+\.attn\.indexer\.wq_b\.weight$"),
     ("adamw", r"(\.bias|(^|\.)attn_sink|\.hc_(attn|ffn)_(base|scale)|\.engram\.[qk]_weight"
               r"|^image_(start|newline|end))$"),
     ("muon", r"(\.weight|\.hc_(attn|ffn)_fn)$"),
 )
-OPTIMIZER_OF = {"sinkhorn": "sinkhorn", "sinkhorn_engram": "sinkhorn", "adamw_norm": "adamw", "adamw": "adamw",
+OPTIMIZER_OF = {"sinkhorn": "sinkhorn", "sinkhorn_engram": "sinkhorn", "sinkhorn_markov": "sinkhorn",
+                "adamw_probe": "adamw", "adamw_norm": "adamw", "adamw": "adamw",
                 "muon": "muon", "muon_q_heads": "muon", "muon_index_heads": "muon"}
 
 
@@ -104,7 +109,7 @@ def route_parameters(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimC
             options["num_heads"] = model_cfg.index_n_heads
         elif rule == "adamw_norm":
             options["weight_decay"] = optim_cfg.adamw.weight_decay
-        elif rule == "adamw":
+        elif rule in ("adamw", "adamw_probe"):
             options["weight_decay"] = 0.0
         key = (rule, lr_mult)
         if key not in groups:

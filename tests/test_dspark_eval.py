@@ -1,0 +1,100 @@
+"""Speculative decoding with the frozen backbone as the greedy verifier (train/speculative.py,
+launch/eval_dspark.py): the verified output equals the backbone's own greedy decoding token for token;
+the accepted lengths and per-position counts of a drafter that always agrees, one that never does and
+one right for exactly two positions, against hand counts; the calibration error by hand."""
+
+import pytest
+import torch
+from layer_plans import FOUR_LAYERS
+
+from flashtrain.model import Transformer
+from flashtrain.model.dspark import DSpark
+from flashtrain.train.config import compose, model_config
+from flashtrain.train.dspark import freeze
+from flashtrain.train.speculative import (
+    Acceptance,
+    backbone_pass,
+    drafter_proposal,
+    greedy_at,
+    greedy_decode,
+    speculative_decode,
+)
+
+TARGETS = [1, 2, 3]  # the last layers of the 4-layer plan
+P, N = 12, 10
+
+
+@pytest.fixture(scope="module")
+def parts():
+    cfg = model_config(compose(["+exp=flash_tiny", *FOUR_LAYERS, "model.dspark_target_layer_ids=[1,2,3]"]))
+    torch.manual_seed(0)
+    backbone = Transformer(cfg, seed=3)
+    with torch.no_grad():  # a peaked next-token distribution, as a trained model has (no flat near-ties)
+        backbone.head.weight.normal_(0, 0.5)
+        backbone.embed.weight.normal_(0, 0.5)
+    prompts = torch.randint(3, 400, (3, P), generator=torch.Generator().manual_seed(1))
+    backbone = freeze(backbone)
+    K = cfg.dspark_block_size
+    # the backbone's greedy decoding, one token per forward (far enough for the oracles' drafts below), shared
+    truth = greedy_decode(backbone, prompts, N + 2 * K + 2, cfg.pad_id, P + N + 3 * K + 3)
+    return cfg, backbone, DSpark(cfg, seed=4).eval(), prompts, truth
+
+
+def test_verified_output_equals_greedy_decoding(parts):
+    """A random drafter (few drafts accepted) and the oracle below (all accepted): both outputs are the
+    backbone's greedy decoding."""
+    cfg, backbone, drafter, prompts, truth = parts
+    K = cfg.dspark_block_size
+    ref = truth[:, :P + N]
+    stats = Acceptance(K)
+    got = speculative_decode(backbone, TARGETS, drafter_proposal(drafter, backbone), prompts, N, K, cfg.pad_id, stats)
+    assert torch.equal(got, ref)
+    assert stats.steps > 0 and stats.tokens >= N * prompts.shape[0]
+    assert len(set(ref[:, P:].flatten().tolist())) > 5  # the decoding is not one repeated token
+
+
+def oracle(backbone, K, truth, right: int | None = None):
+    """Proposes the true continuation (`truth`, the greedy decoding) for `right` positions (all if None), then
+    wrong tokens; predicted acceptance 0.75 everywhere."""
+    def propose(features, g, n):
+        B = g.shape[0]
+        idx = (n.unsqueeze(1) + 1 + torch.arange(K)).clamp(max=truth.shape[1] - 1)
+        d = truth[torch.arange(B).unsqueeze(1), idx]
+        if right is not None:
+            d[:, right:] = (d[:, right:] + 1) % 400 + 3
+        return d, torch.full((B, K), 0.75)
+    return propose
+
+
+def test_accepted_lengths_by_hand(parts):
+    cfg, backbone, _, prompts, truth = parts
+    K = cfg.dspark_block_size
+    for right, per_step in ((None, K + 1), (0, 1), (2, 3)):
+        stats = Acceptance(K)
+        out = speculative_decode(backbone, TARGETS, oracle(backbone, K, truth, right), prompts, N, K, cfg.pad_id,
+                                 stats)
+        assert torch.equal(out, truth[:, :P + N])
+        # every row takes ceil(N / per_step) steps of per_step tokens (the last one may overshoot N)
+        steps = -(-N // per_step)
+        assert stats.steps == 3 * steps and stats.summary()["mean_accepted_length"] == per_step
+        m = per_step - 1
+        assert stats.reached == [3 * steps if k <= m else 0 for k in range(K)]
+        assert stats.accepted == [3 * steps if k < m else 0 for k in range(K)]
+
+
+def test_calibration_error_by_hand():
+    a = Acceptance(block=3, bins=2)
+    a.add([1], [[0.8, 0.3, 0.9]])  # position 0 accepted (0.8 -> bin 1), position 1 rejected (0.3 -> bin 0)
+    a.add([0], [[0.6, 0.2, 0.1]])  # position 0 rejected (0.6 -> bin 1)
+    s = a.summary()
+    assert s["mean_accepted_length"] == 1.5 and s["acceptance_per_position"] == [0.5, 0.0, None]
+    # bin 0: predicted 0.3, accepted 0; bin 1: predicted 1.4, accepted 1 -> (0.3 + 0.4) / 3
+    assert s["confidence_ece"] == pytest.approx(0.7 / 3)
+
+
+def test_greedy_at_reads_the_head_at_the_given_positions(parts):
+    cfg, backbone, _, prompts, _ = parts
+    _, final = backbone_pass(backbone, prompts, [])
+    want = backbone.head(final).argmax(-1)
+    pos = torch.tensor([[0, 5], [11, 3], [7, 7]])
+    assert torch.equal(greedy_at(backbone, final, pos), want.gather(1, pos))
