@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashtrain.model.kernels.select import use_triton
+from flashtrain.model.kernels.select import is_recording, use_triton
 from flashtrain.model.quant import fp8_block_quant, fp8_weight_quant
 
 BLOCK = 32  # the scale block (the public code's fp8_block_size)
@@ -64,6 +64,10 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
 
 @fp8_block_gemm.register_fake
 def _(a, a_scale, b, b_scale, out_dtype, kernel):
+    if kernel and is_recording():  # the compile gate (train/compile_gate.py): the CUDA path's host code, its launch
+        from flashtrain.model.kernels.fp8_gemm import fp8_block_gemm_triton  # recorded (select.py `launch`)
+
+        return fp8_block_gemm_triton(a, a_scale, b, b_scale, out_dtype)
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
