@@ -1028,6 +1028,15 @@ MUTANTS = [
            'per_token -= int((act - FP8_SAVED_BYTES) * fp8_input_width(cfg, role))',
            'per_token -= 0',
            ['tests/test_partition.py', '-k', 'measured_block']),
+    # issue 35 / 34: the FP8 GEMM in the compile gate
+    Mutant('the FP8 GEMM records no launch while the compile gate traces', 'model/fp8_linear.py',
+           'if kernel and is_recording():',
+           'if False:',
+           ['tests/test_compile_gate.py', '-k', 'fp8']),
+    Mutant('the compile gate traces with the FP8 GEMMs off', 'train/compile_gate.py',
+           'SWITCHED_ON = ("model.fp8.enabled=true",)',
+           'SWITCHED_ON = ()',
+           ['tests/test_compile_gate.py', '-k', 'trace_records_every_fp8']),
 ]
 
 
