@@ -23,7 +23,9 @@ The GEMM itself is one op, `flashtrain::fp8_block_gemm(a, a_scale, b, b_scale)` 
 a_scale x b_scale x (A block . B block): the Triton kernel on CUDA (model/kernels/fp8_gemm.py; Hopper has no
 `torch._scaled_mm` scaling mode for blocks of 32), the plain-PyTorch reference `fp8_block_gemm_reference`
 (dequantise, fp32 matmul: the same products, which E4M3 x E4M3 x powers of two make exact in fp32) on the
-CPU and wherever `model.use_triton=false`, and a shape function for the memory estimator's fake tensors.
+CPU and wherever `model.use_triton=false`, and a shape function for the memory estimator's fake tensors
+(while the offline compile gate records launches, model/kernels/select.py `recording`, the Triton path's
+host code instead: its launch is recorded at the exp's shapes, train/compile_gate.py).
 Selective recomputation keeps its output as it keeps every matmul's (model/recompute.py).
 """
 

@@ -8,7 +8,9 @@ spills, shared memory and the occupancy they allow.
    the Triton path is taken as on CUDA and every launch is recorded with the arguments the host code
    passed (dtypes, strides, scalars) instead of running. As on CUDA: bf16 autocast (the CPU's autocast
    lists, as the estimator simulates it) and Muon's Newton-Schulz in bf16 (`optim.muon.ns_dtype`'s CUDA
-   default). Shortcuts that leave every launch's specialisation as it is (TRACE_SHORTCUTS): the layer
+   default). The kernels an exp may switch on are traced switched on (SWITCHED_ON: the FP8 GEMMs,
+   `model.fp8.enabled`, whose op records its Triton launch while recording, model/fp8_linear.py).
+   Shortcuts that leave every launch's specialisation as it is (TRACE_SHORTCUTS): the layer
    roles in 8 layers (one of each role the exp's 40 use: the kernels' variants are per role, not per
    layer), 8 routed experts (they run through grouped GEMM, not Triton; Muon orthogonalises each expert
    matrix alone, so fewer of them means fewer equal launches), no ViT (text batches; it has no Triton
