@@ -5,7 +5,7 @@ compile gate of every Triton kernel (`--compile-only`, no GPU needed; tests/test
     python launch/check_kernels.py [+exp=flash_small] [hydra overrides...] [--seq 4096]
                                    [--dtype float32|bfloat16] [--seed 0] [--rounds 3] [--tol 1e-4]
     python launch/check_kernels.py --compile-only [--json | --markdown] [+exp=flash ...] [--arch sm_90a,sm_100a]
-                                   [--jobs N]
+                                   [--jobs N] [--kernel NAME[,NAME]]
 
 `+exp=NAME` and overrides give the widths (default `+exp=flash_small`); `--seq` tokens of the one sequence
 (default 4096); `--dtype` of the inputs (default float32); `--seed` of the random inputs (default 0);
@@ -21,7 +21,8 @@ object: {"entries": [{"kernel", "config", "arch", "registers", "spill_bytes", "s
 (one row per kernel x launch x config, the architectures side by side). Exits 1 when a kernel does not compile, a config
 cannot launch or a spill is not declared (train/compile_gate.py `failures`). `--arch` the architectures,
 comma-separated (default sm_90a,sm_100a); `--jobs` compiles in that many worker processes (default: the
-CPU count).
+CPU count); `--kernel` compiles only the named kernels' launches (comma-separated, e.g.
+`_fp8_block_gemm_kernel`; default: every kernel).
 
 For each kernel it builds random inputs of the exp's widths (one sequence of --seq tokens), runs the
 kernel path and the reference path of the same function on the same inputs with the same upstream
@@ -116,11 +117,18 @@ def compile_only(argv: list[str]) -> int:
     argv = [a for a in argv if a not in ("--compile-only", "--json", "--markdown")]
     archs, argv = _opt(argv, "--arch", ",".join(compile_gate.ARCHS))
     jobs, argv = _opt(argv, "--jobs", str(os.cpu_count() or 1))
+    only, argv = _opt(argv, "--kernel", "")
     exps = [a.split("=", 1)[1] for a in argv if a.startswith("+exp=")] or ["flash", "flash_node", "flash_small"]
     rest = [a for a in argv if not a.startswith("+exp=")]
     if rest:
-        print(f"error: --compile-only takes +exp=NAME, --arch, --jobs, --json and --markdown, not {' '.join(rest)}",
-              file=sys.stderr)
+        print(f"error: --compile-only takes +exp=NAME, --arch, --jobs, --kernel, --json and --markdown, not "
+              f"{' '.join(rest)}", file=sys.stderr)
+        return 2
+    kernels = tuple(k.strip() for k in only.split(",") if k.strip())
+    unknown = sorted(set(kernels) - set(compile_gate.project_kernels()))
+    if unknown:
+        print(f"error: --kernel {','.join(unknown)}: the project's kernels are "
+              f"{', '.join(sorted(compile_gate.project_kernels()))}", file=sys.stderr)
         return 2
     arch_list = [a.strip() for a in archs.split(",") if a.strip()]
     unknown = [a for a in arch_list if a not in compile_gate.ARCHS]
@@ -129,7 +137,7 @@ def compile_only(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     log = (lambda m: print(m, file=sys.stderr)) if as_json or as_markdown else print
-    entries, timings = compile_gate.gate(exps, tuple(arch_list), int(jobs), log=log)
+    entries, timings = compile_gate.gate(exps, tuple(arch_list), int(jobs), log=log, kernels=kernels)
     bad = compile_gate.failures(entries)
     if as_json:
         print(json.dumps({"exps": exps, "entries": entries, "failures": bad, "timings": timings,

@@ -1119,6 +1119,15 @@ MUTANTS = [
            'ctx.captures[self.layer_id] = h.mean(dim=2)',
            'ctx.captures[self.layer_id] = carry.h.mean(dim=2)',
            ['tests/test_dspark.py::test_target_layer_inputs_are_hc_means']),
+    # issue 35 / 34: the FP8 GEMM in the compile gate
+    Mutant('the FP8 GEMM records no launch while the compile gate traces', 'model/fp8_linear.py',
+           'if kernel and is_recording():',
+           'if False:',
+           ['tests/test_compile_gate.py', '-k', 'fp8']),
+    Mutant('the compile gate traces with the FP8 GEMMs off', 'train/compile_gate.py',
+           'SWITCHED_ON = ("model.fp8.enabled=true",)',
+           'SWITCHED_ON = ()',
+           ['tests/test_compile_gate.py', '-k', 'trace_records_every_fp8']),
 ]
 
 

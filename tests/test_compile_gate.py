@@ -81,7 +81,74 @@ def test_every_module_with_an_autotuned_kernel_is_gated():
             if "@triton.autotune" in path.read_text():
                 found.add("flashtrain." + path.relative_to(ROOT).with_suffix("").as_posix().replace("/", "."))
     assert found == set(gate.KERNEL_MODULES)
-    assert len(gate.project_kernels()) == 15
+    assert len(gate.project_kernels()) == 16
+
+
+def test_fp8_linear_records_its_three_gemm_launches():
+    """While the gate records, an FP8 Linear (model/fp8_linear.py) takes the CUDA path on fake tensors: its
+    forward, dgrad and wgrad each record one launch of the FP8 GEMM kernel with the host code's arguments.
+    in = 48 (zero-padded to 64: 2 blocks of 32), out = 80 (96: 3 blocks), 40 tokens (64: 2 blocks), bf16
+    autocast: forward x [40, 64] . W [80, 64] -> bf16 [40, 80]; dgrad dy [40, 96] . W^T [48, 96] -> x's fp32
+    [40, 48]; wgrad dy^T [80, 64] . x^T [48, 64] -> fp32 [80, 48]; the scales fp32, one per block."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashtrain.model.fp8_linear import fp8_linear
+    from flashtrain.model.kernels.fp8_gemm import _fp8_block_gemm_kernel
+    from flashtrain.model.kernels.select import recording
+
+    with recording() as launches, FakeTensorMode():
+        x = torch.randn(40, 48, requires_grad=True)
+        w = torch.randn(80, 48, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fp8_linear(x, w)
+        y.float().sum().backward()
+    e4m3, f32, bf16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
+    want = [  # (a, a_scale, b, b_scale, c) as (shape, dtype), then M, N, K, n_blocks
+        ([((40, 64), e4m3), ((40, 2), f32), ((80, 64), e4m3), ((80, 2), f32), ((40, 80), bf16)], [40, 80, 64, 2]),
+        ([((40, 96), e4m3), ((40, 3), f32), ((48, 96), e4m3), ((48, 3), f32), ((40, 48), f32)], [40, 48, 96, 3]),
+        ([((80, 64), e4m3), ((80, 2), f32), ((48, 64), e4m3), ((48, 2), f32), ((80, 48), f32)], [80, 48, 64, 2])]
+    got = [([(tuple(t.shape), t.dtype) for t in ln.args[:5]], list(ln.args[5:])) for ln in launches]
+    assert got == want
+    assert all(ln.kernel is _fp8_block_gemm_kernel and ln.kwargs == {"SB": 32} for ln in launches)
+    # every config of the kernel, for both architectures, for each launch (it has no prune)
+    configs = {gate._config_text(c) for c in _fp8_block_gemm_kernel.configs}
+    units = gate.compile_units(launches).values()
+    assert len(configs) == 4
+    for variant in ("float8_e4m3fn,float32,float8_e4m3fn,float32,bfloat16; SB=32",
+                    "float8_e4m3fn,float32,float8_e4m3fn,float32,float32; SB=32"):
+        assert {(u.config, u.arch) for u in units if u.variant == variant} == {
+            (c, a) for c in configs for a in gate.ARCHS}, variant
+
+
+@pytest.mark.slow
+def test_the_trace_records_every_fp8_linears_three_gemms_at_the_exps_shapes():
+    """Slow (~10 s: a simulated step of flash_tiny). The gate traces with the FP8 GEMMs on (exp flash_tiny
+    leaves them off), and records the forward (T, out, in), dgrad (T, in, out) and wgrad (out, in, T) GEMM
+    of every FP8 Linear, K padded to a multiple of 32, T = 2 sequences x 128 tokens = 256. The FP8 Linears
+    at conf/model/flash_tiny.yaml's widths, (in, out): attention wq_a (dim 64, q_lora_rank 32), wq_b (32,
+    n_heads 2 x head_dim 32 = 64), wkv (64, head_dim 32), wo_b (o_groups 2 x o_lora_rank 16 = 32, 64);
+    the indexer's wq_b (32, index_n_heads 2 x index_head_dim 16 = 32); the shared expert's w1 / w3 (64,
+    moe_inter_dim 32) and w2 (32, 64); Engram's wkv ((ngram 4 - 1) x 2 heads x head_dim 8 = 48, dim 64 x
+    (hc_mult 4 + 1) = 320)."""
+    T = 256
+    linears = [(64, 32), (32, 64), (64, 32), (32, 64), (32, 32), (64, 32), (32, 64), (48, 320)]
+
+    def pad(n):
+        return -(-n // 32) * 32
+
+    forward = {(T, o, pad(i)) for i, o in linears}
+    want = forward | {(T, i, pad(o)) for i, o in linears} | {(o, i, T) for i, o in linears}
+    launches = [ln for ln in gate.trace_launches(["+exp=flash_tiny"])
+                if ln.kernel.fn.__name__ == "_fp8_block_gemm_kernel"]
+    shapes = {tuple(ln.args[5:8]) for ln in launches}
+    assert shapes == want
+    for ln in launches:
+        a, a_scale, b, b_scale, c, M, N, K, n_blocks = ln.args
+        assert (a.shape, b.shape, c.shape, n_blocks) == ((M, K), (N, K), (M, N), K // 32)
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and a_scale.dtype == b_scale.dtype == torch.float32
+        assert K != T or c.dtype == torch.float32  # the wgrad accumulates the weight's gradient in fp32
+    for shape in forward:  # the forward's output in autocast's bf16
+        assert any(tuple(ln.args[5:8]) == shape and ln.args[4].dtype == torch.bfloat16 for ln in launches), shape
 
 
 @pytest.mark.slow

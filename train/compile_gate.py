@@ -8,7 +8,9 @@ spills, shared memory and the occupancy they allow.
    the Triton path is taken as on CUDA and every launch is recorded with the arguments the host code
    passed (dtypes, strides, scalars) instead of running. As on CUDA: bf16 autocast (the CPU's autocast
    lists, as the estimator simulates it) and Muon's Newton-Schulz in bf16 (`optim.muon.ns_dtype`'s CUDA
-   default). Shortcuts that leave every launch's specialisation as it is (TRACE_SHORTCUTS): the layer
+   default). The kernels an exp may switch on are traced switched on (SWITCHED_ON: the FP8 GEMMs,
+   `model.fp8.enabled`, whose op records its Triton launch while recording, model/fp8_linear.py).
+   Shortcuts that leave every launch's specialisation as it is (TRACE_SHORTCUTS): the layer
    roles in 8 layers (one of each role the exp's 40 use: the kernels' variants are per role, not per
    layer), 8 routed experts (they run through grouped GEMM, not Triton; Muon orthogonalises each expert
    matrix alone, so fewer of them means fewer equal launches), no ViT (text batches; it has no Triton
@@ -47,7 +49,8 @@ import torch
 
 # every module holding Triton kernels (tests/test_compile_gate.py checks that no other module autotunes one)
 KERNEL_MODULES = ("flashtrain.model.kernels.sparse_attention", "flashtrain.model.kernels.index_topk",
-                  "flashtrain.model.kernels.mhc", "flashtrain.train.optim.newton_schulz",
+                  "flashtrain.model.kernels.mhc", "flashtrain.model.kernels.fp8_gemm",
+                  "flashtrain.train.optim.newton_schulz",
                   "flashtrain.train.optim.sinkhorn")
 
 # one of each CSA2 role of the 40-layer pattern, both Engram modules (tests/layer_plans.py EIGHT_LAYERS):
@@ -59,6 +62,10 @@ ROLE_LAYERS = ("model.n_layers=8", "model.compress_ratios=[0,0,2,2,2,1,1,1]", "m
 TRACE_SHORTCUTS = (*ROLE_LAYERS, "model.n_routed_experts=8", "model.vision_n_layers=0", "parallel.ep=1",
                    "parallel.pp=1", "parallel.cp=1", "parallel.world=null")
 CUDA_PATH = ("optim.muon.ns_dtype=bfloat16",)  # the CUDA default of ns_dtype=null (train/optim/newton_schulz.py)
+# kernels an exp switches on, traced switched on whatever the exp says, so that they are compiled at its shapes:
+# the FP8 Linears' GEMMs (model/fp8_linear.py; they change no other launch: a Linear's output is autocast's
+# dtype either way)
+SWITCHED_ON = ("model.fp8.enabled=true",)
 
 ARCHS = {"sm_90a": 90, "sm_100a": 100}
 
@@ -144,7 +151,7 @@ def trace_launches(overrides: list[str]) -> list:
     from flashtrain.train.config import compose
     from flashtrain.train.estimate import SimulatedRank
 
-    cfg = compose([*overrides, *TRACE_SHORTCUTS, *CUDA_PATH])
+    cfg = compose([*overrides, *TRACE_SHORTCUTS, *CUDA_PATH, *SWITCHED_ON])
     if dist.is_initialized():
         raise RuntimeError("trace_launches needs a process without a process group (it creates a fake one)")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
@@ -332,13 +339,17 @@ def failures(entries: list[dict], spills: dict | None = None) -> list[str]:
     return bad
 
 
-def gate(exps: list[str], archs=tuple(ARCHS), jobs: int = 1, log=print) -> tuple[list[dict], dict]:
-    """Trace each exp, compile every unit; (entries, timings)."""
+def gate(exps: list[str], archs=tuple(ARCHS), jobs: int = 1, log=print,
+         kernels: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
+    """Trace each exp, compile every unit (only those of the named `kernels` when given); (entries, timings)."""
     t0 = time.perf_counter()
     units: dict = {}
     n_launches = {}
+    names = {id(k): n for n, k in project_kernels().items()}
     for exp in exps:
         launches = trace_launches([f"+exp={exp}"])
+        if kernels:
+            launches = [ln for ln in launches if names.get(id(ln.kernel)) in kernels]
         n_launches[exp] = len(launches)
         compile_units(launches, archs, exp, units)
         log(f"{exp}: {len(launches)} launches traced ({time.perf_counter() - t0:.1f} s)")

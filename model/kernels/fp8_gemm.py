@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtrain.model.kernels.select import HAS_TRITON, interpreting
+from flashtrain.model.kernels.select import HAS_TRITON, interpreting, launch
 
 SCALE_BLOCK = 32
 
@@ -80,5 +80,5 @@ def fp8_block_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tenso
     def grid(meta):
         return triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"])
 
-    _fp8_block_gemm_kernel[grid](a, a_scale, b, b_scale, c, M, N, K, n_blocks, SB=SCALE_BLOCK)
+    launch(_fp8_block_gemm_kernel, grid, a, a_scale, b, b_scale, c, M, N, K, n_blocks, SB=SCALE_BLOCK)
     return c

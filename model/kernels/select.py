@@ -60,6 +60,12 @@ def recording():
         _RECORDED = previous
 
 
+def is_recording() -> bool:
+    """Whether `recording()` is active: a custom op whose fake implementation is only a shape function
+    (model/fp8_linear.py `fp8_block_gemm`) runs its Triton host code instead, so that its launch is recorded."""
+    return _RECORDED is not None
+
+
 def launch(kernel, grid, *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)`; on fake tensors skipped (recorded while `recording()`)."""
     if any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
