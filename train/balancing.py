@@ -26,7 +26,7 @@ def accumulate_loads(total: dict[int, torch.Tensor], step_loads: dict[int, torch
 
 
 def global_loads(loads: dict[int, torch.Tensor], n_layers: int, n_experts: int, group=None,
-                 device: torch.device | None = None) -> dict[int, torch.Tensor]:
+                 device: torch.device | None = None, first: int = 0) -> dict[int, torch.Tensor]:
     """Sum the loads over `group` (default: every rank) in one all-reduce for all layers, on the device
     (no host read: the statistics are read with the step's values, train/step_values.py `read`).
 
@@ -34,15 +34,16 @@ def global_loads(loads: dict[int, torch.Tensor], n_layers: int, n_experts: int, 
     dense [n_layers, 2, n_experts] tensor and every rank ends with every layer's global load (what the
     metrics report; each rank updates the biases it owns); a layer no rank reported has zero loads
     (the bias rule leaves it as it is, its statistics are null). The sum runs on `device` (NCCL reduces
-    device tensors only)."""
+    device tensors only). The MoE layers are the ids `first` .. `n_layers` - 1 (the DSpark stage's are the
+    drafter's, numbered after the backbone's)."""
     if not (dist.is_available() and dist.is_initialized()):
         return dict(loads)
     device = device or (next(iter(loads.values())).device if loads else torch.device("cpu"))
-    dense = torch.zeros(n_layers, 2 * n_experts, dtype=torch.long, device=device)
+    dense = torch.zeros(n_layers - first, 2 * n_experts, dtype=torch.long, device=device)
     for layer, load in loads.items():
-        dense[layer] = load.reshape(-1)
+        dense[layer - first] = load.reshape(-1)
     dist.all_reduce(dense, group=group)
-    return {l: dense[l].reshape(2, n_experts) for l in range(n_layers)}
+    return {l: dense[l - first].reshape(2, n_experts) for l in range(first, n_layers)}
 
 
 @torch.no_grad()

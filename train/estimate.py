@@ -167,7 +167,8 @@ class SimulatedRank:
         self.optim.step()
         m = c.model
         loads = global_loads(loads, m.n_layers + m.n_mtp_layers * self.dspark,
-                             m.dspark_n_routed_experts if self.dspark else m.n_routed_experts, device=self.device)
+                             m.dspark_n_routed_experts if self.dspark else m.n_routed_experts, device=self.device,
+                             first=m.n_layers if self.dspark else 0)
         update_biases(self.model, loads, c.train.balance_rate)
         sums.all_reduce()
 

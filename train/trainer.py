@@ -267,7 +267,8 @@ class Trainer:
         self.op.name = "the expert-load all-reduce"
         m = self.cfg.model  # the DSpark stage's MoE layers are the drafter's (ids n_layers ..), its own experts
         loads = global_loads(loads, m.n_layers + m.n_mtp_layers * self.dspark,
-                             m.dspark_n_routed_experts if self.dspark else m.n_routed_experts, device=self.device)
+                             m.dspark_n_routed_experts if self.dspark else m.n_routed_experts, device=self.device,
+                             first=m.n_layers if self.dspark else 0)
         if spike is None:
             update_biases(self.model, loads, self.cfg.train.balance_rate)
         if self.dims.pp_rank == 0 and self.counts_data:  # the loader's counters of this step's reads, once per dp rank
