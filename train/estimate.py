@@ -194,7 +194,7 @@ class SimulatedRank:
         return skipped * sum(batch[k].numel() * batch[k].element_size() for k in ("tokens", "token_types", "labels"))
 
     def stages(self) -> list[int]:
-        forward_pipe = getattr(self.runner, "pipe", None)  # the DSpark stage's backbone pipeline
+        forward_pipe = getattr(self.runner, "pipe", None) if self.dspark else None  # the backbone's pipeline
         if forward_pipe is not None:
             return [forward_pipe.stage.index]
         if self.pipe is None:
