@@ -1128,6 +1128,15 @@ MUTANTS = [
            'SWITCHED_ON = ("model.fp8.enabled=true",)',
            'SWITCHED_ON = ()',
            ['tests/test_compile_gate.py', '-k', 'trace_records_every_fp8']),
+    # the merges of issues 33 / 34: the DSpark stage's MoE layers in the loads' all-reduce, the estimator's stages
+    Mutant("the DSpark stage reports the backbone's layers' (empty) expert loads", 'train/trainer.py',
+           'first=m.n_layers if self.dspark else 0)',
+           'first=0)',
+           ['tests/test_dspark_stage.py', '-k', 'parity and pp2']),
+    Mutant("the estimator takes a pretrain pipeline for the DSpark stage's backbone", 'train/estimate.py',
+           'getattr(self.runner, "pipe", None) if self.dspark else None',
+           'getattr(self.runner, "pipe", None)',
+           ['tests/test_estimate.py', '-k', 'shortened and 2-2-1-2']),
 ]
 
 
