@@ -96,8 +96,8 @@ def pytest_collection_modifyitems(config, items):
     """Modules with the most slow tests first, each module kept together (for its module-scoped
     fixtures): with two workers the long runs start early instead of trailing at the end.
 
-    Tests marked `gate` (the offline compile gate at exp=flash's shapes, ~15 minutes of compilation on 2
-    cores) are deselected unless `-m` names them: CI runs them as a step of their own after the suite
+    Tests marked `gate` (the offline compile gate at exp=flash's shapes: 134 s on 2 quiet cores, far more on a
+    loaded machine) are deselected unless `-m` names them: CI runs them as a step of their own after the suite
     (`.ci/run`: `python -m pytest -q -m gate tests`), so that the suite keeps its 15-minute budget."""
     if "gate" not in (config.getoption("markexpr") or ""):
         gated = [item for item in items if item.get_closest_marker("gate")]
