@@ -11,7 +11,7 @@
    `--prompts`, `--prompt-len`, `--new-tokens`: the trained drafter's mean accepted length per verification step
    against the untrained drafter's and a block of 1, and the per-position acceptance.
 
-    flock /work/wt/heavy.lock python launch/bench_dspark.py [--out /tmp/bench_dspark] [--steps 300]
+    python launch/bench_dspark.py [--out /tmp/bench_dspark] [--steps 300]
 
 Prints the figures, the ratio trained / untrained, the stage's first and last records, and writes
 OUT/bench_dspark.json. A measurement, not a test.

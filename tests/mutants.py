@@ -928,7 +928,7 @@ MUTANTS = [
            'return True',
            ['tests/test_compile.py', '-k', 'setting']),
     Mutant('apply_compile leaves the blocks eager', 'train/compile.py',
-           'block._forward = torch.compile(block._forward)',
+           'block._forward = torch.compile(block._forward, backend=backend)',
            'block._forward = block._forward',
            ['tests/test_compile.py']),
     Mutant('a host read per MoE layer in the bias update', 'train/balancing.py',
@@ -1137,6 +1137,19 @@ MUTANTS = [
            'getattr(self.runner, "pipe", None) if self.dspark else None',
            'getattr(self.runner, "pipe", None)',
            ['tests/test_estimate.py', '-k', 'shortened and 2-2-1-2']),
+    # issue 34: torch.compile under pp x cp x ep, its backend switch and its graph-break report
+    Mutant('an unknown train.compile_backend passes the check', 'train/compile.py',
+           '    if backend not in known:\n',
+           '    if False:\n',
+           ['tests/test_compile.py', '-k', 'report']),
+    Mutant('the compile report counts each graph-break reason once', 'train/compile.py',
+           'breaks[key] = breaks.get(key, 0) + n',
+           'breaks[key] = n',
+           ['tests/test_compile.py', '-k', 'report']),
+    Mutant('the trainer never says what torch.compile made', 'train/trainer.py',
+           '                log.info(compile_report())',
+           '                pass',
+           ['tests/test_compile.py', '-k', 'pipeline_context']),
 ]
 
 

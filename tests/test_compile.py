@@ -3,9 +3,15 @@ each block's body and the loss tile, and the compiled model equals the eager one
 parameter gradient to fp32 rounding -- on flash_tiny's widths with two layers (SWA + Engram; Full at ratio 2
 as kv / index / candidate source: the compressor, the indexer with its KL loss, the sparse attention, mHC,
 the MoE), under each recomputation mode. (The Triton kernels under compile: tests/triton_interpret/
-test_compiled_kernels.py.)"""
+test_compiled_kernels.py.) Under pp x cp x ep, compiled training equals eager training (backend
+aot_eager), and the graph breaks at the collectives are the ones train/compile.py names."""
 
+import json
+import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +23,8 @@ from flashtrain.train import loss as loss_module
 from flashtrain.train.compile import apply_compile, compile_enabled
 from flashtrain.train.config import compose, model_config
 from flashtrain.train.loss import tiled_lm_loss
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # SWA + Engram, Full (ratio 2; kv, index and candidate source): every block kind but the Reuse / Reindex ones,
 # which only read the carry (each distinct block is one more compilation: ~1-2 CPU minutes each here)
@@ -95,3 +103,75 @@ def test_compile_setting_resolves_per_device_type():
 
     with pytest.raises(ConfigError, match="train.compile"):
         compile_enabled("yes", "cpu", defaults)
+
+
+def test_backend_is_checked_and_the_report_names_each_graph_break():
+    """`train.compile_backend` must name a backend of this installation (one line naming the known ones); the
+    report line counts the graphs and groups the graph breaks by their first line and the function named."""
+    from torch._dynamo.utils import counters
+
+    from flashtrain.config.errors import ConfigError
+    from flashtrain.train.compile import check_backend, compile_report
+
+    check_backend("aot_eager")
+    with pytest.raises(ConfigError, match=r"train.compile_backend='inductr' is not a torch.compile backend .*inductor"):
+        check_backend("inductr")
+    saved = {k: dict(counters[k]) for k in ("stats", "graph_break")}
+    try:
+        counters["stats"].clear()
+        counters["graph_break"].clear()
+        counters["stats"]["unique_graphs"] = 7
+        counters["graph_break"]["Data dependent operator\n  Explanation: operator `aten.nonzero.default` ..."] = 1
+        counters["graph_break"]["P2P compilation disabled\n  Explanation: none"] = 2
+        counters["graph_break"]["Skip calling\n  Explanation: function `<function f at 0x7f00ab>` is"] = 1
+        counters["graph_break"]["Data dependent operator\n  Explanation: operator `aten.nonzero.default` !"] = 3
+        assert compile_report() == ("torch.compile: 7 graph(s), 7 graph break(s): 4 x Data dependent operator "
+                                    "(aten.nonzero.default); 2 x P2P compilation disabled; 1 x Skip calling "
+                                    "(<function f>)")
+    finally:
+        for k, v in saved.items():
+            counters[k].clear()
+            counters[k].update(v)
+
+
+@pytest.mark.slow
+def test_compiled_training_under_pipeline_context_and_expert_parallelism(tmp_path):
+    """train.compile=true on 4 gloo processes at pp=2 x cp=2 x ep=2 (flash_tiny, 4-layer plan, text and images,
+    2 steps): the pipeline boundary, the context-parallel exchanges and the expert all-to-alls around compiled
+    blocks. Backend aot_eager: dynamo's graphs and AOTAutograd's forward / backward split, as inductor gets
+    them, without inductor's code generation (the test above checks that on one process; here it would cost
+    minutes per rank). The records equal the eager one-process run's to summation rounding (the tolerances of
+    tests/test_trainer.py's layout parity), and the trainer's report names the graph breaks at the
+    collectives (train/compile.py): the P2P sends of the pipeline and cp exchanges, the all-to-all split sizes
+    read on the host."""
+    from layer_plans import FOUR_LAYERS
+
+    common = ["+exp=flash_tiny", *FOUR_LAYERS, f"data.corpus_dir={tmp_path / 'corpus'}",
+              "data.corpus_text_bytes=400000", "data.corpus_mm_docs=50", "data.corpus_shards=4", "train.max_steps=2",
+              "data.batch_size=1", "train.global_batch_tokens=256", "data.mix=[1,1]", "logging.wandb.mode=disabled",
+              "logging.progress=false", "train.eval.interval=0", "train.checkpoint.interval=100"]
+    runs = {"eager": ([sys.executable], []),
+            "compiled": ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"],
+                         ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "train.compile=true",
+                          "train.compile_backend=aot_eager"])}
+    recs, logs = {}, {}
+    for name, (launcher, extra) in runs.items():
+        out = subprocess.run([*launcher, str(ROOT / "launch" / "pretrain.py"), *common, *extra,
+                              f"hydra.run.dir={tmp_path / name}"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=900)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        logs[name] = out.stdout + out.stderr
+        recs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                      if '"event"' not in line]
+    assert "torch.compile:" not in logs["eager"]
+    report = re.search(r"torch\.compile: (\d+) graph\(s\), (\d+) graph break\(s\): (.*)", logs["compiled"])
+    assert report, logs["compiled"][-3000:]
+    assert int(report.group(1)) >= 3  # rank 0's two blocks and the loss tile, at least
+    assert "P2P" in report.group(3) and "Data dependent operator" in report.group(3), report.group(0)
+    assert [r["step"] for r in recs["compiled"]] == [1, 2]
+    for x, y in zip(recs["eager"], recs["compiled"], strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
+        assert y["balance_loss"] == pytest.approx(x["balance_loss"], rel=1e-5)
+        assert y["indexer_loss"] == pytest.approx(x["indexer_loss"], rel=1e-4, abs=1e-7)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+        assert y["expert_load"] == x["expert_load"]

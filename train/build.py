@@ -46,7 +46,7 @@ from flashtrain.parallel.context import ContextComm
 from flashtrain.parallel.dims import ParallelDims
 from flashtrain.parallel.pipeline import Pipeline, build_pipeline, local_stage_ranges
 from flashtrain.train.collectives import Operation
-from flashtrain.train.compile import apply_compile, compile_enabled
+from flashtrain.train.compile import apply_compile, check_backend, compile_enabled
 from flashtrain.train.config import (
     BatchPlan,
     TrainConfig,
@@ -115,6 +115,8 @@ def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: Pa
                           f"{parallel.pipeline_schedule}) summing to {n_layers}")
     plan = plan_batches(train, seq_len, micro_batch, dims, parallel)
     validate_recompute(train.recompute)
+    if compile_enabled(train.compile, "cuda" if torch.cuda.is_available() else "cpu", train.compile_default):
+        check_backend(train.compile_backend)
     if train.loss_tile_tokens <= 0:
         raise ConfigError(f"train.loss_tile_tokens={train.loss_tile_tokens}: must be a positive number of positions")
     if train.checkpoint.interval <= 0 or train.checkpoint.keep <= 0:
@@ -188,7 +190,7 @@ def build_rank(c: RunConfigs, plan: BatchPlan, dims: ParallelDims, device: torch
                      engram_group, dist.get_rank(engram_group) if engram_group is not None else 0, dims.dp_cp)
     model.set_recompute(c.train.recompute)
     if tensor_mode is None and compile_enabled(c.train.compile, device.type, c.train.compile_default):
-        apply_compile(model)  # never under the estimator's fake tensors (train/compile.py)
+        apply_compile(model, c.train.compile_backend)  # never under the estimator's fake tensors (train/compile.py)
     if dims.cp > 1:
         model.set_context_parallel(dims.cp, dims.cp_rank, c.parallel.cp_balance, ContextComm(dims.cp_group))
     with tensor_mode or contextlib.nullcontext():

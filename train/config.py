@@ -51,6 +51,7 @@ class TrainConfig:
     recompute: str = "none"  # activation recomputation per block: none | selective | full (model/recompute.py)
     compile: bool | None = None  # torch.compile per block (train/compile.py); None: compile_default[device type]
     compile_default: dict = field(default_factory=lambda: {"cpu": False, "cuda": False})
+    compile_backend: str = "inductor"  # torch.compile's backend (aot_eager / eager: dynamo without inductor)
     balance_rate: float = 1e-3
     resume_from: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

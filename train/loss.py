@@ -59,12 +59,14 @@ _TILE = {"sum": tile_cross_entropy, "each": tile_cross_entropies}
 _COMPILED: dict = {}  # the compiled tile functions, made once (a new wrapper each time would recompile)
 
 
-def compile_tile(on: bool = True) -> None:
-    """torch.compile the loss tile's head + cross-entropy (train/compile.py `apply_compile`); on=False: back to
-    eager."""
-    if on and not _COMPILED:
-        _COMPILED.update(sum=torch.compile(tile_cross_entropy), each=torch.compile(tile_cross_entropies))
-    _TILE.update(_COMPILED if on else {"sum": tile_cross_entropy, "each": tile_cross_entropies})
+def compile_tile(on: bool = True, backend: str = "inductor") -> None:
+    """torch.compile the loss tile's head + cross-entropy (train/compile.py `apply_compile`) with `backend`;
+    on=False: back to eager."""
+    if on and _COMPILED.get("backend") != backend:
+        _COMPILED.update(sum=torch.compile(tile_cross_entropy, backend=backend),
+                         each=torch.compile(tile_cross_entropies, backend=backend), backend=backend)
+    _TILE.update({"sum": _COMPILED["sum"], "each": _COMPILED["each"]} if on else
+                 {"sum": tile_cross_entropy, "each": tile_cross_entropies})
 
 
 def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, tile_tokens: int,
