@@ -4,7 +4,7 @@ parameter gradient to fp32 rounding -- on flash_tiny's widths with two layers (S
 as kv / index / candidate source: the compressor, the indexer with its KL loss, the sparse attention, mHC,
 the MoE), under each recomputation mode. (The Triton kernels under compile: tests/triton_interpret/
 test_compiled_kernels.py.) Under pp x cp x ep, compiled training equals eager training (backend
-aot_eager), and the graph breaks at the collectives are the ones train/compile.py names."""
+eager: dynamo's graphs), and the graph breaks at the collectives are the ones train/compile.py names."""
 
 import json
 import re
@@ -138,9 +138,10 @@ def test_backend_is_checked_and_the_report_names_each_graph_break():
 def test_compiled_training_under_pipeline_context_and_expert_parallelism(tmp_path):
     """train.compile=true on 4 gloo processes at pp=2 x cp=2 x ep=2 (flash_tiny, 4-layer plan, text and images,
     2 steps): the pipeline boundary, the context-parallel exchanges and the expert all-to-alls around compiled
-    blocks. Backend aot_eager: dynamo's graphs and AOTAutograd's forward / backward split, as inductor gets
-    them, without inductor's code generation (the test above checks that on one process; here it would cost
-    minutes per rank). The records equal the eager one-process run's to summation rounding (the tolerances of
+    blocks. Backend eager: dynamo's graphs, run as captured. The collectives are outside every graph (the
+    breaks), so what a graph holds, and what AOTAutograd and inductor make of it, is what the test above
+    checks on one process; here inductor would cost minutes per rank, AOTAutograd doubles the ~13 s of
+    tracing per rank. The records equal the eager one-process run's to summation rounding (the tolerances of
     tests/test_trainer.py's layout parity), and the trainer's report names the graph breaks at the
     collectives (train/compile.py): the P2P sends of the pipeline and cp exchanges, the all-to-all split sizes
     read on the host."""
@@ -153,7 +154,7 @@ def test_compiled_training_under_pipeline_context_and_expert_parallelism(tmp_pat
     runs = {"eager": ([sys.executable], []),
             "compiled": ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"],
                          ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "train.compile=true",
-                          "train.compile_backend=aot_eager"])}
+                          "train.compile_backend=eager"])}
     recs, logs = {}, {}
     for name, (launcher, extra) in runs.items():
         out = subprocess.run([*launcher, str(ROOT / "launch" / "pretrain.py"), *common, *extra,

@@ -21,7 +21,7 @@ partition and the optimizer routing see the model they always see.
   (`P2POp`, `batch_isend_irecv`), 5 at data-dependent reads (the all-to-all split sizes), 4 at the fp32
   grouped-experts path (model/moe.py, `torch.compiler.disable`d: `_grouped_mm` compiles for bf16 only).
 - `train.compile_backend` (default inductor): aot_eager / eager run dynamo's graphs without inductor's code
-  generation, to tell a tracing problem from a compiler one (the parallel test uses aot_eager).
+  generation, to tell a tracing problem from a compiler one (the parallel test uses eager).
 - The Triton kernels are torch.library custom ops (model/kernels/select.py `kernel_op`): compile treats
   each as one opaque operator and never traces into Triton.
 - The memory estimator (train/estimate.py) builds its rank with a fake-tensor mode and never compiles.
