@@ -267,16 +267,25 @@ def test_named_sources_report_per_source_and_resume_with_changed_weights(tmp_pat
 
 
 @pytest.mark.slow
-def test_bad_layout_and_changed_model_are_refused(tmp_path, corpus_args):
-    bad = pretrain(tmp_path / "bad", corpus_args, "train.global_batch_tokens=384", check=False)
-    assert bad.returncode != 0 and "train.global_batch_tokens=384" in bad.stderr and "data.batch_size=2" in bad.stderr
-    run = tmp_path / "run"
-    pretrain(run, corpus_args, "train.max_steps=1")
-    other = pretrain(run, corpus_args, "train.max_steps=2", "model.init_std=0.01", "model.attn_chunk_size=32",
-                     check=False)
+@pytest.mark.xdist_group("trainer_one_sequence_reference")
+def test_bad_batch_and_changed_model_are_refused(tmp_path, corpus_args, one_sequence_reference):
+    """A global batch that is no whole number of micro-batches is refused before anything is built (in process,
+    as test_bad_pipeline_and_context_layouts_...); resuming the reference's checkpoint with another model
+    config is refused naming the changed field, while a field that changes only the execution resumes."""
+    from flashtrain.config.errors import ConfigError
+    from flashtrain.train.build import read_configs, run_plan
+    from flashtrain.train.config import compose
+
+    with pytest.raises(ConfigError, match=r"train.global_batch_tokens=384.*data.batch_size=2"):
+        run_plan(read_configs(compose(["+exp=flash_tiny", *EIGHT_LAYERS, "train.global_batch_tokens=384"])), 1)
+    ckpt = f"{one_sequence_reference[0]}/checkpoints/step_00000002"
+    other = pretrain(tmp_path / "other", corpus_args, "train.max_steps=3", f"train.resume_from={ckpt}",
+                     "data.batch_size=1", "model.init_std=0.01", "model.attn_chunk_size=32", check=False)
     assert other.returncode != 0 and "different model config" in other.stderr and "init_std" in other.stderr
     assert "attn_chunk_size" not in other.stderr.split("different model config")[1].split("\n")[0]
-    pretrain(run, corpus_args, "train.max_steps=2", "model.attn_chunk_size=32")  # execution only: resumes
+    again = pretrain(tmp_path / "again", corpus_args, "train.max_steps=3", f"train.resume_from={ckpt}",
+                     "data.batch_size=1", "model.attn_chunk_size=32")  # execution only: resumes
+    assert f"resumed from {ckpt} at step 2" in again.stdout
 
 
 @pytest.mark.slow
@@ -444,13 +453,27 @@ def test_lm_eval_adapter_scores_literally_and_runs_a_local_task(tmp_path, one_se
     assert acc == pytest.approx(sum(p == d["answer"] for p, d in zip(picks, LOCAL_DOCS)) / len(LOCAL_DOCS))
 
 
-@pytest.mark.slow
-def test_bad_pipeline_layout_is_refused_before_anything_is_built(tmp_path, corpus_args):
-    three = pretrain(tmp_path / "pp3", corpus_args, "parallel.pp=3", procs=2, check=False)
-    assert three.returncode != 0 and "parallel.pp=3 does not divide the world size 2" in three.stderr
-    pinned = pretrain(tmp_path / "pin", corpus_args, "parallel.pp=2", "parallel.pipeline_schedule=zbv",
-                      "parallel.stage_layers=[4,4]", procs=2, check=False)
-    assert pinned.returncode != 0 and "parallel.stage_layers=[4, 4]: needs 4 positive layer counts" in pinned.stderr
+def test_bad_pipeline_and_context_layouts_are_refused_before_anything_is_built():
+    """The layout checks the trainer makes before its process group exists (`Trainer.__init__` -> train/build.py
+    `run_plan`), on the composed config of a launch, in process: tests/test_launch.py shows such an error
+    reaching the user as one line, exit 2, once under torchrun (a launch per layout here cost ~40 s of the
+    suite)."""
+    import re
+
+    from flashtrain.config.errors import ConfigError
+    from flashtrain.train.build import read_configs, run_plan
+    from flashtrain.train.config import compose
+
+    def plan(world, *overrides):
+        return run_plan(read_configs(compose(["+exp=flash_tiny", *EIGHT_LAYERS, *overrides])), world)
+
+    assert plan(2, "parallel.pp=2").dims.pp == 2  # the same config with a layout that fits
+    with pytest.raises(ConfigError, match="parallel.pp=3 does not divide the world size 2"):
+        plan(2, "parallel.pp=3")
+    with pytest.raises(ConfigError, match=re.escape("parallel.stage_layers=[4, 4]: needs 4 positive layer counts")):
+        plan(2, "parallel.pp=2", "parallel.pipeline_schedule=zbv", "parallel.stage_layers=[4,4]")
+    with pytest.raises(ConfigError, match="parallel.cp=3 does not divide the 1 ranks"):
+        plan(1, "parallel.cp=3", "train.max_steps=1")
 
 
 @pytest.mark.slow
@@ -548,8 +571,3 @@ def test_context_parallel_trains_like_one_process_and_resumes_across_cp(tmp_path
         ma, _ = final_model(straight, step)
         assert_params_close(mb, straight, ref, step)
         assert all(torch.equal(mb[k], ma[k]) for k in ma if k.endswith(("ffn.gate.bias", "ffn.gate.bias_vl")))
-
-
-def test_bad_context_parallel_layout_is_refused(tmp_path, corpus_args):
-    out = pretrain(tmp_path / "bad", corpus_args, "parallel.cp=3", "train.max_steps=1", check=False)
-    assert out.returncode != 0 and "parallel.cp=3 does not divide the 1 ranks" in out.stdout + out.stderr
