@@ -165,6 +165,7 @@ class RankParts:
     optim: object  # OptimizerSet (train/optim)
     reducer: object  # GradReducer (parallel/grad_reduce.py)
     runner: StepRunner
+    compiled: bool = False  # train.compile applied to the blocks (train/compile.py)
 
 
 def counts_data(dims: ParallelDims) -> bool:
@@ -189,7 +190,8 @@ def build_rank(c: RunConfigs, plan: BatchPlan, dims: ParallelDims, device: torch
     build_rank_model(model, device, c.train.seed, stages, dims.ep, dims.ep_rank, dims.ep_group, tensor_mode,
                      engram_group, dist.get_rank(engram_group) if engram_group is not None else 0, dims.dp_cp)
     model.set_recompute(c.train.recompute)
-    if tensor_mode is None and compile_enabled(c.train.compile, device.type, c.train.compile_default):
+    compiled = tensor_mode is None and compile_enabled(c.train.compile, device.type, c.train.compile_default)
+    if compiled:
         apply_compile(model, c.train.compile_backend)  # never under the estimator's fake tensors (train/compile.py)
     if dims.cp > 1:
         model.set_context_parallel(dims.cp, dims.cp_rank, c.parallel.cp_balance, ContextComm(dims.cp_group))
@@ -217,7 +219,7 @@ def build_rank(c: RunConfigs, plan: BatchPlan, dims: ParallelDims, device: torch
     else:
         runner = PipelineRunner(model, pipe, reducer, plan.accumulation, plan.round_microbatches,
                                 pp_rank=dims.pp_rank, loss_fn=loss_fn, **common)
-    return RankParts(model, pipe, optim, reducer, runner)
+    return RankParts(model, pipe, optim, reducer, runner, compiled)
 
 
 def _sinkhorn_row_group_of(model, dims: ParallelDims):

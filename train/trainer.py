@@ -57,7 +57,7 @@ from flashtrain.train.build import (
 )
 from flashtrain.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from flashtrain.train.collectives import CollectiveError, Operation, all_reduce, barrier, collective_error
-from flashtrain.train.compile import compile_enabled, compile_report
+from flashtrain.train.compile import compile_report
 from flashtrain.train.config import CheckpointConfig, TrainConfig, rounded_batch_note
 from flashtrain.train.dspark import backbone_pointer, build_dspark_rank, check_backbone, dspark_record
 from flashtrain.train.engram_map import load_or_build_engram_map
@@ -130,6 +130,7 @@ class Trainer:
         parts = build(c, self.plan, self.dims, self.device, model_template(c.model, token_map), self.mixed_precision,
                       self.op, self.schedule.lr(self.step))
         self.model, self.optim, self.reducer, self.runner = parts.model, parts.optim, parts.reducer, parts.runner
+        self.compiled = parts.compiled
         self.counts_data = counts_data(self.dims)
         self.guard = StabilityGuard(c.train.spike, c.train.anticipatory_routing, self.model, self.optim.optimizers,
                                     self.device, self.op, self.is_main)
@@ -308,7 +309,7 @@ class Trainer:
             metrics.close()
             signal.signal(signal.SIGTERM, previous)
         if self.is_main:  # after the progress bar has closed: a line of its own
-            if not self.dspark and compile_enabled(c.train.compile, self.device.type, c.train.compile_default):
+            if self.compiled:
                 log.info(compile_report())  # the graphs and where they break (train/compile.py)
             log.info(self.last_line())
         if dist.is_initialized():
