@@ -5,12 +5,12 @@ and ep=2; the look-ahead buffer and the cached indices survive a checkpoint exac
 
 import copy
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from layer_plans import FOUR_LAYERS
 
 from flashtrain.model.moe import Gate
@@ -136,7 +136,7 @@ def test_pipeline_and_expert_parallel_route_by_the_earlier_parameters(tmp_path, 
     process's (the loads and biases exactly: the same indices are counted; the losses to rounding)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "anticipatory_routing.py"), str(tmp_path), str(corpus), layout]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = warm_launch.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     ranks = [torch.load(tmp_path / f"{layout}.rank{r}.pt") for r in (0, 1)]
     for r in ranks:

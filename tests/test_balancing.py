@@ -2,12 +2,12 @@
 """The per-modality bias rule (V41_SPEC §4) against hand values, and its distributed reduction."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 
 from flashtrain.train.balancing import accumulate_loads, update_biases
 
@@ -65,7 +65,7 @@ dist.destroy_process_group()
 '''
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "--no-python", sys.executable, "-c", script], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = warm_launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "--no-python", sys.executable, "-c", script], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

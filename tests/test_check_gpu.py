@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,8 +19,8 @@ def test_reduced_form_runs_every_section(tmp_path):
     """Slow: the kernels under the interpreter, a 2-step training run, two benchmarks and an estimate
     (a few minutes on 2 cores)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, str(ROOT / "launch" / "check_gpu.py"), "--cpu", "--out", str(tmp_path)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    out = warm_launch.run([sys.executable, str(ROOT / "launch" / "check_gpu.py"), "--cpu", "--out", str(tmp_path)],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     report = json.loads((tmp_path / "check_gpu.json").read_text())
     sections = report["sections"]

@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import pickle
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+import warm_launch
 from layer_plans import FOUR_LAYERS
 from torch import nn
 
@@ -99,14 +99,14 @@ def test_a_run_resumes_from_the_previous_checkpoint_when_the_newest_is_damaged(t
             "logging.heatmap_interval=0", f"data.corpus_dir={tmp_path / 'corpus'}", "data.corpus_text_bytes=300000",
             "data.corpus_mm_docs=100", "data.corpus_shards=2",
             "train.checkpoint.interval=1", "train.global_batch_tokens=128", "data.batch_size=1"]
-    first = subprocess.run(base + ["train.max_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    first = warm_launch.run(base + ["train.max_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     f = _data_file(run / "checkpoints" / "step_00000002")
     data = bytearray(f.read_bytes())
     data[-100] ^= 0x01
     f.write_bytes(bytes(data))
-    again = subprocess.run(base + ["train.max_steps=3"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env={**os.environ})
+    again = warm_launch.run(base + ["train.max_steps=3"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ})
     assert again.returncode == 0, again.stderr[-3000:]
     out = again.stdout + again.stderr
     assert "step_00000002 is damaged" in out and f"resumed from {run}/checkpoints/step_00000001 at step 1" in out
@@ -243,15 +243,15 @@ def test_a_damaged_checkpoint_is_set_aside_and_each_step_is_logged_once(tmp_path
             "data.corpus_shards=2", "train.checkpoint.interval=2", "train.checkpoint.keep=2",
             "train.global_batch_tokens=128", "data.batch_size=1", *FOUR_LAYERS]
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    first = subprocess.run(base + ["train.max_steps=3"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env=env)
+    first = warm_launch.run(base + ["train.max_steps=3"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000002", "step_00000003"]
     lost = _data_file(checkpoints / "step_00000003")
     lost.unlink()
-    again = subprocess.run(base + ["train.max_steps=4"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env=env)
+    again = warm_launch.run(base + ["train.max_steps=4"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     out = again.stdout + again.stderr
     aside = checkpoints / ".damaged-step_00000003"

@@ -3,12 +3,12 @@ are scaled to it, gradients below are left bit for bit; under pipeline and exper
 norm adds the other stages' and the other expert shards' squares (2 processes, gloo)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 
 from flashtrain.parallel.clipping import CLIP_EPS, clip_grad_norm_
 
@@ -75,8 +75,8 @@ for kind, dense, want in (("pp", [3.0 + r, 4.0], 67.0), ("ep", [3.0, 4.0], 35.0)
 print(f"rank {r}: clip ok", flush=True)
 dist.destroy_process_group()
 '''
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "--no-python", sys.executable, "-c", script], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    out = warm_launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "--no-python", sys.executable, "-c", script], cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "rank 0: clip ok" in out.stdout and "rank 1: clip ok" in out.stdout

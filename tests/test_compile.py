@@ -9,12 +9,12 @@ eager: dynamo's graphs), and the graph breaks at the collectives are the ones tr
 import json
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 
 from flashtrain.data.loader import IGNORE
 from flashtrain.model.aux import StepStats
@@ -157,9 +157,9 @@ def test_compiled_training_under_pipeline_context_and_expert_parallelism(tmp_pat
                           "train.compile_backend=eager"])}
     recs, logs = {}, {}
     for name, (launcher, extra) in runs.items():
-        out = subprocess.run([*launcher, str(ROOT / "launch" / "pretrain.py"), *common, *extra,
-                              f"hydra.run.dir={tmp_path / name}"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=900)
+        out = warm_launch.run([*launcher, str(ROOT / "launch" / "pretrain.py"), *common, *extra,
+                                f"hydra.run.dir={tmp_path / name}"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=900)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         logs[name] = out.stdout + out.stderr
         recs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()

@@ -2,11 +2,11 @@
 
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.config.typed import typed_config
@@ -87,8 +87,8 @@ def test_unknown_field_rejected():
 
 
 def _plan(*args):
-    out = subprocess.run([sys.executable, str(ROOT / "launch" / "plan.py"), *args], capture_output=True, text=True,
-                         cwd=ROOT, timeout=300)
+    out = warm_launch.run([sys.executable, str(ROOT / "launch" / "plan.py"), *args], capture_output=True, text=True,
+                           cwd=ROOT, timeout=300)
     return out
 
 

@@ -10,11 +10,11 @@ group pooling and their gradients, summed over ranks, reach the owners; rows gat
 in rank order."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.model.sequence_split import SequenceSplit, _entry_rows, _halo_rows, causal_cost, chunk_ranges
@@ -131,9 +131,9 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_halo_and_gathered_entries_match_the_unsplit_sequence_two_processes():
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "--no-python", sys.executable, "-c", SCRIPT], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    out = warm_launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "--no-python", sys.executable, "-c", SCRIPT], cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "rank 0: context ok" in out.stdout and "rank 1: context ok" in out.stdout
 
@@ -145,9 +145,9 @@ def test_context_parallel_model_matches_the_unsplit_sequences(pp, cp, balances):
     gradient, the expert loads, the bias updates and the aux-loss values against the unsplit model, with
     chunk boundaries inside a compression group, an image span and an Engram n-gram
     (tests/dist/context_parity.py)."""
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc_per_node={pp * cp}", str(ROOT / "tests" / "dist" / "context_parity.py"), str(pp),
-                          str(cp), *balances], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = warm_launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc_per_node={pp * cp}", str(ROOT / "tests" / "dist" / "context_parity.py"), str(pp),
+                            str(cp), *balances], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     for rank in range(pp * cp):
         for balance in balances:

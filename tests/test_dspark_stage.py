@@ -4,13 +4,13 @@ backbone bit-identical and outside every autograd graph; end to end through laun
 resume, and a resume against another backbone refused naming both."""
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import warm_launch
 from layer_plans import FOUR_LAYERS
 
 from flashtrain.data.loader import IGNORE
@@ -242,7 +242,7 @@ def stage(run_dir, corpus_args, backbone, *overrides, check=True, procs=1):
            if procs > 1 else [sys.executable])
     cmd += [str(ROOT / "launch" / "pretrain.py"), *STAGE, f"hydra.run.dir={run_dir}", f"train.backbone={backbone}",
             *corpus_args, *overrides]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = warm_launch.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if check:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out

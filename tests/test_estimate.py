@@ -6,12 +6,12 @@ estimator's figure for the same rank, within 10%."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from layer_plans import EIGHT_LAYERS, FOUR_LAYERS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,13 +27,13 @@ def test_estimate_within_ten_percent_of_a_real_step(tmp_path):
     corpus = [f"data.corpus_dir={tmp_path / 'corpus'}", "data.corpus_text_bytes=400000", "data.corpus_mm_docs=50",
               "data.corpus_shards=4", "data.mix=[1,0]"]  # text only, as the estimator's batches
     env = {**os.environ, "MEASURE_OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    real = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                           str(ROOT / "tests" / "dist" / "measure_step.py"), *LAYOUT, *corpus, "run_name=measure",
-                           "logging.wandb.mode=disabled"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    real = warm_launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                             str(ROOT / "tests" / "dist" / "measure_step.py"), *LAYOUT, *corpus, "run_name=measure",
+                             "logging.wandb.mode=disabled"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=900)
     assert real.returncode == 0, real.stdout[-3000:] + real.stderr[-3000:]
-    est = subprocess.run([sys.executable, str(ROOT / "launch" / "estimate.py"), *LAYOUT, "--world", "4", "--device",
-                          "cpu", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    est = warm_launch.run([sys.executable, str(ROOT / "launch" / "estimate.py"), *LAYOUT, "--world", "4", "--device",
+                            "cpu", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert est.returncode == 0, est.stderr[-3000:]
     report = json.loads(est.stdout.strip().splitlines()[-1])
     assert report["world"] == 4 and [r["rank"] for r in report["ranks"]] == [0, 2]  # one rank per pp position

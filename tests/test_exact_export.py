@@ -9,12 +9,12 @@ The launch tools run in this process (as their command lines run them), the trai
 
 import json
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from layer_plans import FOUR_LAYERS
 
 from flashtrain.model.formats import Stored, as_trained, weight_formats
@@ -46,10 +46,10 @@ def test_the_export_of_a_qat_run_is_the_model_it_trained(tmp_path, capsys):
     corpus = [f"data.corpus_dir={tmp_path / 'corpus'}", "data.corpus_text_bytes=300000", "data.corpus_mm_docs=100",
               "data.corpus_shards=2"]
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, str(ROOT / "launch" / "pretrain.py"), *MODEL, *corpus, f"hydra.run.dir={run}",
-                          "logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0",
-                          "train.max_steps=1", "train.eval.interval=0"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = warm_launch.run([sys.executable, str(ROOT / "launch" / "pretrain.py"), *MODEL, *corpus,
+                            f"hydra.run.dir={run}", "logging.wandb.mode=disabled", "logging.progress=false",
+                            "logging.heatmap_interval=0", "train.max_steps=1", "train.eval.interval=0"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     ckpt = run / "checkpoints" / "step_00000001"
     run_tool("export_official.py", str(ckpt), str(tmp_path / "release"))

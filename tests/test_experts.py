@@ -2,12 +2,12 @@
 """Expert parallelism (parallel/experts.py): all-to-all dispatch parity with the local path under
 torchrun/gloo, and expert sharding by hand."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 
 from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 
@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_ep2_matches_ep1_losses_gradients_loads_and_bias_updates():
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(ROOT / "tests" / "dist" / "expert_parity.py")], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    run = warm_launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            str(ROOT / "tests" / "dist" / "expert_parity.py")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert "rank 0: ep=2 matches ep=1" in run.stdout and "rank 1: ep=2 matches ep=1" in run.stdout
 

@@ -14,11 +14,11 @@ way back, train/collectives.py `all_reduce`), counted here with the read that fo
 import collections
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 from layer_plans import FOUR_LAYERS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,12 +71,12 @@ def test_whole_step_host_syncs(layout, corpus, tmp_path):
     """Slow: the real trainer under torchrun (1 and 4 gloo processes, ~25 s each)."""
     nproc, extra = LAYOUTS[layout]
     env = {**os.environ, "SYNCS_OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                          str(ROOT / "tests" / "dist" / "step_syncs.py"), "+exp=flash_tiny", *FOUR_LAYERS, *corpus,
-                          *extra, "run_name=syncs", "logging.wandb.mode=disabled", "logging.progress=false",
-                          "train.checkpoint.interval=100", "train.eval.interval=0", "data.batch_size=1",
-                          "train.global_batch_tokens=256", "data.mix=[1,1]"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = warm_launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                            str(ROOT / "tests" / "dist" / "step_syncs.py"), "+exp=flash_tiny", *FOUR_LAYERS, *corpus,
+                            *extra, "run_name=syncs", "logging.wandb.mode=disabled", "logging.progress=false",
+                            "train.checkpoint.interval=100", "train.eval.interval=0", "data.batch_size=1",
+                            "train.global_batch_tokens=256", "data.mix=[1,1]"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     device = []
     for rank in range(nproc):

@@ -11,14 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _pretrain(run_dir, *overrides, env=None):
-    return subprocess.run([sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny",
-                           f"hydra.run.dir={run_dir}", "logging.wandb.mode=disabled", *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+    return warm_launch.run([sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny",
+                             f"hydra.run.dir={run_dir}", "logging.wandb.mode=disabled", *overrides],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.slow
@@ -87,14 +88,14 @@ def test_a_mistake_is_one_line_and_exit_2(tmp_path, case):
 
 def test_the_other_launch_tools_share_the_one_line_exit():
     """launch/plan.py goes through the same helper (flashtrain.config.errors.exit_on_user_error) and compose."""
-    out = subprocess.run([sys.executable, str(ROOT / "launch" / "plan.py"), "+exp=flash_smal"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = warm_launch.run([sys.executable, str(ROOT / "launch" / "plan.py"), "+exp=flash_smal"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and [line for line in out.stderr.splitlines() if line.strip()] == [
         "error: +exp=flash_smal: there is no exp 'flash_smal' (did you mean +exp=flash_small?); the exp options are "
         "flash, flash_2048gpu, flash_2048gpu_1m, flash_dspark, flash_node, flash_small, flash_small_dspark, "
         "flash_tiny, flash_tiny_dspark (conf/exp/*.yaml)"], out.stderr
-    out = subprocess.run([sys.executable, str(ROOT / "launch" / "evaluate.py"), "/nonexistent/step_00000001"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = warm_launch.run([sys.executable, str(ROOT / "launch" / "evaluate.py"), "/nonexistent/step_00000001"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and [line for line in out.stderr.splitlines() if line.strip()] == [
         "error: '/nonexistent/step_00000001' is not a checkpoint (no .metadata); give a checkpoints/step_XXXXXXXX "
         "directory or one written by launch/import_official.py"], out.stderr

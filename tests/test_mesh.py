@@ -2,11 +2,11 @@
 mesh (parallel/mesh.py)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.parallel.dims import ParallelDims
@@ -47,7 +47,7 @@ dist.barrier()
 dist.destroy_process_group()
 '''
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "--no-python", sys.executable, "-c", script], cwd=root,
-                         env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120)
+    out = warm_launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "--no-python", sys.executable, "-c", script], cwd=root,
+                           env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

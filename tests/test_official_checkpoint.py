@@ -11,7 +11,6 @@ launch/export_official.py) on flash_tiny-shaped synthetic checkpoints written by
 
 import json
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import warm_launch
 
 from flashtrain.model.param_kinds import parameter_kinds
 from flashtrain.parallel.construct import model_template
@@ -49,8 +49,8 @@ def _cfg():
 
 
 def _run(script, *args):
-    out = subprocess.run([sys.executable, str(ROOT / "launch" / script), *args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    out = warm_launch.run([sys.executable, str(ROOT / "launch" / script), *args], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
     return out
 
 
@@ -280,10 +280,10 @@ def test_a_run_starts_from_the_import_and_restarts_from_its_own_checkpoint(expor
             f"data.corpus_dir={corpus}",
             "data.corpus_text_bytes=300000", "data.corpus_mm_docs=100", "data.corpus_shards=2",
             f"train.resume_from={d / 'imp_fp8'}"]
-    first = subprocess.run(base + ["train.max_steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    first = warm_launch.run(base + ["train.max_steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "started from the weights in" in first.stdout and "step 0, fresh optimizer state" in first.stdout
-    again = subprocess.run(base + ["train.max_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = warm_launch.run(base + ["train.max_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "holds weights only" in again.stdout and "resumed from" in again.stdout and "step 1" in again.stdout
 

@@ -400,14 +400,15 @@ def test_distributed_muon_and_row_sharded_sinkhorn_match_single_rank():
     (tests/parity_batch.py) by whole matrices (ZeRO-1 ownership, each piece broadcast by its owner): the
     parameters after two steps equal single-rank Muon's. And a table row-sharded over the two ranks gets
     the whole table's Sinkhorn update."""
-    import subprocess
     import sys
     from pathlib import Path
 
+    import warm_launch
+
     root = Path(__file__).resolve().parent.parent
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(root / "tests" / "dist" / "optimizer_parity.py")],
-                         cwd=root, capture_output=True, text=True, timeout=300)
+    run = warm_launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            str(root / "tests" / "dist" / "optimizer_parity.py")],
+                           cwd=root, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert run.stdout.count("distributed Muon matches single-rank Muon on 304 matrices") == 2
     assert run.stdout.count("row-sharded Sinkhorn matches the whole table") == 2

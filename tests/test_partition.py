@@ -4,12 +4,12 @@ activations agree with the estimator's measurement of each block (train.estimate
 
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.parallel.partition import PartitionCosts, _stage_cost, in_flight_microbatches, partition, unit_costs
@@ -143,9 +143,9 @@ def test_pinned_stage_layers_and_validation():
 
 
 def test_report_totals_and_plan_pipeline_section():
-    out = subprocess.run([sys.executable, "launch/plan.py", "+exp=flash", "parallel.pp=8", "--device", "cpu",
-                          "--json"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = warm_launch.run([sys.executable, "launch/plan.py", "+exp=flash", "parallel.pp=8", "--device", "cpu",
+                            "--json"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     pipe = r["pipeline"]

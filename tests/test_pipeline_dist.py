@@ -10,13 +10,13 @@ crosses:
   stages 0 and 3 (embedding and head), so the 1 -> 2 boundary is on one rank and the others cross
   processes."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import warm_launch
 from parity_batch import IGNORE, MICROBATCHES, batch, tiny_model
 
 from flashtrain.model.aux import StepStats
@@ -54,7 +54,7 @@ def pipelined(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "pipeline_parity.py"), str(out), *[f"{k}:{v}" for k, v in LAYOUTS.items()]]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = warm_launch.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     return {name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in (0, 1)] for name in LAYOUTS}
 

@@ -5,12 +5,12 @@ with the model's module names in it, and the CUDA-only memory snapshot switch on
 import json
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from layer_plans import EIGHT_LAYERS
 from torch import nn
 
@@ -156,7 +156,7 @@ def profiled_run(tmp_path_factory):
            "train.max_steps=3", "train.profile.steps=[2,3]", "train.profile.memory_snapshot=true",
            f"train.peak_tflops.cpu={CPU_PEAK_TFLOPS}",
            "train.global_batch_tokens=128", "data.batch_size=1"]  # one sequence per step: a smaller trace
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    out = warm_launch.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return run, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 

@@ -57,13 +57,14 @@ def test_phases_out_of_order_are_rejected():
 
 def test_plan_reports_the_schedule():
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
+    import warm_launch
+
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "launch/plan.py", "+exp=flash", "--json"], cwd=root, capture_output=True,
-                         text=True, timeout=300)
+    out = warm_launch.run([sys.executable, "launch/plan.py", "+exp=flash", "--json"], cwd=root, capture_output=True,
+                           text=True, timeout=300)
     sched = json.loads(out.stdout)["schedule"]
     for key in ("total_steps", "tokens_per_step", "warmup_end_step", "warmup_end_lr", "decay_start_step",
                 "decay_start_lr", "decay_end_step", "decay_end_lr", "last_step", "last_lr", "vit_unfreeze_step"):

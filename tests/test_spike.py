@@ -4,12 +4,12 @@ in-memory snapshots a rollback restores."""
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from layer_plans import FOUR_LAYERS
 
 from flashtrain.config.errors import ConfigError
@@ -149,7 +149,8 @@ def pretrain(run_dir, corpus, *extra, procs=1, env=None):
            f"data.corpus_dir={corpus}", "data.corpus_text_bytes=300000", "data.corpus_mm_docs=100",
            "data.corpus_shards=2", "train.global_batch_tokens=256", "data.batch_size=1",
            "logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0", *extra]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    return warm_launch.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, **(env or {})})
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from layer_plans import EIGHT_LAYERS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,8 +136,8 @@ def pretrain(run_dir, corpus_args, *overrides, procs=1, env=None, check=True, ti
     cmd += [str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", *plan, f"hydra.run.dir={run_dir}",
             "logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0", *SCHEDULE,
             *corpus_args, *overrides]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, **(env or {})})
+    out = warm_launch.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, **(env or {})})
     if check:
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return out
@@ -375,9 +376,9 @@ def test_evaluate_a_checkpoint_in_another_layout_gives_the_runs_eval_record(tmp_
     """launch/evaluate.py on the reference's step-2 checkpoint, under torchrun at pp=2 (its config from the
     checkpoint, the layout overridden): the run's own eval record of step 2."""
     straight, _ = one_sequence_reference
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(ROOT / "launch" / "evaluate.py"), f"{straight}/checkpoints/step_00000002", "--json",
-                          "parallel.pp=2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = warm_launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            str(ROOT / "launch" / "evaluate.py"), f"{straight}/checkpoints/step_00000002", "--json",
+                            "parallel.pp=2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["step"] == 2 and "2 process(es) on cpu, pp=2 dp=1 ep=1 cp=1" in out.stderr
@@ -441,11 +442,11 @@ def test_lm_eval_adapter_scores_literally_and_runs_a_local_task(tmp_path, one_se
     data.write_text("".join(json.dumps(d) + "\n" for d in LOCAL_DOCS))
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "local.yaml").write_text(LOCAL_TASK.format(data=data))
-    out = subprocess.run([sys.executable, str(ROOT / "launch" / "harness.py"), "--model", "flashtrain",
-                          "--model_args", f"checkpoint={ckpt}", "--tasks", "flashtrain_local",
-                          "--include_path", str(tmp_path / "tasks"), "--output_path", str(tmp_path / "results")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    out = warm_launch.run([sys.executable, str(ROOT / "launch" / "harness.py"), "--model", "flashtrain",
+                            "--model_args", f"checkpoint={ckpt}", "--tasks", "flashtrain_local",
+                            "--include_path", str(tmp_path / "tasks"), "--output_path", str(tmp_path / "results")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(next((tmp_path / "results").rglob("results_*.json")).read_text())
     acc = result["results"]["flashtrain_local"]["acc,none"]

@@ -8,13 +8,13 @@ with dp > 1, Engram tables row-sharded, resumes across dp / ep / pp layouts) are
 
 import itertools
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import warm_launch
 from layer_plans import EIGHT_LAYERS
 
 from flashtrain.parallel.sharded_state import GlobalChunk
@@ -208,10 +208,10 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_overlapped_reduction_and_zero1_step_match_the_replicated_path_two_processes(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "--no-python", sys.executable, "-c", SCRIPT, str(tmp_path / "ck")], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}, capture_output=True, text=True,
-                         timeout=300)
+    out = warm_launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "--no-python", sys.executable, "-c", SCRIPT, str(tmp_path / "ck")], cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}, capture_output=True, text=True,
+                           timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "rank 0: zero ok" in out.stdout and "rank 1: zero ok" in out.stdout
 
