@@ -93,20 +93,14 @@ if _os.environ.get("TRITON_INTERPRET") != "1":
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules with the most slow tests first, each module kept together (for its module-scoped
-    fixtures): with two workers the long runs start early instead of trailing at the end.
-
-    Tests marked `gate` (the offline compile gate at exp=flash's shapes: 134 s on 2 quiet cores, far more on a
-    loaded machine) are deselected unless `-m` names them: CI runs them as a step of their own after the suite
-    (`.ci/run`: `python -m pytest -q -m gate tests`), so that the suite keeps its 15-minute budget."""
-    if "gate" not in (config.getoption("markexpr") or ""):
-        gated = [item for item in items if item.get_closest_marker("gate")]
-        if gated:
-            config.hook.pytest_deselected(items=gated)
-            items[:] = [item for item in items if not item.get_closest_marker("gate")]
+    """The offline compile gate (`gate`: every kernel x config at exp=flash's shapes, ~110 s in a pool of its own
+    2 processes) first, then the modules with the most slow tests, each module kept together (for its
+    module-scoped fixtures): with two workers the long runs start early instead of trailing at the end.
+    `python -m pytest -q -m gate tests` runs the gate alone."""
     slow: dict[str, set] = {item.module.__name__: set() for item in items}
     for item in items:  # slow test functions, a parametrised one counted once
         if item.get_closest_marker("slow"):
             slow[item.module.__name__].add(item.originalname)
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-len(slow[item.module.__name__]), order[id(item)]))
+    items.sort(key=lambda item: (item.get_closest_marker("gate") is None, -len(slow[item.module.__name__]),
+                                 order[id(item)]))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from test_trainer import corpus_args  # noqa: F401 - the shared corpus fixture
 
 from flashtrain.config.errors import ConfigError
@@ -116,10 +117,10 @@ def test_a_kill_fault_sigkills_the_process_once(tmp_path):
 
 
 def test_a_malformed_fault_spec_stops_the_run_at_start_up(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny",
-                          f"hydra.run.dir={tmp_path / 'run'}", "logging.wandb.mode=disabled"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, faults.FAULT_ENV: "kill:rank=1:step=3:point=checkpoint_wirte"})
+    out = warm_launch.run([sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny",
+                           f"hydra.run.dir={tmp_path / 'run'}", "logging.wandb.mode=disabled"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, faults.FAULT_ENV: "kill:rank=1:step=3:point=checkpoint_wirte"})
     assert out.returncode == 2, out.stderr[-3000:]
     assert "error: FLASHTRAIN_FAULT: 'kill:rank=1:step=3:point=checkpoint_wirte': unknown point" in out.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -129,12 +130,16 @@ def test_a_malformed_fault_spec_stops_the_run_at_start_up(tmp_path):
 SMALL = [*fuzz.FOUR_LAYERS, *fuzz.SMALL]
 
 
+def torchrun_cmd(run_dir, corpus, *overrides, launcher_args=()):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *launcher_args,
+            str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run_dir}", *SMALL, *corpus,
+            *overrides]
+
+
 def torchrun(run_dir, corpus, *overrides, env=None, launcher_args=()):
     """Start `torchrun --nproc_per_node=2 launch/pretrain.py` (its own session); returns the Popen, output
     in <run_dir>.log."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *launcher_args,
-           str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", f"hydra.run.dir={run_dir}", *SMALL, *corpus,
-           *overrides]
+    cmd = torchrun_cmd(run_dir, corpus, *overrides, launcher_args=launcher_args)
     log = open(f"{run_dir}.log", "w")
     try:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -178,8 +183,10 @@ def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path, corp
     workers, which resume from step_2 (interval 2) -- the run directory's lock is free by then -- and the
     job exits 0 with the same final state as a run without the kill."""
     steps = ["train.max_steps=6", "train.checkpoint.interval=2", "train.checkpoint.keep=4"]
-    straight = torchrun(tmp_path / "straight", corpus_args, *steps)
-    assert wait_watching(straight, 300)[0] == 0, Path(f"{tmp_path / 'straight'}.log").read_text()[-3000:]
+    straight = warm_launch.run(torchrun_cmd(tmp_path / "straight", corpus_args, *steps), cwd=ROOT,
+                               capture_output=True, text=True, timeout=300,
+                               env={k: v for k, v in os.environ.items() if k != faults.FAULT_ENV})
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     fired = tmp_path / "fired"
     run = tmp_path / "elastic"
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch 2.13's torchrun keeps one shared TCPStore across restarts,

@@ -3,11 +3,11 @@
 execute on CPU tensors in Triton's interpreter and are compared with their plain-PyTorch references."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,11 +18,12 @@ FILES = sorted(p.name for p in (ROOT / "tests" / "triton_interpret").glob("test_
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FILES)
 def test_triton_kernels_under_interpreter(name):
-    """One process per file, so that the files can run side by side (pytest-xdist)."""
+    """One process per file, so that the files can run side by side (pytest-xdist); each forked from a
+    warm interpreter that imported Triton and the kernels with TRITON_INTERPRET=1 (tests/warm_launch.py)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
-                          f"tests/triton_interpret/{name}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
+    out = warm_launch.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                           f"tests/triton_interpret/{name}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
 

@@ -10,13 +10,17 @@ the store, TORCHELASTIC_RUN_ID, ...), and reports what subprocess.run would: the
 rule: 1 when any rank failed, after the others are stopped), stdout and stderr (the ranks' lines
 interleaved, as torchrun leaves them), TimeoutExpired after killing every rank.
 
-What a forked rank shares with a fresh process: the imports' module state, nothing else (the zygote runs
-no tensor op and holds one thread; it checks that before each fork). What it cannot share is an
-environment read at import time: a launch whose environment differs from the zygote's in such a variable
-(TORCH*, TRITON*, OMP_*, MKL_*, PYTHON*, CUDA*, LD_*), or whose command is anything else, runs through
-subprocess.run unchanged. torchrun's own behaviour (its ChildFailedError report, elastic restarts, a
-killed launcher) is tested with the real torchrun: tests/test_launch.py, test_reliability.py,
-test_run_guard.py. `FLASHTRAIN_COLD_LAUNCH=1` sends every launch through subprocess.run.
+What a forked rank shares with a fresh process: the imports' module state, and nothing else (the zygote
+only imports, and holds one thread: checked before each fork), except the interpreter's string
+hash seed (PYTHONHASHSEED): every launch forked from one zygote has the same, where fresh processes each
+draw their own; the crash fuzz and the elastic restart (real processes) keep covering that. What it cannot
+share is an environment read at import time (TORCH*, TRITON*, OMP_*, MKL_*, PYTHON*, CUDA*, LD_*): a
+launch whose environment differs there is forked from a zygote started with that environment (at most
+MAX_ZYGOTES per pytest worker; e.g. TRITON_INTERPRET=1's, tests/test_triton_kernels.py). Any other command
+runs through subprocess.run unchanged. torchrun's own behaviour (its ChildFailedError report, elastic
+restarts, a killed launcher, workers' process trees) is tested with the real torchrun: tests/test_launch.py,
+test_reliability.py, test_run_guard.py; tests/test_warm_launch.py holds the stand-in to the real thing.
+`FLASHTRAIN_COLD_LAUNCH=1` sends every launch through subprocess.run.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ _TORCHRUN = ("-m", "torch.distributed.run")
 
 def _parse(cmd) -> tuple[str, list[str], int, bool] | None:
     """(script, args, ranks, under_torchrun) for the launches the zygote runs; None for anything else.
-    `script` is a path, or "-c" with the code as args[0] (torchrun's `--no-python python -c CODE`)."""
+    `script` is a path, "-c" with the code as args[0] (torchrun's `--no-python python -c CODE`), or "-m" with
+    the module's name as args[0] (`python -m pytest ...`)."""
     cmd = [str(c) for c in cmd]
     if len(cmd) < 2 or cmd[0] != sys.executable:
         return None
@@ -72,6 +77,8 @@ def _parse(cmd) -> tuple[str, list[str], int, bool] | None:
         return (rest[0], rest[1:], nproc, True) if rest and rest[0].endswith(".py") else None
     if cmd[1].endswith(".py"):
         return cmd[1], cmd[2:], 1, False
+    if cmd[1] == "-m" and len(cmd) > 2:
+        return "-m", cmd[2:], 1, False
     return None
 
 
@@ -80,17 +87,20 @@ def _import_time(env: dict) -> dict:
 
 
 class _Zygote:
-    def __init__(self):
+    """One server process, started with `env` (its import-time variables are those of every launch it forks)."""
+
+    def __init__(self, env: dict):
         here = str(Path(__file__).resolve().parent)
         # "torch" in its command line: a worker under torchrun checks that its parent is a torch process
         # (train/run_guard.py die_with_launcher)
         code = f"import sys, torch; sys.path.insert(0, {here!r}); import warm_launch; warm_launch.serve({here!r})"
-        self.env = dict(os.environ)
+        self.env = dict(env)
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=self.env)
-        ready = self.proc.stdout.readline()
-        if ready.strip() != b"ready":
-            raise RuntimeError(f"warm_launch: the zygote did not start ({ready!r}, exit {self.proc.poll()})")
+        ready = self.proc.stdout.readline().strip()
+        self.usable = ready == b"ready"
+        if not self.usable and not ready.startswith(b"threads"):
+            raise RuntimeError(f"warm_launch: the zygote did not start ({ready!r}, exit {self.proc.wait()})")
 
     def launch(self, request: dict) -> dict:
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
@@ -109,41 +119,46 @@ class _Zygote:
                 self.proc.kill()
 
 
-_zygote: _Zygote | None = None
+MAX_ZYGOTES = 2  # per pytest worker: the plain environment's, and one other (TRITON_INTERPRET=1's)
+_zygotes: dict[str, _Zygote] = {}  # by import-time environment, the most recently used last
 _lock = threading.Lock()
+cpu_seconds = 0.0  # CPU time of every forked launch so far (user + system, its ranks and what they waited for)
 
 
-def _get_zygote() -> _Zygote:
-    global _zygote
-    if _zygote is None or _zygote.proc.poll() is not None:
+def _get_zygote(env: dict) -> _Zygote:
+    key = json.dumps(sorted(_import_time(env).items()))
+    zygote = _zygotes.pop(key, None)
+    if zygote is None or (zygote.usable and zygote.proc.poll() is not None):  # an unusable one is remembered
+        while len(_zygotes) >= MAX_ZYGOTES:
+            _zygotes.pop(next(iter(_zygotes))).close()
+        zygote = _Zygote(env)
         import atexit
 
-        _zygote = _Zygote()
-        atexit.register(_zygote.close)
-    return _zygote
+        atexit.register(zygote.close)
+    _zygotes[key] = zygote
+    return zygote
 
 
 def run(cmd, *, cwd=None, env=None, timeout=None, capture_output=False, text=False, check=False, **kwargs):
     """subprocess.run(cmd, ...) with the same result, forking the launches _parse recognises from the
     zygote (module docstring). Other keyword arguments (stdin, stdout, ...) go to subprocess.run."""
+    global cpu_seconds
     parsed = None if kwargs or os.environ.get("FLASHTRAIN_COLD_LAUNCH") == "1" else _parse(cmd)
     full_env = dict(os.environ if env is None else env)
-    if parsed is not None:
-        zygote = _get_zygote()
-        if _import_time(full_env) != _import_time(zygote.env):
-            parsed = None
-    if parsed is None:
+    zygote = None if parsed is None else _get_zygote(full_env)
+    if zygote is None or not zygote.usable:
         return subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, capture_output=capture_output, text=text,
                               check=check, **kwargs)
     script, args, nproc, torchrun = parsed
     with _lock, tempfile.TemporaryDirectory(prefix="warm_launch_") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        if script != "-c":
+        if script not in ("-c", "-m"):
             script = str(Path(cwd or ".", script).resolve())
         reply = zygote.launch({"script": script, "args": args, "nproc": nproc, "torchrun": torchrun,
                                "cwd": str(Path(cwd or ".").resolve()), "env": full_env, "timeout": timeout,
                                "stdout": str(out), "stderr": str(err)})
         stdout, stderr = out.read_bytes(), err.read_bytes()
+    cpu_seconds += reply.get("cpu_s", 0.0)
     if text:
         stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
     if not capture_output:
@@ -181,22 +196,25 @@ def _rank_main(request: dict, rank: int, port: int, base_env: dict) -> None:
         n = request["nproc"]
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
                            "ROLE_NAME": "default", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
-                           "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                           "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(n), "MASTER_ADDR": "localhost",
                            "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"warm-{port}",
                            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                            "TORCHELASTIC_USE_AGENT_STORE": "False", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.chdir(request["cwd"])
     script, args = request["script"], request["args"]
-    sys.argv = [script, *args] if script != "-c" else ["-c", *args[1:]]
+    sys.argv = [script, *args] if script not in ("-c", "-m") else [script, *args[1:]]
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:1] = [os.path.dirname(script) if script != "-c" else "", *extra]
+    first = {"-c": "", "-m": os.getcwd()}.get(script, os.path.dirname(script))  # as the interpreter sets it
+    sys.path[:1] = [first, *extra]
     code = 0
     try:
         import runpy
 
         if script == "-c":
             exec(compile(args[0], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        elif script == "-m":
+            runpy.run_module(args[0], run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
@@ -256,8 +274,9 @@ def _serve_one(request: dict, base_env: dict) -> dict:
     codes: dict[int, int] = {}
     stop_at = None
     running = set(pids)
+    cpu = 0.0
     while running:
-        pid, status = os.waitpid(-1, os.WNOHANG)
+        pid, status, usage = os.wait4(-1, os.WNOHANG)
         if pid == 0:
             now = time.monotonic()
             if deadline is not None and now > deadline:
@@ -271,6 +290,7 @@ def _serve_one(request: dict, base_env: dict) -> dict:
             continue
         if pid not in pids:
             continue
+        cpu += usage.ru_utime + usage.ru_stime
         running.discard(pid)
         codes[pids[pid]] = os.waitstatus_to_exitcode(status)
         _stop({pid}, signal.SIGKILL)  # whatever the rank left behind in its group
@@ -279,13 +299,13 @@ def _serve_one(request: dict, base_env: dict) -> dict:
             stop_at = time.monotonic() + STOP_GRACE_S
     failed = {r: c for r, c in sorted(codes.items()) if c != 0}
     if not request["torchrun"]:
-        return {"returncode": codes[0]}
+        return {"returncode": codes[0], "cpu_s": cpu}
     if failed:
         first = next(iter(failed.items()))
         with open(request["stderr"], "a") as f:
             f.write(f"warm_launch: rank {first[0]} failed with exit code {first[1]} (ranks failed: {failed}); "
                     "torchrun would report ChildFailedError and exit 1\n")
-    return {"returncode": 1 if failed else 0}
+    return {"returncode": 1 if failed else 0, "cpu_s": cpu}
 
 
 def serve(tests_dir: str) -> None:
@@ -299,6 +319,10 @@ def serve(tests_dir: str) -> None:
     del sys.modules["warm_launch"]  # a forked script imports the tests' modules from its own sys.path
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = sys.stdout.buffer
+    if _threads() != 1:  # e.g. OpenMP's pool, started by `import torch` without OMP_NUM_THREADS=1
+        out.write(f"threads {_threads()}: launches with this environment run cold\n".encode())
+        out.flush()
+        return
     out.write(b"ready\n")
     out.flush()
     while True:
