@@ -39,12 +39,18 @@ def _children(pid: int) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
+    """Running, or exiting with its files still open: a process whose main thread is a zombie while other
+    threads are still on their way out holds its files (and the job lock) until the last one has gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+    try:
+        zombie = Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return not zombie or threads > 1
 
 
 # a training process: takes the run directory's lock, starts 2 loader workers the way train/build.py does,
