@@ -194,8 +194,8 @@ def test_synthetic_kernels_over_shared_memory_and_not_compiling_fail():
 @pytest.mark.gate
 def test_every_kernel_and_config_compiles_for_hopper_and_blackwell_at_flash_shapes(tmp_path):
     """The whole gate at exp=flash (see docs/kernels.md for its time: a trace of one simulated step, then
-    every compilation in a pool of 2 worker processes). Marked `gate`: CI runs it in a step of its own
-    after the suite (`.ci/run`), `python -m pytest -q -m gate tests` by hand."""
+    every compilation in a pool of 2 worker processes). Marked `gate`: scheduled first in the suite
+    (tests/conftest.py), `python -m pytest -q -m gate tests` runs it alone."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
     out = subprocess.run([sys.executable, str(ROOT / "launch" / "check_kernels.py"), "--compile-only", "--json",
                           "+exp=flash", "--jobs", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
