@@ -70,6 +70,11 @@ def test_a_plain_script_keeps_its_status_output_and_timeout(tmp_path):
     assert (out.returncode, out.stdout, out.stderr) == (7, "out ['7', '0']\n", "err\n")
     with pytest.raises(subprocess.TimeoutExpired):
         warm_launch.run([sys.executable, str(script), "0", "30"], capture_output=True, text=True, timeout=2)
+    # a child that outlives the script holds its output: subprocess.run waits for it (here: times out)
+    script.write_text("import os, time\nif os.fork() == 0:\n    time.sleep(30)\n")
+    for launch in (subprocess.run, warm_launch.run):
+        with pytest.raises(subprocess.TimeoutExpired):
+            launch([sys.executable, str(script)], capture_output=True, text=True, timeout=3)
     # an uncaught exception: the traceback on stderr, status 1, as the interpreter does
     script.write_text("raise ValueError('boom')\n")
     out = warm_launch.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)

@@ -253,6 +253,26 @@ def _stop(pids: set[int], sig) -> None:
             pass
 
 
+def _left_in(groups: set[int]) -> list[int]:
+    """The live (not zombie) processes of these process groups."""
+    left = []
+    for g in groups:
+        try:
+            os.killpg(g, 0)
+        except ProcessLookupError:
+            continue
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                except OSError:
+                    continue
+                fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+                if int(fields[2]) == g and fields[0] != "Z":
+                    left.append(int(entry))
+    return left
+
+
 def _serve_one(request: dict, base_env: dict) -> dict:
     if _threads() != 1:
         raise RuntimeError(f"warm_launch: the zygote holds {_threads()} threads; forking it is unsafe")
@@ -293,10 +313,18 @@ def _serve_one(request: dict, base_env: dict) -> dict:
         cpu += usage.ru_utime + usage.ru_stime
         running.discard(pid)
         codes[pids[pid]] = os.waitstatus_to_exitcode(status)
-        _stop({pid}, signal.SIGKILL)  # whatever the rank left behind in its group
         if codes[pids[pid]] != 0 and stop_at is None and running:
             _stop(running, signal.SIGTERM)  # torchrun stops the others when one fails
             stop_at = time.monotonic() + STOP_GRACE_S
+    if request["torchrun"]:
+        _stop(set(pids), signal.SIGTERM)  # torchrun's close: each worker's session, whatever is left in it
+    # as subprocess.run reading pipes: done when nothing the launch started is left holding its output (a
+    # rank's forked children, e.g. data-loader workers that outlive it); a timeout while they linger
+    while _left_in(set(pids)):
+        if deadline is not None and time.monotonic() > deadline:
+            _stop(set(pids), signal.SIGKILL)
+            return {"timeout": True}
+        time.sleep(POLL_S)
     failed = {r: c for r, c in sorted(codes.items()) if c != 0}
     if not request["torchrun"]:
         return {"returncode": codes[0], "cpu_s": cpu}
