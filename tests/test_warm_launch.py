@@ -62,6 +62,7 @@ def test_a_forked_launch_gives_its_ranks_what_torchrun_gives_its_workers(tmp_pat
     assert cold.returncode == warm.returncode == 1
 
 
+@pytest.mark.slow
 def test_a_plain_script_keeps_its_status_output_and_timeout(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text("import sys, time\nprint('out', sys.argv[1:])\nprint('err', file=sys.stderr)\n"
@@ -81,6 +82,7 @@ def test_a_plain_script_keeps_its_status_output_and_timeout(tmp_path):
     assert out.returncode == 1 and "Traceback" in out.stderr and "ValueError: boom" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_launch_that_sets_an_import_time_variable_gets_a_zygote_that_imported_with_it(tmp_path):
     """TRITON_INTERPRET is read when a kernel is decorated: a launch that sets it must not fork from the
     zygote that imported the kernels without it."""
