@@ -122,7 +122,6 @@ class _Zygote:
 MAX_ZYGOTES = 2  # per pytest worker: the plain environment's, and one other (TRITON_INTERPRET=1's)
 _zygotes: dict[str, _Zygote] = {}  # by import-time environment, the most recently used last
 _lock = threading.Lock()
-cpu_seconds = 0.0  # CPU time of every forked launch so far (user + system, its ranks and what they waited for)
 
 
 def _get_zygote(env: dict) -> _Zygote:
@@ -142,7 +141,6 @@ def _get_zygote(env: dict) -> _Zygote:
 def run(cmd, *, cwd=None, env=None, timeout=None, capture_output=False, text=False, check=False, **kwargs):
     """subprocess.run(cmd, ...) with the same result, forking the launches _parse recognises from the
     zygote (module docstring). Other keyword arguments (stdin, stdout, ...) go to subprocess.run."""
-    global cpu_seconds
     parsed = None if kwargs or os.environ.get("FLASHTRAIN_COLD_LAUNCH") == "1" else _parse(cmd)
     full_env = dict(os.environ if env is None else env)
     zygote = None if parsed is None else _get_zygote(full_env)
@@ -158,7 +156,6 @@ def run(cmd, *, cwd=None, env=None, timeout=None, capture_output=False, text=Fal
                                "cwd": str(Path(cwd or ".").resolve()), "env": full_env, "timeout": timeout,
                                "stdout": str(out), "stderr": str(err)})
         stdout, stderr = out.read_bytes(), err.read_bytes()
-    cpu_seconds += reply.get("cpu_s", 0.0)
     if text:
         stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
     if not capture_output:
@@ -294,9 +291,8 @@ def _serve_one(request: dict, base_env: dict) -> dict:
     codes: dict[int, int] = {}
     stop_at = None
     running = set(pids)
-    cpu = 0.0
     while running:
-        pid, status, usage = os.wait4(-1, os.WNOHANG)
+        pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             now = time.monotonic()
             if deadline is not None and now > deadline:
@@ -310,7 +306,6 @@ def _serve_one(request: dict, base_env: dict) -> dict:
             continue
         if pid not in pids:
             continue
-        cpu += usage.ru_utime + usage.ru_stime
         running.discard(pid)
         codes[pids[pid]] = os.waitstatus_to_exitcode(status)
         if codes[pids[pid]] != 0 and stop_at is None and running:
@@ -327,13 +322,13 @@ def _serve_one(request: dict, base_env: dict) -> dict:
         time.sleep(POLL_S)
     failed = {r: c for r, c in sorted(codes.items()) if c != 0}
     if not request["torchrun"]:
-        return {"returncode": codes[0], "cpu_s": cpu}
+        return {"returncode": codes[0]}
     if failed:
         first = next(iter(failed.items()))
         with open(request["stderr"], "a") as f:
             f.write(f"warm_launch: rank {first[0]} failed with exit code {first[1]} (ranks failed: {failed}); "
                     "torchrun would report ChildFailedError and exit 1\n")
-    return {"returncode": 1 if failed else 0, "cpu_s": cpu}
+    return {"returncode": 1 if failed else 0}
 
 
 def serve(tests_dir: str) -> None:
