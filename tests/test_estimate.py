@@ -111,7 +111,7 @@ def test_the_shortened_step_has_the_peak_of_the_whole_accumulation(monkeypatch, 
     """The estimator simulates only as many micro-batches as the peak needs (2 without a pipeline; with
     1F1B pp + 1 on stage 0, pp on the last): its peak against simulating the whole accumulation (5
     micro-batches, one round), and the micro-batch counts by hand. Within 0.1%: a few bytes per
-    micro-batch (the schedule's per-micro-batch losses, 1 KiB here without a pipeline) are bookkeeping
+    micro-batch (the schedule's per-micro-batch losses, 3 KiB here without a pipeline) are bookkeeping
     that the shortened step does not repeat; one micro-batch too few would leave out the gradients or a
     micro-batch's activations (> 10% here). Five micro-batches: more than any shortened step keeps, few
     enough to simulate quickly."""
@@ -133,3 +133,8 @@ def test_the_shortened_step_has_the_peak_of_the_whole_accumulation(monkeypatch, 
     whole = estimate.estimate_rank(cfg, world, rank, "cpu")
     assert counts == [simulated, 5]
     assert short.peak_bytes == pytest.approx(whole.peak_bytes, rel=1e-3), (short, whole)
+    if pp > 1:
+        # A pipeline round's inputs for the micro-batches the shortened step leaves out (3 int64 tensors
+        # of 128 tokens: 3 KiB each) are added by hand; without them the stages fall short by 6-9 KiB,
+        # under the 0.1% above. The simulations differ by a few bytes of the schedule's bookkeeping.
+        assert abs(short.peak_bytes - whole.peak_bytes) < 3 * 128 * 8 // 4, (short, whole)
