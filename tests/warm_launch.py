@@ -253,20 +253,15 @@ def _stop(pids: set[int], sig) -> None:
 def _left_in(groups: set[int]) -> list[int]:
     """The live (not zombie) processes of these process groups."""
     left = []
-    for g in groups:
-        try:
-            os.killpg(g, 0)
-        except ProcessLookupError:
-            continue
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = Path(f"/proc/{entry}/stat").read_text()
-                except OSError:
-                    continue
-                fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
-                if int(fields[2]) == g and fields[0] != "Z":
-                    left.append(int(entry))
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+            if int(fields[2]) in groups and fields[0] != "Z":
+                left.append(int(entry))
     return left
 
 
