@@ -568,20 +568,51 @@ def _configured_tokenizer(cfg: DataConfig, sources: list[Source]) -> str:
 
 def _folder_tokenizer(folder: Path) -> Path | None:
     """The tokenizer a shard folder's manifest.json names, else its tokenizer.json; None if neither."""
-    manifest = folder / "manifest.json"
-    try:
-        name = json.loads(manifest.read_text(encoding="utf-8")).get("tokenizer") if manifest.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        name = None
+    name = _manifest(folder).get("tokenizer")
     for path in ([folder / name] if isinstance(name, str) else []) + [folder / "tokenizer.json"]:
         if path.is_file():
             return path
     return None
 
 
-def check_sources(cfg: DataConfig, readers: int) -> None:
+WRITTEN_FOR = "written_for"  # manifest.json: the model the shards were tokenized for (launch/prepare_data.py)
+
+
+def check_tokenizer_fits(cfg: DataConfig, sources: list[Source], spec: TokenSpec) -> None:
+    """The tokenizer the shards were written with (`data.tokenizer`, or the one beside them) is this model's:
+    shards written for another exp (another vocabulary, other special ids) are refused before anything is
+    built, naming the model they were written for (manifest.json `written_for`) and the run's."""
+    from flashtrain.data.tokenizer import load_tokenizer, tokenizer_mismatch
+
+    path = _configured_tokenizer(cfg, sources)
+    if is_url(path):
+        return
+    problem = tokenizer_mismatch(load_tokenizer(path), spec)
+    if problem is None:
+        return
+    written = _manifest(Path(path).parent).get(WRITTEN_FOR)
+    made = " ".join(written["overrides"]) if isinstance(written, dict) and written.get("overrides") else None
+    origin = f"the shards were written with launch/prepare_data.py {made}" if made else \
+        "the shards were written for another model config"
+    raise DataError(f"{'data.tokenizer' if cfg.tokenizer is not None else 'the tokenizer beside the shards'} {path} "
+                    f"does not fit this run's model ({problem}): {origin}; write them again with this run's +exp and "
+                    f"model overrides (python launch/prepare_data.py OUT_DIR +exp=NAME --text ...)"
+                    + (f", or train with {made}" if made else ""))
+
+
+def _manifest(folder: Path) -> dict:
+    """A shard folder's manifest.json as a dict ({} when absent or unreadable)."""
+    try:
+        found = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def check_sources(cfg: DataConfig, readers: int, spec: TokenSpec) -> None:
     """The start-up checks of the configured data, before any process group, model or corpus exists: the
-    shard patterns match files, the lists are not all empty, a set tokenizer exists, the shards can feed
+    shard patterns match files, the lists are not all empty, the tokenizer exists and is this model's
+    (`check_tokenizer_fits`: shards written for another exp are refused), the shards can feed
     `readers` data-parallel ranks x `data.num_workers`, and each source has at least one local shard that
     opens as a tar (a broken shard among good ones is logged and skipped while reading; none readable
     would stop the run only once it has started). The default corpus (no shards configured) has
@@ -607,7 +638,7 @@ def check_sources(cfg: DataConfig, readers: int) -> None:
             raise DataError(f"data.{source.setting}: none of its {len(source.shards)} shard(s) can be read "
                             f"({source.shards[0]!r}: {problems[0]}); point it at webdataset tars written by "
                             f"launch/prepare_data.py")
-    _configured_tokenizer(cfg, sources)
+    check_tokenizer_fits(cfg, sources, spec)
 
 
 def data_sources(cfg: DataConfig, spec: TokenSpec) -> tuple[list[Source], str]:

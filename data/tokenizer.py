@@ -41,12 +41,22 @@ def train_tokenizer(texts: Iterable[str], spec: TokenSpec):
     return tok
 
 
-def check_tokenizer(tok, spec: TokenSpec) -> None:
+def tokenizer_mismatch(tok, spec: TokenSpec) -> str | None:
+    """None when `tok` is this model's tokenizer (its size is `spec.vocab_size`, BOS / EOS / PAD / the image
+    token at the model's ids); else what differs, e.g. "16384 ids, the model has model.vocab_size=512"."""
+    if tok.get_vocab_size() != spec.vocab_size:
+        return f"{tok.get_vocab_size()} ids, the model has model.vocab_size={spec.vocab_size}"
     want = {BOS: spec.bos_id, EOS: spec.eos_id, PAD: spec.pad_id, IMAGE_TOKEN: spec.image_token_id}
     got = {t: tok.token_to_id(t) for t in want}
-    if got != want or tok.get_vocab_size() != spec.vocab_size:
-        raise DataError(f"tokenizer ids {got} (size {tok.get_vocab_size()}) do not match the model's {want} "
-                         f"(vocab_size {spec.vocab_size}); retrain it for this model config")
+    if got != want:
+        wrong = ", ".join(f"{t} at {got[t]}" for t in want if got[t] != want[t])
+        return f"{wrong}, the model has {', '.join(f'{t} at {want[t]}' for t in want if got[t] != want[t])}"
+    return None
+
+
+def check_tokenizer(tok, spec: TokenSpec) -> None:
+    if problem := tokenizer_mismatch(tok, spec):
+        raise DataError(f"the tokenizer does not fit the model ({problem}); retrain it for this model config")
 
 
 def load_tokenizer(path: str | Path, spec: TokenSpec | None = None):
@@ -55,7 +65,11 @@ def load_tokenizer(path: str | Path, spec: TokenSpec | None = None):
     path = Path(path)
     if not path.is_file():
         raise InputNotFoundError(f"tokenizer {str(path)!r} does not exist; train one with launch/prepare_data.py")
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own untyped errors
+        raise DataError(f"tokenizer {str(path)!r} is not a readable tokenizer.json ({' '.join(str(e).split())}); "
+                        f"point data.tokenizer at the one launch/prepare_data.py wrote") from None
     if spec is not None:
         check_tokenizer(tok, spec)
     return tok

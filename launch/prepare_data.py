@@ -115,6 +115,7 @@ from flashtrain.config.cli import exit_on_user_error  # noqa: E402
 from flashtrain.config.errors import DataError  # noqa: E402
 from flashtrain.data.images import ImageDecodeError, decode_image, num_image_positions, plan_image_size  # noqa: E402
 from flashtrain.data.inputs import InputStats, iter_texts, text_files  # noqa: E402
+from flashtrain.data.loader import WRITTEN_FOR  # noqa: E402
 from flashtrain.data.shards import Document, write_shards  # noqa: E402
 from flashtrain.data.sources import SOURCE_NAME  # noqa: E402
 from flashtrain.data.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
@@ -166,7 +167,12 @@ def main(argv: list[str]) -> int:
         print(f"prepare_data.py: --name {args.name!r}: a source name is letters, digits, '_', '.', '-' (e.g. --name "
               f"web)", file=sys.stderr)
         return 2
-    spec = token_spec(model_config(compose(overrides or ["+exp=flash_small"])))
+    overrides = overrides or ["+exp=flash_small"]
+    cfg = compose(overrides)
+    spec = token_spec(model_config(cfg))
+    # what the shards are for, named by a run of another model that finds them (data/loader.py)
+    written_for = {"overrides": [o for o in overrides if o.lstrip("+").startswith(("exp=", "model"))],
+                   "model": cfg.run_name, "vocab_size": spec.vocab_size}
     out = Path(args.out_dir)
 
     text_stats, mm_stats = InputStats(), InputStats()
@@ -234,8 +240,8 @@ def main(argv: list[str]) -> int:
     text_docs = (Document([("text", ids(t))]) for t in iter_texts(files, args.lines, text_stats))
     if args.name is not None:
         return write_source(out, args, counted(text_docs, "text"), counted(mm_documents(), "mm"), text_stats,
-                            mm_stats, counts, image_positions, bar)
-    manifest = {"version": 1, "tokenizer": "tokenizer.json",
+                            mm_stats, counts, image_positions, bar, written_for)
+    manifest = {"version": 1, "tokenizer": "tokenizer.json", WRITTEN_FOR: written_for,
                 "text": write_shards(counted(text_docs, "text"), out, "text", args.docs_per_shard, args.shard_size),
                 "mm": write_shards(counted(mm_documents(), "mm"), out, "mm", args.docs_per_shard, args.shard_size)}
     bar.close()
@@ -260,7 +266,7 @@ def skips(text_stats: InputStats, mm_stats: InputStats) -> tuple[dict, dict]:
 
 
 def write_source(out: Path, args, text_docs, mm_docs, text_stats: InputStats, mm_stats: InputStats,
-                 counts: dict[str, int], image_positions: list[int], bar) -> int:
+                 counts: dict[str, int], image_positions: list[int], bar, written_for: dict) -> int:
     """`--name SOURCE`: the text and then the multimodal documents into SOURCE-NNNNN.tar; its entry in
     manifest.json (other sources kept); the data.sources entry to add."""
     name = args.name
@@ -272,6 +278,7 @@ def write_source(out: Path, args, text_docs, mm_docs, text_stats: InputStats, mm
     manifest = json.loads(path.read_text()) if path.is_file() else {}
     manifest.setdefault("version", 1)
     manifest["tokenizer"] = "tokenizer.json"
+    manifest[WRITTEN_FOR] = written_for
     skipped, where = skips(text_stats, mm_stats)
     totals = {f: sum(e[f] for e in entries) for f in ("documents", "text_tokens", "images")}
     totals["image_positions"] = image_positions[0]

@@ -9,9 +9,11 @@ conf/config.yaml (model flash_small, the V4.1 optimizer and schedule, the embedd
 `train.max_steps` (default null: the schedule's length) stops early. Hydra's own flags work as usual
 (`--cfg job`, `--hydra-help`, `-m` for a sweep); `--help` prints this.
 
-The run directory (`hydra.run.dir`, default runs/<model>) holds the resolved config, metrics.jsonl,
-checkpoints/, the wandb run and Hydra's job log (`pretrain.log`, the trainer's log lines); starting again
-in a directory with checkpoints resumes from the newest.
+The run directory (`hydra.run.dir`, default runs/<model>) holds the resolved config (`.hydra/`),
+metrics.jsonl, checkpoints/, the wandb run and the job log (`pretrain.log`, the trainer's log lines);
+starting again in a directory with checkpoints resumes from the newest. A start writes there only once
+it is admitted (its config, data, the directory's job lock and its resume point checked:
+train/run_record.py): a refused start leaves the directory as it found it.
 
 torchrun conventions: the run is wrapped in torch.distributed.elastic's `record`, so a rank that fails
 with an unexpected error writes its error file for the launcher; `parallel.timeout_s` is the process
@@ -45,14 +47,29 @@ from omegaconf import DictConfig  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from flashtrain.config.cli import exit_on_user_error  # noqa: E402
-from flashtrain.train.config import compose  # noqa: E402
+from flashtrain.config.errors import USER_ERRORS  # noqa: E402
+from flashtrain.train.config import compose_with_run_dir  # noqa: E402
+from flashtrain.train.run_record import StartRecord, new_directories  # noqa: E402
+
+NEW_DIRECTORIES: list = []  # what Hydra will create for the run directory: a refused start removes it again
 
 
 @record
 def run(cfg: DictConfig) -> None:
     from flashtrain.train.trainer import Trainer  # after the overrides are checked: a mistake there is reported fast
 
-    exit_on_user_error(lambda: Trainer(cfg, HydraConfig.get().runtime.output_dir).fit())
+    start = StartRecord(HydraConfig.get(), cfg, NEW_DIRECTORIES)  # nothing written into the run directory yet
+
+    def admitted_then_fit() -> None:
+        try:
+            trainer = Trainer(cfg, start.run_dir)  # every check of the start: config, data, job lock, resume point
+        except USER_ERRORS:
+            start.refuse()
+            raise
+        start.admit(trainer.is_main)  # the config record (.hydra/) and the job log (pretrain.log)
+        trainer.fit()
+
+    exit_on_user_error(admitted_then_fit)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -63,7 +80,9 @@ def hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     overrides = sys.argv[1:]
     if not any(a.startswith("-") for a in overrides):  # Hydra's own flags (--help, --cfg, -m, ...): Hydra's
-        exit_on_user_error(compose, overrides)  # a mistake in the overrides: one line, before Hydra's many
+        # a mistake in the overrides: one line, before Hydra's many (and before Hydra makes the run directory)
+        _, run_dir = exit_on_user_error(compose_with_run_dir, overrides)
+        NEW_DIRECTORIES[:] = new_directories(run_dir)
     hydra_main()
 
 

@@ -168,6 +168,8 @@ def test_prepare_then_load_round_trip(tmp_path):
     prepare_data(*argv)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["totals"]["text"]["documents"] == 3 and manifest["totals"]["mm"]["documents"] == 2
+    # what the shards were written for, named when a run of another model finds them (issue 47 item 1)
+    assert manifest["written_for"] == {"overrides": ["+exp=flash_tiny"], "model": "flash_tiny", "vocab_size": 512}
     # 60 x 30 px -> upscaled to >= 84^2 px: x1.98 -> 118 x 59 -> rounded up to 126 x 70 (9 x 5 patches) ->
     # 3 x 2 image tokens -> 2 * (3 + 1) + 2 = 10 positions, per image
     assert manifest["totals"]["mm"]["images"] == 2 and manifest["totals"]["mm"]["image_positions"] == 2 * 10
@@ -362,6 +364,7 @@ def test_prepare_data_writes_named_sources_that_data_sources_reads(tmp_path, cap
                                                          "web-00002.tar"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert list(manifest["sources"]) == ["web", "code"]
+    assert manifest["written_for"] == {"overrides": ["+exp=flash_tiny"], "model": "flash_tiny", "vocab_size": 512}
     assert manifest["sources"]["web"]["totals"]["documents"] == 30 and manifest["sources"]["web"]["modality"] == "text"
     assert manifest["sources"]["code"]["modality"] == "multimodal"  # an image-caption document among them
     entry = json.loads(printed[-1])["source"]
@@ -374,3 +377,39 @@ def test_prepare_data_writes_named_sources_that_data_sources_reads(tmp_path, cap
     assert [s.name for s in sources] == ["web", "code"] and tok == str(out / "tokenizer.json")
     batch = next(PackedLoader(cfg, SPEC, sources))
     assert batch["stream_tokens"].shape == (2, 2) and int(batch["stream_tokens"].sum()) > 0
+
+
+def test_shards_written_for_another_model_are_refused_at_start(tmp_path):
+    """Issue 47 item 1: shards tokenized for another exp (another vocabulary, other special ids) are refused by
+    the start-up check, before any process group or model exists, with one line naming the tokenizer, both
+    vocabularies and the exp the shards were written with (manifest.json `written_for`); the same shards with
+    the model's own tokenizer pass."""
+    from flashtrain.config.errors import DataError
+    from flashtrain.data.loader import check_sources
+
+    texts = ["def f(x):\n    return x + 1\n", "the quick brown fox jumps"] * 20
+    folder = tmp_path / "shards"
+    write_shards(iter([Document([("text", np.arange(3, 40, dtype=np.int32))])] * 4), folder, "text", 2)
+    cfg = DataConfig(seq_len=16, batch_size=1, text_shards=[str(folder / "text-*.tar")], mm_shards=[])
+    other = dataclasses.replace(SPEC, vocab_size=640, image_token_id=600)  # another exp's vocabulary
+    train_tokenizer(texts, other).save(str(folder / "tokenizer.json"))
+    (folder / "manifest.json").write_text(json.dumps({"tokenizer": "tokenizer.json", "written_for": {
+        "overrides": ["+exp=flash_small", "model.dim=96"], "model": "flash_small", "vocab_size": 640}}))
+    with pytest.raises(DataError) as refused:
+        check_sources(cfg, 1, SPEC)
+    assert str(refused.value) == (
+        f"the tokenizer beside the shards {folder / 'tokenizer.json'} does not fit this run's model (640 ids, the "
+        f"model has model.vocab_size=512): the shards were written with launch/prepare_data.py +exp=flash_small "
+        f"model.dim=96; write them again with this run's +exp and model overrides (python launch/prepare_data.py "
+        f"OUT_DIR +exp=NAME --text ...), or train with +exp=flash_small model.dim=96")
+    # the same vocabulary with the image token elsewhere, named by data.tokenizer, and no manifest record
+    moved = dataclasses.replace(SPEC, image_token_id=500)
+    train_tokenizer(texts, moved).save(str(tmp_path / "moved.json"))
+    (folder / "manifest.json").write_text(json.dumps({"tokenizer": "tokenizer.json"}))
+    with pytest.raises(DataError) as refused:
+        check_sources(dataclasses.replace(cfg, tokenizer=str(tmp_path / "moved.json")), 1, SPEC)
+    assert str(refused.value).startswith(
+        f"data.tokenizer {tmp_path / 'moved.json'} does not fit this run's model (<|image|> at 500, the model has "
+        f"<|image|> at 496): the shards were written for another model config; write them again")
+    train_tokenizer(texts, SPEC).save(str(folder / "tokenizer.json"))  # the model's own: the start goes on
+    check_sources(cfg, 1, SPEC)

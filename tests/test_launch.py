@@ -61,6 +61,10 @@ MISTAKES = {  # id: (overrides, what the line must say)
                                "train.resume_from='/nonexistent/step_00000001' does not exist"),
     "no held-out shards": (["train.eval.interval=2", "data.val_shards=[/nonexistent/val-*.tar]"],
                            "data.val_shards: '/nonexistent/val-*.tar' matches no shard file"),
+    "shards of another exp": (["data.text_shards=[{tmp}/other/text-*.tar]", "data.mm_shards=null"],
+                              "the tokenizer beside the shards {tmp}/other/tokenizer.json does not fit this run's "
+                              "model (640 ids, the model has model.vocab_size=512): the shards were written with "
+                              "launch/prepare_data.py +exp=flash_small;"),
 }
 BUILT = "process(es) on"  # the trainer's log line once the process group exists
 
@@ -77,13 +81,32 @@ def _error_line(out, want):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(MISTAKES))
 def test_a_mistake_is_one_line_and_exit_2(tmp_path, case):
+    """... and a refused start writes nothing (issue 47 item 2): not even the run directory Hydra made."""
     (tmp_path / NOT_A_TAR).write_text("plain text, not a tar archive\n")
+    if case == "shards of another exp":
+        _other_exp_shards(tmp_path / "other")
     overrides, want = MISTAKES[case]
     out = _pretrain(tmp_path / "run", *[o.format(tmp=tmp_path) for o in overrides])
     assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
     line = _error_line(out, want.format(tmp=tmp_path))
     assert [x for x in out.stderr.splitlines() if x.strip()] == [line]  # no Hydra text, warning or traceback
     assert "Traceback" not in out.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def _other_exp_shards(folder: Path) -> None:
+    """Shards as launch/prepare_data.py writes them for another exp: a 640-id tokenizer, its manifest record."""
+    import numpy as np
+
+    from flashtrain.data.config import TokenSpec
+    from flashtrain.data.shards import Document, write_shards
+    from flashtrain.data.tokenizer import train_tokenizer
+
+    write_shards(iter([Document([("text", np.arange(3, 90, dtype=np.int32))])] * 4), folder, "text", 1)
+    train_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20, TokenSpec(640, image_token_id=600)).save(
+        str(folder / "tokenizer.json"))
+    (folder / "manifest.json").write_text(json.dumps({"tokenizer": "tokenizer.json", "written_for": {
+        "overrides": ["+exp=flash_small"], "model": "flash_small", "vocab_size": 640}}))
 
 
 def test_the_other_launch_tools_share_the_one_line_exit():

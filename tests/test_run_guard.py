@@ -21,14 +21,23 @@ SMALL = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.heatm
 
 
 def test_a_second_job_in_the_same_run_directory_is_refused(tmp_path):
+    """... and writes nothing there (issue 47 item 2): the running job's config record and job log stay as
+    they were."""
     held = acquire_run_lock(tmp_path)
     with pytest.raises(RunDirectoryBusy, match=rf"in use by another job \({getpass.getuser()}, pid {os.getpid()} on "):
         acquire_run_lock(tmp_path)
+    (tmp_path / ".hydra").mkdir()
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (tmp_path / ".hydra" / name).write_text(f"the running job's {name}\n")
+    (tmp_path / "pretrain.log").write_text("the running job's log\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     out = subprocess.run([sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny",
                           f"hydra.run.dir={tmp_path}", f"data.corpus_dir={tmp_path / 'corpus'}", *SMALL],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     holder = f"is in use by another job ({getpass.getuser()}, pid {os.getpid()}"
     assert out.returncode == 2 and holder in out.stderr, out.stderr[-2000:]
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert sorted(tmp_path.rglob("*")) == sorted([*before, tmp_path / ".hydra"])
     held.close()  # released: the next job may start
     acquire_run_lock(tmp_path).close()
 

@@ -283,6 +283,7 @@ def test_bad_batch_and_changed_model_are_refused(tmp_path, corpus_args, one_sequ
     other = pretrain(tmp_path / "other", corpus_args, "train.max_steps=3", f"train.resume_from={ckpt}",
                      "data.batch_size=1", "model.init_std=0.01", "model.attn_chunk_size=32", check=False)
     assert other.returncode != 0 and "different model config" in other.stderr and "init_std" in other.stderr
+    assert not (tmp_path / "other").exists()  # refused after the model was built: nothing written (issue 47 item 2)
     assert "attn_chunk_size" not in other.stderr.split("different model config")[1].split("\n")[0]
     again = pretrain(tmp_path / "again", corpus_args, "train.max_steps=3", f"train.resume_from={ckpt}",
                      "data.batch_size=1", "model.attn_chunk_size=32")  # execution only: resumes
@@ -300,8 +301,12 @@ def test_keep_last_k_and_resume_from(tmp_path, corpus_args, async_save):
     out = pretrain(other, corpus_args, "train.max_steps=3", f"train.resume_from={run}/checkpoints/step_00000002")
     assert f"resumed from {run}/checkpoints/step_00000002 at step 2" in out.stdout
     assert records(other)[-1]["loss"] == records(run)[-1]["loss"]
-    job_log = (other / "pretrain.log").read_text()  # Hydra's job log receives the trainer's log lines
-    assert "resumed from" in job_log and f"run directory {other}: 1 process(es)" in job_log
+    job_log = (other / "pretrain.log").read_text()  # the job log receives the trainer's log lines, those of the
+    assert "resumed from" in job_log and f"run directory {other}: 1 process(es)" in job_log  # start-up too
+    # the admitted start's config record (train/run_record.py): what Hydra wrote before
+    assert f"- train.resume_from={run}/checkpoints/step_00000002\n" in (other / ".hydra" / "overrides.yaml").read_text()
+    assert "max_steps: 3" in (other / ".hydra" / "config.yaml").read_text()
+    assert "job:\n    name: pretrain" in (other / ".hydra" / "hydra.yaml").read_text()
 
 
 @pytest.mark.slow

@@ -287,7 +287,7 @@ def build_evaluator(c: RunConfigs, dims: ParallelDims, runner: StepRunner, shard
 def check_start(c: RunConfigs, readers: int) -> None:
     """What a start needs on disk, checked before a process group exists: the data (shards, tokenizer, enough
     shards for `readers` data-parallel ranks x workers; data/loader.py `check_sources`) and train.resume_from."""
-    check_sources(c.data, readers)
+    check_sources(c.data, readers, c.spec)
     check_backbone_path(c)
     if c.train.eval.interval and c.data.val_shards is not None:
         resolve_shards(c.data.val_shards, "val_shards")  # a pattern that matches nothing fails now

@@ -132,34 +132,45 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     that does not exist, an unknown exp or group option, an override it cannot parse) is a one-line
     ConfigError naming the nearest valid key or option; so is a top-level key that is neither a config
     group nor a key of conf/config.yaml (`+foo=bar`, `+trian.max_steps=3`), which Hydra accepts silently."""
+    return compose_with_run_dir(overrides)[0]
+
+
+def compose_with_run_dir(overrides: list[str] | tuple[str, ...] = ()) -> tuple[DictConfig, str | None]:
+    """`compose`, and the run directory a Hydra app would use for these overrides (`hydra.run.dir`
+    resolved; None when it interpolates what only a running app knows)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     overrides = list(overrides)
     try:
-        cfg = _hydra_compose(overrides)
+        cfg, run_dir = _hydra_compose(overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise hydra_error(overrides, e) from e
     check_top_level(cfg, overrides)
-    return cfg
+    return cfg, run_dir
 
 
-def _hydra_compose(overrides: list[str]) -> DictConfig:
-    """Hydra's compose, outside a Hydra app: `run_name`, which interpolates the Hydra runtime by default
-    (`${hydra:runtime.choices.model}`), is resolved here to the chosen model, so the config resolves
-    whole (train/build.py `read_configs`)."""
+def _hydra_compose(overrides: list[str]) -> tuple[DictConfig, str | None]:
+    """Hydra's compose, outside a Hydra app, and the resolved `hydra.run.dir` (or None): `run_name`, which
+    interpolates the Hydra runtime by default (`${hydra:runtime.choices.model}`), is resolved here to the
+    chosen model, so the config resolves whole (train/build.py `read_configs`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import open_dict
+    from omegaconf.errors import OmegaConfBaseException
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
     model = cfg.hydra.runtime.choices.get("model")
-    with open_dict(cfg):
-        del cfg["hydra"]
     if "run_name" in cfg and str(OmegaConf.to_container(cfg, resolve=False).get("run_name")).startswith("${hydra:"):
         cfg.run_name = model
-    return cfg
+    try:
+        run_dir = str(cfg.hydra.run.dir)
+    except OmegaConfBaseException:  # e.g. ${hydra:...}: known to the running app only
+        run_dir = None
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, run_dir
 
 
 # ------------------------------------------------------------------------- Hydra's errors as one line
@@ -202,7 +213,7 @@ def _missing_key(path: str, overrides: list[str]) -> str:
     valid key there."""
     others = [o for o in overrides if _key(o) != path]
     try:
-        node = _hydra_compose(others)
+        node = _hydra_compose(others)[0]
     except Exception:  # noqa: BLE001 - another override is wrong too: name this one without a hint
         return f"{path} is not a key of the configuration"
     parts, done = path.split("."), []

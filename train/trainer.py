@@ -100,11 +100,11 @@ class Trainer:
         self.max_steps = c.train.max_steps or self.schedule.total_steps
         self.step, self.tokens_seen, self._stop, self.op = 0, 0, False, Operation()
         self.source_tokens: dict[str, int] = {}  # per data source, the positions read so far (every dp rank)
+        check_start(c, self.plan.dp)  # the data and the resume point on disk, before anything is written
         if int(os.environ.get("RANK", "0")) == 0:  # one job per run directory (held until this process ends)
             self._run_lock = acquire_run_lock(self.run_dir)
             if note := rounded_batch_note(c.train.global_batch_tokens, c.data.seq_len):
                 log.warning(note)
-        check_start(c, self.plan.dp)
 
         self.rank, world, self.device = init_distributed(c.parallel.timeout_s)
         self.is_main = self.rank == 0
