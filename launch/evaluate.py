@@ -6,11 +6,14 @@ modality (train/evaluate.py), the same numbers a run logs in its eval records.
     python launch/evaluate.py IMPORTED_CKPT +exp=flash [model.* overrides]   # an import of the release
 
 A flashtrain checkpoint carries its run's config: the held-out set is the run's (`data.val_shards`,
-`train.eval.tokens`, or the default corpus's held-out part) unless `--shards` / `--tokens` say otherwise,
-and key=value overrides change the layout (`parallel.pp=2`, `parallel.ep=2`, ...) or other keys. A
-weights-only import (launch/import_official.py) takes `+exp=NAME` and overrides, as for the import.
-Works under torchrun with any layout. Prints one summary line per source (`--json`: the eval record,
-`loss`, `bpb`, `tokens`, `per_source`, `per_modality`, on stdout, from rank 0).
+`train.eval.tokens`, or the default corpus's held-out part) unless `--shards` / `--tokens` say otherwise.
+The layout is this launch's, not the run's: one process, or data parallelism over torchrun's processes,
+unless key=value overrides set one (`parallel.pp=2`, `parallel.ep=2`, ...; other keys too); the training
+batch is rounded up to fit it (the held-out set decides what is scored). A weights-only import
+(launch/import_official.py) takes `+exp=NAME` and overrides, as for the import. The checkpoint is
+verified as a resume verifies it: one whose files fail their checksums, or one set aside as damaged, is
+refused (`--allow-damaged`: scored, with a warning). Prints one summary line per source (`--json`: the
+eval record, `loss`, `bpb`, `tokens`, `per_source`, `per_modality`, on stdout, from rank 0).
 """
 
 from __future__ import annotations
@@ -32,22 +35,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", nargs="+", help="held-out shards (paths, globs or URLs; default: the run's)")
     ap.add_argument("--tokens", type=int, help="positions to score (default: the run's train.eval.tokens)")
     ap.add_argument("--json", action="store_true", help="print the eval record as JSON (default: one line per source)")
+    ap.add_argument("--allow-damaged", action="store_true",
+                    help="score a checkpoint whose files fail their checksums, with a warning (default: refuse it)")
     args, overrides = ap.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from flashtrain.train.evaluate import checkpoint_config, evaluate_checkpoint
+    from flashtrain.train.evaluate import checkpoint_config, checkpoint_label, evaluate_checkpoint
 
     if args.shards:
         overrides.append("data.val_shards=[" + ",".join(json.dumps(s) for s in args.shards) + "]")
     if args.tokens is not None:
         overrides.append(f"train.eval.tokens={args.tokens}")
-    cfg, _ = checkpoint_config(args.checkpoint, overrides)
-    record = evaluate_checkpoint(cfg, args.checkpoint)
+    cfg, meta = checkpoint_config(args.checkpoint, overrides, args.allow_damaged)
+    record = evaluate_checkpoint(cfg, args.checkpoint, args.allow_damaged)
     if os.environ.get("RANK", "0") != "0":
         return 0
     if args.json:
         print(json.dumps(record))
         return 0
-    print(f"{args.checkpoint} (step {record['step']}): loss {record['loss']:.4f}, bpb {_f(record['bpb'])}, "
+    print(f"{args.checkpoint} ({checkpoint_label(meta)}): loss {record['loss']:.4f}, bpb {_f(record['bpb'])}, "
           f"{record['tokens']} tokens")
     for name, s in record["per_source"].items():
         print(f"  {name:>8}: loss {s['loss']:.4f}, bpb {_f(s['bpb'])}, {s['tokens']} tokens")

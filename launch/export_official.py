@@ -16,6 +16,10 @@ tables in FP8 with an E8M0 scale per 32 channels, the rest BF16 / FP32. A DSpark
 meta, its fingerprint checked) and the drafter `mtp.*` in the same formats, with the drafter's config fields
 (`n_mtp_layers`, `dspark_*`, `compress_ratios` with the drafter's zeros).
 
+The checkpoint (and a DSpark checkpoint's backbone) is verified first, as a resume verifies it: one whose
+files fail their checksums, or one set aside as damaged (`.damaged-step_*`), is refused before anything is
+written (`--allow-damaged`: exported, with a warning).
+
 Memory: checkpoint tensors are read --shard-gb at a time (DCP reads only what is asked for; a larger
 tensor alone, a stacked expert tensor as a whole) plus at most one output shard.
 """
@@ -23,6 +27,7 @@ tensor alone, a stacked expert tensor as a whole) plus at most one output shard.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -38,8 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("fp8", "bf16"), default="fp8",
                     help="fp8: the release's quantised formats (default); bf16: unquantised")
     ap.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB; default 5)")
+    ap.add_argument("--allow-damaged", action="store_true",
+                    help="export a checkpoint whose files fail their checksums, with a warning (default: refuse it)")
     args = ap.parse_args(argv)
+    from flashtrain.train.checkpoint import check_readable, read_meta
     from flashtrain.train.official.convert import GiB, export_official, peak_rss_gib
+
+    warn = lambda line: print(f"warning: {line}", file=sys.stderr)  # noqa: E731
+    check_readable(args.ckpt, args.allow_damaged, report=warn)  # as a resume verifies it, before a byte is written
+    if backbone := read_meta(args.ckpt).get("backbone"):  # a DSpark-stage checkpoint: the backbone it names too
+        check_readable(backbone["path"], args.allow_damaged, report=warn)
 
     t0 = time.time()
     report = export_official(args.ckpt, args.out, args.dtype == "fp8", int(args.shard_gb * GiB),

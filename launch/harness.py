@@ -13,7 +13,8 @@ The options are lm_eval's own (`python -m lm_eval --help` lists them all, with t
 flashtrain run needs: `--model flashtrain`; `--model_args` comma-separated: `checkpoint=DIR` (required: a
 run's checkpoints/step_XXXXXXXX, scored with the run's own config, or a weights-only import of
 launch/import_official.py, which also needs `exp=NAME`), `overrides=` Hydra overrides separated by spaces
-(default none; e.g. `overrides=model.use_triton=false`), `batch_size=` (default 1); `--tasks`;
+(default none; e.g. `overrides=model.use_triton=false`), `batch_size=` (default 1), `allow_damaged=true`
+(score a checkpoint whose files fail their checksums, with a warning; default: refuse it); `--tasks`;
 `--output_path` (default: print only). One process, the whole model; on CUDA when there is one.
 """
 

@@ -76,6 +76,66 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous(tmp_path, damag
     assert ck.latest_verified_checkpoint(tmp_path, report=reports.append) is None
 
 
+def test_the_tools_refuse_a_damaged_checkpoint_as_a_resume_would(tmp_path, capsys):
+    """Issue 47 item 4: launch/evaluate.py, the harness and launch/export_official.py verify the checkpoint
+    they read (train/checkpoint.py `check_readable`) and refuse one whose files fail their checksums, or one
+    set aside as `.damaged-*`, naming the problem, before anything is read or written; --allow-damaged turns
+    the refusal into a warning. The quick form (before a process group exists) hashes `.metadata` alone and
+    checks every file's size."""
+    import importlib.util
+
+    from flashtrain.train.evaluate import checkpoint_config
+
+    _save(tmp_path, [1])
+    path = ck.step_dir(tmp_path, 1)
+    f = _data_file(path)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    f.write_bytes(bytes(data))
+    refusal = (f"checkpoint {path} is damaged ({f.name} does not match its checksum); give an intact one (a resume "
+               f"would skip this one for the previous complete checkpoint), or --allow-damaged to read it anyway")
+    with pytest.raises(ck.CheckpointError) as refused:
+        ck.check_readable(path)
+    assert str(refused.value) == refusal
+    ck.check_readable(path, quick=True)  # a data file's bytes: only the full check hashes them
+    reports = []
+    ck.check_readable(path, allow_damaged=True, report=reports.append)
+    assert reports == [f"checkpoint {path} is damaged ({f.name} does not match its checksum); reading it anyway "
+                       f"(--allow-damaged)"]
+
+    spec = importlib.util.spec_from_file_location("export_official", ROOT / "launch" / "export_official.py")
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    with pytest.raises(ck.CheckpointError) as refused:
+        export.main([str(path), str(tmp_path / "out")])
+    assert str(refused.value) == refusal and not (tmp_path / "out").exists()  # nothing written
+    with pytest.raises(Exception) as later:  # allowed: past the check, with a warning (this model is no release)
+        export.main([str(path), str(tmp_path / "out"), "--allow-damaged"])
+    assert not isinstance(later.value, ck.CheckpointError)
+    assert f"warning: checkpoint {path} is damaged ({f.name} does not match its checksum)" in capsys.readouterr().err
+
+    truncated = bytes(data[: len(data) // 2])
+    f.write_bytes(truncated)  # the quick check sees a size
+    with pytest.raises(ck.CheckpointError, match=rf"\({f.name} has {len(truncated)} bytes, {len(data)} were written\)"):
+        checkpoint_config(str(path), [])
+    meta = path / ".metadata"
+    f.write_bytes(bytes(data))
+    flipped = bytearray(meta.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    meta.write_bytes(bytes(flipped))
+    with pytest.raises(ck.CheckpointError, match=r"\(\.metadata does not match its checksum\)"):
+        checkpoint_config(str(path), [])  # before the meta is read: no unpickling error
+
+    aside = ck.set_aside(path, "__0_0.distcp is missing")  # what a resume moved aside
+    with pytest.raises(ck.CheckpointError) as refused:
+        checkpoint_config(str(aside), [])
+    assert str(refused.value).startswith(f"checkpoint {aside} is damaged (step_00000001 was found damaged when "
+                                         f"resuming: __0_0.distcp is missing); give an intact one")
+    (aside / ck.DAMAGED_NOTE).unlink()
+    with pytest.raises(ck.CheckpointError, match=r"is damaged \(it was set aside as damaged\)"):
+        ck.check_readable(aside)
+
+
 def test_a_failed_save_keeps_the_previous_checkpoints_and_says_so(tmp_path, monkeypatch):
     model = _save(tmp_path, [1])
 

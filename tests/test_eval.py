@@ -169,3 +169,25 @@ def test_evaluations_are_due_every_interval_and_at_the_schedules_last_step():
     assert [s for s in range(1, 120) if ev.due(s)] == [50, 100]
     ev.cfg = EvalConfig(interval=0, tokens=8)
     assert not any(ev.due(s, 391) for s in range(1, 392))  # off is off
+
+
+def test_a_checkpoint_is_scored_in_the_launchs_layout_and_named_for_what_it_is():
+    """Issue 47 items 3 and 6: launch/evaluate.py scores in this launch's layout, so the training batch is
+    rounded up to a multiple of its data-parallel ranks x data.batch_size when it does not divide (4
+    sequences of 128 on 2 ranks x 3: 6 sequences, 768 tokens; 3 ranks x 2 after pp=2 of 6 processes: 6
+    again; 4 on 2 x 2: unchanged); and the lines name a run's step, or an import's source."""
+    from types import SimpleNamespace as NS
+
+    from flashtrain.train.evaluate import checkpoint_label, scoring_batch_tokens
+
+    def run(batch_size, pp=1, cp=1, tokens=512.0):
+        return NS(data=NS(seq_len=128, batch_size=batch_size), parallel=NS(pp=pp, cp=cp),
+                  train=NS(global_batch_tokens=tokens))
+
+    assert scoring_batch_tokens(run(3), 2) == 768.0
+    assert scoring_batch_tokens(run(2, pp=2), 6) == 768.0
+    assert scoring_batch_tokens(run(2), 2) == 512.0
+    assert scoring_batch_tokens(run(1, cp=2, tokens=384.0), 2) == 384.0  # dp = 1: 3 sequences fit
+    assert checkpoint_label({"step": 40, "tokens_seen": 5120}) == "step 40"
+    assert checkpoint_label({"step": 0, "weights_only": True, "imported_from": "/rel/V4.1-Flash"}) == \
+        "imported weights, from /rel/V4.1-Flash"

@@ -5,6 +5,7 @@ layouts and the resume do not depend on the depth, and the runs cost a fifth."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -368,6 +369,16 @@ def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path, c
         assert_records_match(ref, records(run))
     assert_evals_match(straight, a, [2, 4])  # pp=2 (1F1B) at step 2, pp=1 at 4
     assert_evals_match(straight, b, [4])  # pp=2 (DualPipeV) at step 4
+    # the README's evaluate command on the pp=2 run's checkpoint: one process, whatever layout it was trained in
+    # (issue 47 item 3), and the log says what it scored (item 6)
+    ckpt = b / "checkpoints" / "step_00000004"
+    out = warm_launch.run([sys.executable, str(ROOT / "launch" / "evaluate.py"), str(ckpt), "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_evals_match_one([e for e in evals(straight) if e["step"] == 4][0], json.loads(out.stdout.splitlines()[-1]))
+    assert f"evaluating {ckpt}: 1 process(es) on cpu, pp=1 dp=1 ep=1 cp=1" in out.stderr
+    assert re.search(r"\nheld-out set: \d+ micro-batches, text \d+ tokens", out.stderr), out.stderr
+    assert f"eval of {ckpt} (step 4): loss " in out.stderr and "held-out evaluation every" not in out.stderr
     assert_clipped(ref)
     for run in (a, b):
         mb, _ = final_model(run, 4)

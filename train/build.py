@@ -265,9 +265,10 @@ def check_shards_at_start(c: RunConfigs, sources, dims: ParallelDims, device: to
 
 
 def build_evaluator(c: RunConfigs, dims: ParallelDims, runner: StepRunner, shards: list[str], tokenizer: str,
-                    device: torch.device, is_main: bool) -> Evaluator | None:
+                    device: torch.device, is_main: bool, periodic: bool = True) -> Evaluator | None:
     """The run's held-out evaluation (train/evaluate.py) from `shards` (data/loader.py `heldout_shards`);
-    None with `train.eval.interval` 0, or without held-out shards (logged)."""
+    None with `train.eval.interval` 0, or without held-out shards (logged). `periodic`: a run's, every
+    `train.eval.interval` steps (False: one scoring of a checkpoint, launch/evaluate.py)."""
     if not c.train.eval.interval:
         return None
     if not shards:
@@ -278,8 +279,9 @@ def build_evaluator(c: RunConfigs, dims: ParallelDims, runner: StepRunner, shard
     token_bytes = token_byte_counts(load_tokenizer(tokenizer), c.spec.vocab_size)
     heldout = heldout_set(c.data, c.spec, shards, c.train.eval.tokens, token_bytes)
     if is_main:
-        log.info(f"held-out evaluation every {c.train.eval.interval} steps: {len(heldout.batches)} micro-batches, "
-                 + ", ".join(f"{name} {int(n)} tokens" for name, n in zip(heldout.sources, heldout.targets) if n))
+        when = f"held-out evaluation every {c.train.eval.interval} steps" if periodic else "held-out set"
+        log.info(f"{when}: {len(heldout.batches)} micro-batches, " + ", ".join(
+            f"{name} {int(n)} tokens" for name, n in zip(heldout.sources, heldout.targets) if n))
     return Evaluator(c.train.eval, heldout, token_bytes, runner, dims.dp, dims.dp_rank, c.data.batch_size, device,
                      is_main)
 

@@ -325,11 +325,12 @@ def _read_manifest(path: Path) -> tuple[dict | None, str | None]:
     return listed, None
 
 
-def checkpoint_problem(path: str | Path) -> str | None:
+def checkpoint_problem(path: str | Path, quick: bool = False) -> str | None:
     """Collective: None when every file the manifest lists is there with its size and checksum; else what
     is wrong. Rank 0 reads the manifest and broadcasts it, each rank checks its share of the files, the
     problems are gathered: the answer is the same on every rank. A checkpoint written before manifests
-    existed is not checked."""
+    existed is not checked. `quick`: every file's presence and size, but only DCP's `.metadata` hashed (what
+    a tool reads before its process group exists, `check_readable`)."""
     path = Path(path)
     listed, problem = _from_rank0(lambda: _read_manifest(path))
     if listed is None:
@@ -342,7 +343,7 @@ def checkpoint_problem(path: str | Path) -> str | None:
                 problems.append(f"{name} is missing")
             elif f.stat().st_size != listed[name]["size"]:
                 problems.append(f"{name} has {f.stat().st_size} bytes, {listed[name]['size']} were written")
-            elif _digest(f)["sha256"] != listed[name]["sha256"]:
+            elif (not quick or name == _DCP_METADATA) and _digest(f)["sha256"] != listed[name]["sha256"]:
                 problems.append(f"{name} does not match its checksum")
         except OSError as e:
             problems.append(f"{name} is unreadable ({e})")
@@ -352,6 +353,28 @@ def checkpoint_problem(path: str | Path) -> str | None:
 
 DAMAGED_PREFIX = ".damaged-"  # `.damaged-step_<step>`: a damaged checkpoint moved aside (never counted, never deleted)
 DAMAGED_NOTE = "DAMAGED"  # inside it: what was wrong, and when it was found
+
+
+def check_readable(path: str | Path, allow_damaged: bool = False, quick: bool = False, report=log.warning) -> None:
+    """A tool that reads a checkpoint (launch/evaluate.py, launch/harness.py, launch/export_official.py)
+    verifies it as a resume does (`checkpoint_problem`, collective; `quick` before a process group exists)
+    and refuses a damaged one -- files that do not match the manifest, or a directory set aside as damaged
+    (`.damaged-step_*`, its `DAMAGED` note) -- with a CheckpointError; `allow_damaged` (the tools'
+    --allow-damaged) reports it through `report` and goes on."""
+    path = Path(path)
+    note = path / DAMAGED_NOTE
+    if note.is_file():
+        problem = " ".join(note.read_text(errors="replace").split()) or f"{DAMAGED_NOTE} note"
+    elif path.name.startswith(DAMAGED_PREFIX):
+        problem = "it was set aside as damaged"
+    else:
+        problem = checkpoint_problem(path, quick)
+    if problem is None:
+        return
+    if not allow_damaged:
+        raise CheckpointError(f"checkpoint {path} is damaged ({problem}); give an intact one (a resume would skip "
+                              f"this one for the previous complete checkpoint), or --allow-damaged to read it anyway")
+    report(f"checkpoint {path} is damaged ({problem}); reading it anyway (--allow-damaged)")
 
 
 def _candidates(run_dir: str | Path, with_partial: bool) -> list[tuple[Path, bool]]:

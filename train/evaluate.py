@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from flashtrain.config import CONF_DIR
 from flashtrain.config.errors import ConfigError
 from flashtrain.data.heldout import MODALITIES, HeldOutSet
 from flashtrain.train.spike import rng_state, set_rng_state
@@ -110,15 +111,16 @@ class Evaluator:
             set_rng_state(saved)
         return sums
 
-    def run(self, step: int) -> dict:
-        """The eval record of `step` (every rank takes part; every rank returns it)."""
+    def run(self, step: int, label: str | None = None) -> dict:
+        """The eval record of `step` (every rank takes part; every rank returns it); logged as `label`
+        (default "eval at step N")."""
         t0 = time.perf_counter()
         sums = self.sums()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(sums)
         record = eval_record(step, sums.cpu().numpy(), self.heldout)
         if self.is_main:
-            log.info(f"eval at step {step}: loss {record['loss']:.4f}, bpb {_fmt(record['bpb'])} over "
+            log.info(f"{label or f'eval at step {step}'}: loss {record['loss']:.4f}, bpb {_fmt(record['bpb'])} over "
                      f"{record['tokens']} tokens ({time.perf_counter() - t0:.1f} s)")
         return record
 
@@ -127,18 +129,28 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def checkpoint_config(path: str, overrides: list[str]):
+# the process layout of a run: a checkpoint is scored in the layout of the scoring launch (one process by default,
+# `parallel.pp=2` ... given as overrides), not in the one it was trained in (conf/parallel/default.yaml)
+LAYOUT_KEYS = ("world", "pp", "ep", "cp", "pipeline_schedule", "microbatches", "stage_layers")
+
+
+def checkpoint_config(path: str, overrides: list[str], allow_damaged: bool = False):
     """The configuration to evaluate checkpoint `path` with: a flashtrain checkpoint's own (its saved,
-    resolved config) with `overrides` (key=value of existing keys: the layout, data.val_shards, ...); a
-    weights-only import (launch/import_official.py) needs `+exp=NAME` and overrides, composed as for
-    training, and its model config must be the import's."""
+    resolved config) in the default layout (`LAYOUT_KEYS` as conf/parallel/default.yaml has them: one
+    process, or data parallelism over the launch's processes) with `overrides` (key=value of existing keys:
+    the layout, data.val_shards, ...); a weights-only import (launch/import_official.py) needs `+exp=NAME`
+    and overrides, composed as for training, and its model config must be the import's. A damaged
+    checkpoint is refused (train/checkpoint.py `check_readable`: here its quick form, before the meta is
+    read; `build_for_scoring` hashes every file) unless `allow_damaged`."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from flashtrain.train.checkpoint import read_meta, weights_only
+    from flashtrain.train.checkpoint import check_readable, read_meta, weights_only
     from flashtrain.train.config import compose
     from flashtrain.train.resume import check_model_config
 
+    if not allow_damaged:
+        check_readable(path, quick=True)
     meta = read_meta(path)
     if weights_only(path):
         if not any(o.lstrip("+").startswith("exp=") for o in overrides):
@@ -151,6 +163,9 @@ def checkpoint_config(path: str, overrides: list[str]):
         raise ConfigError(f"{bad[0]}: a flashtrain checkpoint carries its whole config; give key=value overrides of "
                           f"its keys (e.g. parallel.pp=2, data.val_shards=[...])")
     cfg = OmegaConf.create(meta["config"])
+    defaults = OmegaConf.load(CONF_DIR / "parallel" / "default.yaml")
+    for key in LAYOUT_KEYS:  # the run's layout was for its processes; scoring takes this launch's
+        cfg.parallel[key] = defaults[key]
     OmegaConf.set_struct(cfg, True)
     for o in overrides:
         try:
@@ -175,15 +190,16 @@ class Scoring:
     device: torch.device
 
 
-def build_for_scoring(cfg, path: str) -> Scoring:
+def build_for_scoring(cfg, path: str, allow_damaged: bool = False) -> Scoring:
     """The run's construction (train/build.py) for `cfg` in this launch's layout, with the weights of
-    checkpoint `path` (the optimizer state is not loaded)."""
+    checkpoint `path` (the optimizer state is not loaded), once its files match their checksums (refused
+    otherwise; `allow_damaged`: a warning)."""
     import os
 
     from flashtrain.data.loader import data_sources, heldout_shards
     from flashtrain.parallel.construct import model_template
     from flashtrain.train.build import build_dims, build_rank, check_start, init_distributed, read_configs, run_plan
-    from flashtrain.train.checkpoint import load_weights
+    from flashtrain.train.checkpoint import check_readable, load_weights
     from flashtrain.train.collectives import Operation, barrier
     from flashtrain.train.engram_map import load_or_build_engram_map
     from flashtrain.train.resume import check_model_config
@@ -191,9 +207,12 @@ def build_for_scoring(cfg, path: str) -> Scoring:
     c = read_configs(cfg)
     if not c.train.eval.interval:
         c.train.eval.interval = 1  # the evaluator is built whatever the run's interval was
-    plan = run_plan(c, int(os.environ.get("WORLD_SIZE", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    c.train.global_batch_tokens = scoring_batch_tokens(c, world)
+    plan = run_plan(c, world)
     check_start(c, plan.dp)
     rank, _, device = init_distributed(c.parallel.timeout_s)
+    check_readable(path, allow_damaged, report=log.warning if rank == 0 else lambda _: None)  # every file hashed
     dims = build_dims(c, plan, rank, device.type)
     if rank == 0:
         log.info(f"evaluating {path}: {dims.world} process(es) on {device.type}, pp={dims.pp} dp={dims.dp} "
@@ -212,18 +231,38 @@ def build_for_scoring(cfg, path: str) -> Scoring:
     return Scoring(c, dims, parts, tok, val, meta, device)
 
 
-def evaluate_checkpoint(cfg, path: str) -> dict:
+def scoring_batch_tokens(c, world: int) -> float:
+    """`train.global_batch_tokens` for scoring on `world` processes: the run's when this layout's
+    data-parallel ranks x `data.batch_size` divide it, else the next multiple of them. The held-out set,
+    not the training batch, decides what is scored; the batch only has to fit the layout."""
+    from flashtrain.train.config import global_sequences  # (train/config.py imports this module)
+
+    seq, dp = c.data.seq_len, max(1, world // (c.parallel.pp * c.parallel.cp))
+    unit = dp * c.data.batch_size
+    sequences = global_sequences(c.train.global_batch_tokens, seq)
+    return float(-(-sequences // unit) * unit * seq) if sequences % unit else c.train.global_batch_tokens
+
+
+def checkpoint_label(meta: dict) -> str:
+    """What a checkpoint is, for the tools' lines: "step N" of a run, or "imported weights, from SRC" (an
+    import of the release starts at step 0 but is not a run's step 0)."""
+    if meta.get("weights_only"):
+        return f"imported weights, from {meta.get('imported_from', 'a release')}"
+    return f"step {meta.get('step', 0)}"
+
+
+def evaluate_checkpoint(cfg, path: str, allow_damaged: bool = False) -> dict:
     """The eval record of checkpoint `path` under `cfg` (its `train.eval.tokens`, `data.val_shards`,
     layout): `build_for_scoring`, then one `Evaluator.run`. Every rank returns it."""
     from flashtrain.train.build import build_evaluator
 
-    s = build_for_scoring(cfg, path)
+    s = build_for_scoring(cfg, path, allow_damaged)
     if not s.val_shards:
         raise ConfigError("no held-out data: give --shards (or data.val_shards=[...]) with held-out shards written by "
                           "launch/prepare_data.py")
     evaluator = build_evaluator(s.configs, s.dims, s.parts.runner, s.val_shards, s.tokenizer, s.device,
-                                s.dims.rank == 0)
-    record = evaluator.run(int(s.meta.get("step", 0)))
+                                s.dims.rank == 0, periodic=False)
+    record = evaluator.run(int(s.meta.get("step", 0)), f"eval of {path} ({checkpoint_label(s.meta)})")
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

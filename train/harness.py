@@ -41,14 +41,15 @@ TEXT = -1  # the token type of text (data/images.py)
 @register_model("flashtrain")
 class FlashtrainLM(LM):
     def __init__(self, checkpoint: str, exp: str | None = None, overrides: str = "", batch_size: int | str = 1,
-                 **_ignored):
+                 allow_damaged: bool | str = False, **_ignored):
         super().__init__()
         from flashtrain.data.tokenizer import load_tokenizer
         from flashtrain.train.evaluate import build_for_scoring, checkpoint_config
 
         args = ([f"+exp={exp}"] if exp else []) + overrides.split()
-        cfg, _ = checkpoint_config(checkpoint, args)
-        self.scoring = build_for_scoring(cfg, checkpoint)
+        allow = str(allow_damaged).lower() in ("1", "true", "yes")  # model_args arrive as strings
+        cfg, _ = checkpoint_config(checkpoint, args, allow)
+        self.scoring = build_for_scoring(cfg, checkpoint, allow)
         self.model = self.scoring.parts.model.eval()
         self.spec = self.scoring.configs.spec
         self.tok = load_tokenizer(self.scoring.tokenizer)
