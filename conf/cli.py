@@ -5,7 +5,8 @@ prints `error: <message>` on one stderr line and exits with status 2, no traceba
 Under torchrun (`RANK` set) only global rank 0 prints the line; every other rank waits up to
 `OTHER_RANKS_WAIT_S` for the launcher to stop it (rank 0's exit makes torchrun stop the workers), then
 prints its own line -- so the message appears once, and is never lost when rank 0 did not fail -- and
-exits 2 too. torchrun itself then exits 1 with its `ChildFailedError` report (whose root cause is rank 0,
+exits 2 too; normally torchrun has stopped it by then (SIGTERM, which torchrun's report shows for those
+ranks). torchrun itself then exits 1 with its `ChildFailedError` report (whose root cause is rank 0,
 `exitcode: 2`): torchrun turns every failed worker into exit status 1, and nothing a worker does changes
 that (README). `exit_with_help` / `overrides_help`: the --help of the tools (each says what it takes and
 what every default means)."""

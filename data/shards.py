@@ -225,6 +225,17 @@ def scan_shard(path: str) -> str | None:
     return None
 
 
+def _reason(exn: BaseException) -> str:
+    """What went wrong, in words: an exception's own message, without what webdataset appends to it (the
+    stream object and the URL in its arguments, or an " @ <stream>" suffix), e.g. "truncated header";
+    a KeyError names the member missing from the sample."""
+    words = [a for a in exn.args if isinstance(a, str)]
+    if isinstance(exn, KeyError) and words:
+        return f"no member {words[0]!r}"
+    text = re.sub(r" @ <.*>$", "", words[0]) if words else ""
+    return text or type(exn).__name__
+
+
 def _key(fname: str):
     return base_plus_ext(fname)[0]
 
@@ -235,9 +246,15 @@ def read_shard(path: str, stats: ReadStats, skip: int = 0) -> Iterator[Document 
     countable; a truncated tar (checked up front for a local file, at the end of the stream for a URL) or
     one that fails to read is counted in stats.corrupt_shards, and only its complete samples are read."""
     url = is_url(path)
-    if not url and not _ends_cleanly(path):
+
+    def corrupt(message: str, *args) -> None:
+        """Count the shard as corrupt; say so once per shard and reader (a second read, another epoch, or the
+        tar error after the up-front check: a debug line)."""
+        (log.debug if path in stats.corrupt else log.warning)(message, path, *args)
         stats.corrupt.add(path)
-        log.warning("shard %s is truncated (no end-of-archive blocks); reading its complete samples only", path)
+
+    if not url and not _ends_cleanly(path):
+        corrupt("shard %s is truncated (no end-of-archive blocks); reading its complete samples only")
 
     # what the tar iteration is doing, for the handlers: the member being read (None between members),
     # the key of the last member delivered, the group index of `select`
@@ -258,19 +275,18 @@ def read_shard(path: str, stats: ReadStats, skip: int = 0) -> Iterator[Document 
         # an error reading a member of the sample being grouped (or between members) cuts that sample
         # short; an error on the first member of a new sample leaves the previous one complete
         drop_key = last_key if reading is None or _key(reading) == last_key else None
-        stats.corrupt.add(path)
-        log.warning("shard %s is corrupt or truncated (%s); skipping the rest of it", path, exn)
+        corrupt("shard %s is corrupt or truncated (%s); skipping the rest of it", _reason(exn))
         return False
 
     def on_bad_member(exn: Exception) -> bool:
         """webdataset handler for grouping members into samples: the sample is bad, reading goes on."""
         bad_keys.add(last_key)
-        log.warning("bad member in %s: %s", path, exn)
+        log.warning("bad member in %s: %s", path, _reason(exn))
         return True
 
     def on_bad_sample(key, exn: Exception) -> None:
         stats.bad_samples += 1
-        log.warning("skipping bad sample %s in %s: %s", key, path, exn)
+        log.warning("skipping bad sample %s in %s: %s", key, path, _reason(exn))
 
     def select(fname: str) -> bool:
         """Members of the first `skip` samples are passed over unread; a member about to be read is noted."""
@@ -325,9 +341,7 @@ def read_shard(path: str, stats: ReadStats, skip: int = 0) -> Iterator[Document 
                 on_tar_error(exn)
             else:
                 if not clean:
-                    stats.corrupt.add(path)
-                    log.warning("shard %s is truncated (no end-of-archive blocks); its complete samples were read",
-                                path)
+                    corrupt("shard %s is truncated (no end-of-archive blocks); its complete samples were read")
     finally:
         if stream is not None:
             try:

@@ -160,6 +160,26 @@ def test_stream_errors_are_counted_like_local_ones(tmp_path):
                                                                                            "bad_samples": 0}
 
 
+def test_a_corrupt_shard_is_named_once_per_reader_in_words(tmp_path, caplog):
+    """Issue 47 item 6: a shard cut inside its first header (tarfile's "truncated header", which webdataset
+    hands over with its stream object and URL in the arguments) is reported in words, once per reader:
+    the up-front check's line for a local file (not also the tar error's), the tar error's for a stream,
+    and nothing more on a second read of the same shard."""
+    import logging
+
+    (entry,) = write_shards([Document([("text", np.arange(3, 40, dtype=np.int32))])] * 3, tmp_path, "text", 100)
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes((tmp_path / entry["path"]).read_bytes()[:300])
+    stats = ReadStats()
+    with caplog.at_level(logging.WARNING, logger="flashtrain.data.shards"):
+        for shard in (str(cut), _pipe([str(cut)])[0], str(cut), _pipe([str(cut)])[0]):
+            assert list(read_shard(shard, stats)) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        f"shard {cut} is truncated (no end-of-archive blocks); reading its complete samples only",
+        f"shard {_pipe([str(cut)])[0]} is corrupt or truncated (truncated header); skipping the rest of it"]
+    assert stats.corrupt_shards == 2
+
+
 def test_duplicate_members_make_a_bad_sample(tmp_path):
     buf = io.BytesIO()
     np.save(buf, np.arange(3, 9, dtype=np.int32))

@@ -282,8 +282,11 @@ def test_bad_batch_and_changed_model_are_refused(tmp_path, corpus_args, one_sequ
         run_plan(read_configs(compose(["+exp=flash_tiny", *EIGHT_LAYERS, "train.global_batch_tokens=384"])), 1)
     ckpt = f"{one_sequence_reference[0]}/checkpoints/step_00000002"
     other = pretrain(tmp_path / "other", corpus_args, "train.max_steps=3", f"train.resume_from={ckpt}",
-                     "data.batch_size=1", "model.init_std=0.01", "model.attn_chunk_size=32", check=False)
-    assert other.returncode != 0 and "different model config" in other.stderr and "init_std" in other.stderr
+                     "data.batch_size=1", "model.init_std=0.01", "model.dim=96", "model.attn_chunk_size=32",
+                     check=False)
+    assert other.returncode == 2 and (  # refused for the config, before a tensor of another shape fails to load
+        f"error: checkpoint {ckpt} was written for a different model config (fields ['dim', 'init_std'] differ); use "
+        f"a new run directory, or the model config it was trained with") in other.stderr.splitlines(), other.stderr
     assert not (tmp_path / "other").exists()  # refused after the model was built: nothing written (issue 47 item 2)
     assert "attn_chunk_size" not in other.stderr.split("different model config")[1].split("\n")[0]
     again = pretrain(tmp_path / "again", corpus_args, "train.max_steps=3", f"train.resume_from={ckpt}",

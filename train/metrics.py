@@ -9,7 +9,8 @@ every restart resumes that id (`resume="allow"`) and continues the same curves f
 config goes to wandb once, on the first start.
 
 Each step once: a start that resumes from step N (0: a fresh start) first removes from metrics.jsonl
-what a start that did not reach a checkpoint wrote after step N -- every line after the last record of
+what was written after step N (by a start that stopped before its next checkpoint, or whose later
+checkpoints were damaged and set aside) -- every line after the last record of
 step N, step records and rollback events alike (they belong to the lost steps) -- and says so in the log,
 so the file holds each step once, the re-run's record. wandb's history cannot be rewritten (its steps
 only increase, and rewinding a run is a private-preview server feature), so wandb receives only steps
@@ -322,8 +323,9 @@ class MetricsLogger:
         self.path = self.run_dir / METRICS_FILE
         removed = truncate_after(self.path, start_step)
         if removed:
-            log.warning("%s: removed %s written after step %d by a start that did not reach a checkpoint; the "
-                        "re-run writes those steps again", self.path, _describe_removed(removed), start_step)
+            log.warning("%s: removed %s written after step %d, the step this start resumes from (a checkpoint "
+                        "after it was never written, or was damaged); the re-run writes those steps again", self.path,
+                        _describe_removed(removed), start_step)
         self._file = open(self.path, "a", encoding="utf-8")
         self._wandb_sent = 0  # the last step the wandb run already has: nothing at or before it is sent again
         if cfg.wandb.mode != "disabled":

@@ -55,7 +55,7 @@ from flashtrain.train.build import (
     read_configs,
     run_plan,
 )
-from flashtrain.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
+from flashtrain.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint, read_meta
 from flashtrain.train.collectives import CollectiveError, Operation, all_reduce, barrier, collective_error
 from flashtrain.train.compile import compile_report
 from flashtrain.train.config import CheckpointConfig, TrainConfig, rounded_batch_note
@@ -148,9 +148,10 @@ class Trainer:
         path = resume_path(self.cfg.train.resume_from, self.run_dir, self.is_main)
         if path is None:
             return
+        # the model config first: another model's tensors would fail to load with a message about one of them
+        check_model_config(read_meta(path)["config"]["model"], self.cfg.cfg_dict["model"], path)
         meta, mine = load_checkpoint(path, self.model, self.optim.optimizers, self.dims.dp_rank, self.dims.dp,
                                      self.dims.global_layout(self.model))
-        check_model_config(meta["config"]["model"], self.cfg.cfg_dict["model"], path)
         if self.dspark:
             check_backbone(meta.get("backbone"), backbone_pointer(self.cfg.train.backbone), path)
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
