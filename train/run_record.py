@@ -39,6 +39,16 @@ def new_directories(run_dir: str | Path | None) -> list[Path]:
     return missing
 
 
+def _console_format(hydra_cfg: DictConfig) -> str | None:
+    """The format of the job logging's console handler (conf/hydra/job_logging/console.yaml): the job log's
+    lines read as the console's."""
+    job_logging = hydra_cfg.get("job_logging") or {}
+    try:
+        return job_logging["formatters"][job_logging["handlers"]["console"]["formatter"]]["format"]
+    except (KeyError, TypeError):
+        return None
+
+
 class _Held(logging.Handler):
     """Keeps the log records of a start that is not admitted yet."""
 
@@ -73,7 +83,7 @@ class StartRecord:
         root = logging.getLogger()
         root.removeHandler(self.held)
         job_log = logging.FileHandler(self.run_dir / f"{self.hydra_cfg.job.name}.log")
-        job_log.setFormatter(next((h.formatter for h in root.handlers if h.formatter is not None), None))
+        job_log.setFormatter(logging.Formatter(_console_format(self.hydra_cfg)))
         for held in self.held.records:
             job_log.handle(held)
         root.addHandler(job_log)
