@@ -1099,6 +1099,15 @@ MUTANTS = [
            'out["compress_ratios"] = cfg.backbone_compress_ratios + [0] * cfg.n_mtp_layers',
            'out["compress_ratios"] = cfg.backbone_compress_ratios',
            ['tests/test_official_checkpoint.py::test_drafter_round_trip_names_dtypes_and_config']),
+    # issue 47: the release format and speculative decoding, pinned on hand-built cases
+    Mutant('release format: the drafter\'s shared embedding and head written again under mtp.{i}',
+           'train/official/layout.py',
+           '            out.append(OfficialTensor(key, tuple(shape), fmt, key))',
+           '            out.append(OfficialTensor(key, tuple(shape), fmt, key))\n'
+           '            if key in ("embed.weight", "head.weight"):\n'
+           '                stages = sorted({k.split(".")[1] for k in shapes if k.startswith("mtp.")})\n'
+           '                out += [OfficialTensor(f"mtp.{i}.{key}", tuple(shape), fmt, key) for i in stages]',
+           ['tests/test_official_checkpoint.py', '-k', 'strictly']),
     Mutant('export: the stage\'s backbone is not checked', 'train/official/convert.py',
            'if backbone_pointer(backbone)["fingerprint"] != pointer["fingerprint"]:',
            'if False:',
