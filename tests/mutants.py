@@ -1108,6 +1108,20 @@ MUTANTS = [
            '                stages = sorted({k.split(".")[1] for k in shapes if k.startswith("mtp.")})\n'
            '                out += [OfficialTensor(f"mtp.{i}.{key}", tuple(shape), fmt, key) for i in stages]',
            ['tests/test_official_checkpoint.py', '-k', 'strictly']),
+    Mutant('safetensors writer hands tensors sharing memory to the package', 'train/official/safetensors.py',
+           'if tensor.device.type != "cpu" or not tensor.is_contiguous() or storage in storages:',
+           'if tensor.device.type != "cpu" or not tensor.is_contiguous():',
+           ['tests/test_safetensors_io.py', '-k', 'sharing_memory']),
+    Mutant('safetensors writer copies a shared view from the start of its storage', 'train/official/safetensors.py',
+           'tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(tensor)',
+           'tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(torch.empty(0, '
+           'dtype=tensor.dtype, device=tensor.device)'
+           '.set_(tensor.untyped_storage(), 0, tensor.shape, tensor.stride()))',
+           ['tests/test_safetensors_io.py', '-k', 'sharing_memory']),
+    Mutant('safetensors writer writes a shared view\'s whole storage', 'train/official/safetensors.py',
+           'tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(tensor)',
+           'tensor = torch.empty(0, dtype=tensor.dtype, device="cpu").set_(tensor.untyped_storage().cpu()).clone()',
+           ['tests/test_safetensors_io.py', '-k', 'sharing_memory']),
     Mutant('export: the stage\'s backbone is not checked', 'train/official/convert.py',
            'if backbone_pointer(backbone)["fingerprint"] != pointer["fingerprint"]:',
            'if False:',
