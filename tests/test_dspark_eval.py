@@ -1,7 +1,10 @@
 """Speculative decoding with the frozen backbone as the greedy verifier (train/speculative.py,
 launch/eval_dspark.py): the verified output equals the backbone's own greedy decoding token for token;
 the accepted lengths and per-position counts of a drafter that always agrees, one that never does and
-one right for exactly two positions, against hand counts; the calibration error by hand."""
+one right for exactly two positions, against hand counts; the calibration error by hand; and, on a hand-built
+backbone stand-in, drafts [right, wrong, right, right]: only the prefix before the first mismatch is accepted."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,3 +101,76 @@ def test_greedy_at_reads_the_head_at_the_given_positions(parts):
     want = backbone.head(final).argmax(-1)
     pos = torch.tensor([[0, 5], [11, 3], [7, 7]])
     assert torch.equal(greedy_at(backbone, final, pos), want.gather(1, pos))
+
+
+V = 97  # the stand-in's vocabulary
+
+
+def next_token(t: torch.Tensor) -> torch.Tensor:
+    """The stand-in backbone's greedy token after a token: t + 37 mod 97 (no fixed point, one cycle of 97)."""
+    return (t + 37) % V
+
+
+class NextTokenBackbone:
+    """A causal backbone stand-in for `backbone_pass` / `greedy_at`: the hidden state at a position is the one-hot
+    of `next_token` of its token and the head is the identity, so the greedy token after position i depends on
+    token i alone."""
+
+    def context(self, tokens):
+        return SimpleNamespace(captures=None)
+
+    def embed_inputs(self, tokens):
+        return tokens
+
+    def run_blocks(self, x, ctx):
+        return x
+
+    def final_hidden(self, h):
+        return torch.nn.functional.one_hot(next_token(h), V).float()
+
+    def head(self, rows):
+        return rows
+
+
+def right_wrong_right_right(features, g, n):
+    """Drafts [d1, d2, d3, d4] after g: d1 = the backbone's token after g (right), d2 = one off the token after
+    d1 (wrong), d3, d4 = the backbone's tokens after d2, d3 (right given the drafted tokens before them, so they
+    match the verifier's tokens at their positions); predicted acceptance 0.9, 0.3, 0.8, 0.7."""
+    d1 = next_token(g)
+    d2 = (next_token(d1) + 1) % V
+    d3 = next_token(d2)
+    d4 = next_token(d3)
+    return torch.stack([d1, d2, d3, d4], 1), torch.tensor([[0.9, 0.3, 0.8, 0.7]]).expand(g.shape[0], 4)
+
+
+def test_only_the_matching_prefix_of_the_drafts_is_accepted():
+    """Drafts [right, wrong, right, right] against a hand-built backbone: the verifier's tokens match drafts 1, 3
+    and 4, but only the prefix before the first mismatch is accepted -- one draft a step. The accepted length of a
+    step is the accepted drafts + 1, the +1 being g: the backbone's token for the step's first position, known
+    from the previous verification (its correction after a rejection, its bonus token after a fully accepted
+    block; at the first step, the prompt's forward), committed with the accepted drafts; the verifier's token
+    after them (here the correction for draft 2) is the next step's g. So every step commits 2 tokens, 7 new
+    tokens take 4 steps a row (the last overshooting to 8), and the output is the greedy decoding, by hand."""
+    B, new, K = 2, 7, 4  # rows, new tokens, drafts a step
+    prompts = torch.tensor([[5, 17, 60, 2, 91], [40, 40, 8, 33, 70]])
+    # the inputs tell a prefix from a count of matches: drafts 1, 3, 4 equal the verifier's tokens at their positions
+    g = next_token(prompts[:, -1])
+    drafts, _ = right_wrong_right_right(None, g, None)
+    verified = next_token(torch.cat([g.unsqueeze(1), drafts], 1))[:, :K]
+    assert (drafts == verified).tolist() == [[True, False, True, True]] * B
+
+    stats = Acceptance(K)
+    out = speculative_decode(NextTokenBackbone(), [], right_wrong_right_right, prompts, new, K, 0, stats)
+
+    want = [row.tolist() for row in prompts]
+    for row in want:
+        for _ in range(new):
+            row.append((row[-1] + 37) % V)
+    assert out.tolist() == want
+    assert (stats.steps, stats.tokens) == (B * 4, B * 8)
+    assert stats.reached == [8, 8, 0, 0] and stats.accepted == [8, 0, 0, 0]
+    s = stats.summary()
+    assert s["mean_accepted_length"] == 2.0 and s["acceptance_per_position"] == [1.0, 0.0, None, None]
+    # reached: draft 1 (0.9 -> bin 9, accepted) and draft 2 (0.3 -> bin 3, rejected), 8 times each:
+    # (|8 x 0.9 - 8| + |8 x 0.3 - 0|) / 16
+    assert s["confidence_ece"] == pytest.approx((0.8 + 2.4) / 16)

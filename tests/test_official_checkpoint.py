@@ -6,7 +6,9 @@ launch/export_official.py) on flash_tiny-shaped synthetic checkpoints written by
 - the stored names, dtypes and shapes are the release's, and hand-made blocks decode as the public
   code's tables say (E2M1 nibbles, E8M0 scales);
 - a tampered checkpoint (missing tensor, wrong shape, wrong dtype, config mismatch) fails naming it;
-- a run starts from the import at step 0, and a restart resumes from its own checkpoint.
+- a run starts from the import at step 0, and a restart resumes from its own checkpoint;
+- a DSpark-stage export loads strictly into a stand-in of the public module tree, whose drafter blocks alias the
+  backbone's embedding and head (safetensors' `load_model`; torch's strict load misses exactly the aliases).
 """
 
 import json
@@ -418,3 +420,67 @@ def test_drafter_import_can_leave_the_drafter_out_and_export_checks_the_backbone
             export_official(d / "stage", tmp_path / "out", log=lambda *_: None)
     finally:
         (d / "backbone" / "checksums.json.bak").rename(d / "backbone" / "checksums.json")
+
+
+def _public_structure(stored: dict, n_mtp: int) -> torch.nn.Module:
+    """A stand-in of the public `Transformer`'s parameter tree (DeepSeek-V4.1-Flash `inference/model.py`,
+    revision dba1be0, docs/official_formats.md "The drafter's embedding and head"), as far as state-dict names
+    go: a module per dotted prefix and a parameter per released tensor (its stored dtype and shape, as the
+    public `Linear` holds FP8 codes and a `scale` parameter), then what `Transformer.__init__` does for each
+    drafter block: `self.mtp[-1].embed = self.embed; self.mtp[-1].head = self.head` -- the same modules,
+    registered again under `mtp.{i}` (nn.Module.__setattr__), not copies."""
+    root = torch.nn.Module()
+    for name, t in stored.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if part not in m._modules:
+                m.add_module(part, torch.nn.Module())
+            m = m._modules[part]
+        m.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(t), requires_grad=False))
+    for i in range(n_mtp):
+        block = root.mtp._modules[str(i)]
+        block.embed, block.head = root.embed, root.head
+    return root
+
+
+def test_drafter_release_loads_strictly_into_the_public_structure(drafter_release, tmp_path):
+    """The release stores the shared embedding and head once (`embed.weight`, `head.weight`), as the public code
+    holds them once: in its module tree `mtp.{i}.embed` / `mtp.{i}.head` are the backbone's modules. So
+    - torch's strict `load_state_dict` names exactly the 3 x 2 alias names missing (what a user saw);
+    - safetensors' `load_model` (the loader of the public generate.py, which knows shared tensors), strict,
+      loads the export written as one file (convert.py's model0-mp1.safetensors) with nothing missing or
+      unexpected, and the drafter's embed / head are then the backbone's values;
+    - a file that also holds copies under the alias names is refused by that strict load (unexpected keys):
+      writing them would break it."""
+    from safetensors.torch import load_model
+
+    d, cfg, _, _ = drafter_release
+    stored = _stored(d / "release")
+    aliases = {f"mtp.{i}.{m}.weight" for i in range(3) for m in ("embed", "head")}  # n_mtp_layers = 3
+    assert cfg.n_mtp_layers == 3 and not aliases & set(stored)
+    public = _public_structure(stored, cfg.n_mtp_layers)
+    assert set(public.state_dict()) == set(stored) | aliases
+    assert public.mtp._modules["2"].head.weight is public.head.weight  # shared, not copied
+
+    result = public.load_state_dict(stored, strict=False)
+    assert sorted(result.missing_keys) == sorted(aliases) and result.unexpected_keys == []
+    with pytest.raises(RuntimeError, match="Missing key"):
+        _public_structure(stored, cfg.n_mtp_layers).load_state_dict(stored, strict=True)
+
+    single = tmp_path / "model0-mp1.safetensors"
+    write_file(single, stored)
+    fresh = _public_structure(stored, cfg.n_mtp_layers)
+    missing, unexpected = load_model(fresh, single, strict=True)
+    assert not missing and not unexpected
+    for i in range(3):
+        block = fresh.mtp._modules[str(i)]
+        assert torch.equal(block.embed.weight, stored["embed.weight"])
+        assert torch.equal(block.head.weight, stored["head.weight"])
+    assert torch.equal(fresh.mtp._modules["0"].main_proj.scale.view(torch.uint8),
+                       stored["mtp.0.main_proj.scale"].view(torch.uint8))  # the rest loaded too
+
+    copies = dict(stored, **{a: stored[a.split(".", 2)[2]].clone() for a in aliases})
+    write_file(tmp_path / "with_copies.safetensors", copies)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        load_model(_public_structure(stored, cfg.n_mtp_layers), tmp_path / "with_copies.safetensors", strict=True)

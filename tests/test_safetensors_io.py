@@ -83,6 +83,62 @@ def test_write_file_metadata_order_and_noncontiguous(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+# one storage under several names: a = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] written as x and y (the same
+# tensor), z = a[1:] (a view starting at element 4) and w = a.t() (strided): each entry its own bytes, by hand
+SHARED_EXPECTED = {
+    "x": ([3, 4], list(range(12))),
+    "y": ([3, 4], list(range(12))),
+    "z": ([2, 4], list(range(4, 12))),
+    "w": ([4, 3], [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]),
+}
+
+
+def shared_state(order: str) -> dict[str, torch.Tensor]:
+    a = torch.arange(12.0).reshape(3, 4)
+    views = {"x": a, "y": a, "z": a[1:], "w": a.t()}
+    return {name: views[name] for name in order}
+
+
+def assert_independent_copies(path: Path, names: str) -> None:
+    """Parsed here (struct + json): every name its own span of the data buffer, holding its own values."""
+    header, _, data = parse_file(path)
+    spans = []
+    for name in names:
+        shape, values = SHARED_EXPECTED[name]
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        assert entry["dtype"] == "F32" and entry["shape"] == shape and end - begin == 4 * len(values), name
+        assert list(struct.unpack(f"<{len(values)}f", data[begin:end])) == values, name
+        spans.append((begin, end))
+    spans.sort()
+    assert spans[0][0] == 0 and all(e == b for (_, e), (b, _) in zip(spans, spans[1:]))  # no overlap, no gap
+    assert spans[-1][1] == len(data)  # the data buffer holds these tensors and nothing else
+
+
+@pytest.mark.parametrize("order", ["xyzw", "zwyx"])
+def test_tensors_sharing_memory_are_written_as_separate_copies(tmp_path, order):
+    """The package refuses entries that share memory; write_file copies them (and strided ones) first: the same
+    tensor under two names, a view that starts inside the storage, a transposed view -- first in the dict or
+    after the tensor owning the storage -- each written with exactly its own bytes. The source is unchanged."""
+    state = shared_state(order)
+    storage = {t.untyped_storage().data_ptr() for t in state.values()}
+    assert len(storage) == 1 and state["z"].storage_offset() == 4 and not state["w"].is_contiguous()
+    path = write_file_path(tmp_path, state)
+    assert_independent_copies(path, order)
+    assert torch.equal(state["x"], torch.arange(12.0).reshape(3, 4))
+
+
+def test_sharded_writer_writes_shared_memory_as_separate_copies(tmp_path):
+    """The export's writer (ShardedWriter, train/official/convert.py) given the same four names: one shard, each
+    tensor its own bytes, the index listing all four."""
+    writer = ShardedWriter(tmp_path, max_shard_bytes=1 << 20)
+    for name, tensor in shared_state("xyzw").items():
+        writer.add(name, tensor)
+    weight_map = writer.close()
+    assert weight_map == dict.fromkeys("wxyz", "model-00001-of-00001.safetensors")
+    assert_independent_copies(tmp_path / "model-00001-of-00001.safetensors", "xyzw")
+
+
 def test_write_file_rejects(tmp_path):
     path = tmp_path / "bad.safetensors"
     with pytest.raises(SafetensorsError, match=r"'c'.*complex64"):

@@ -18,7 +18,9 @@ The DSpark drafter (`mtp.{i}.*`, model/dspark.py) is stored like a backbone bloc
 `mtp.{i}.` as to `layers.{i}.`: FP8 attention projections and shared expert, FP4 routed experts, FP32 sink,
 gate biases and mHC) plus `mtp.0.main_proj` in FP8 and `mtp.0.main_norm`, `mtp.{n-1}.norm` and the Markov and
 confidence heads in BF16, as the public code's parameter dtypes say (`DSparkBlock`, `DSparkMarkovHead`,
-`DSparkConfidenceHead`: "proj in the checkpoint is stored in bf16"). A release with a drafter says so in
+`DSparkConfidenceHead`: "proj in the checkpoint is stored in bf16"). The embedding and head the drafter shares
+are stored once, as `embed.weight` / `head.weight`: the public blocks hold the backbone's modules, not copies
+(docs/official_formats.md "The drafter's embedding and head"). A release with a drafter says so in
 `config.json` (`n_mtp_layers`, `dspark_block_size` > 0, the other `dspark_*` fields, `compress_ratios` with one 0
 per drafter layer after the backbone's); one without has `n_mtp_layers` 0 and `dspark_block_size` 0.
 
