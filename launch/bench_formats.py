@@ -3,6 +3,7 @@ switch, with FP8 GEMMs -- and their loss curves side by side (docs/official_form
 the formats cost loss?"; issue 35).
 
     python launch/bench_formats.py [--run-dir DIR] [--out docs/formats] [--last N] [OVERRIDES ...]
+    python launch/bench_formats.py --replot [--out docs/formats]     # the picture again, from formats.json
 
 OVERRIDES are the runs' Hydra overrides. The default is flash_small's widths on the 8-layer plan of the tests
 (every layer role, both Engram modules), one 512-token sequence a step and a whole schedule (warmup, stable,
@@ -22,7 +23,9 @@ overrides>/<variant>), one process, the same data in the same order (same seed);
 an interrupted one resumes from its last checkpoint. Its held-out eval is taken at the last step
 (`train.eval.interval` = the step count). Reports, against plain: the mean training loss of the last
 `--last` steps (default 20) and the final held-out loss, with the relative differences. Writes
-OUT/formats.png (training loss per step, a moving average, for the three) and OUT/formats.json.
+OUT/formats.json (the summary and each variant's per-step training losses) and OUT/formats.png drawn from
+it (training loss per step, a moving average, for the three; each against plain in %); `--replot` draws
+the picture again from formats.json alone.
 A measurement, not a test; CPU-heavy: on a shared machine run it under `flock` with `OMP_NUM_THREADS=1` (the
 runs inherit the environment; an oversubscribed OpenMP pool is many times slower).
 """
@@ -34,8 +37,11 @@ import hashlib
 import json
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
+
+from flashtrain.config.errors import DataError, InputNotFoundError
 
 ROOT = Path(__file__).resolve().parent.parent
 EIGHT_LAYERS = ["model.n_layers=8", "model.compress_ratios=[0,0,2,2,2,1,1,1]", "model.kv_source_layers=[2,5]",
@@ -46,6 +52,7 @@ QAT = ["model.qat.experts_fp4=true", "model.qat.weights_fp8=true", "model.qat.we
        "model.qat.indexer_fp4=true", "model.qat.compressed_kv_fp4=true", "model.qat.window_kv_fp8=true"]
 VARIANTS = {"plain": [], "qat": QAT, "fp8": ["model.fp8.enabled=true"]}
 SMOOTH = 10  # steps in the plot's moving average
+TITLE_CHARS = 150  # the picture's title is wrapped to lines of at most this many characters (its width at 9 pt)
 
 
 def is_done(run_dir: Path, steps: int) -> bool:
@@ -92,28 +99,59 @@ def moving(values: list[float], n: int) -> list[float]:
     return out
 
 
-def plot(out: Path, runs: dict[str, list[dict]], title: str) -> None:
-    import matplotlib
+def curves(runs: dict[str, list[dict]]) -> dict[str, dict[str, list]]:
+    """Per variant its training records' `step` and `loss` lists: what formats.png draws, kept in
+    formats.json so that the picture can be drawn again without the runs (`--replot`)."""
+    return {name: {"step": [r["step"] for r in recs if "event" not in r],
+                   "loss": [r["loss"] for r in recs if "event" not in r]} for name, recs in runs.items()}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for name, recs in runs.items():
-        train = [r for r in recs if "event" not in r]
-        steps, loss = [r["step"] for r in train], [r["loss"] for r in train]
-        axes[0].plot(steps, moving(loss, SMOOTH), label=name)
-        base = [r["loss"] for r in runs["plain"] if "event" not in r]
-        axes[1].plot(steps, [a / b - 1 for a, b in zip(moving(loss, SMOOTH), moving(base, SMOOTH))], label=name)
+def figure_title(result: dict) -> str:
+    """The picture's title from formats.json: the runs' overrides, steps, tokens a step and device."""
+    return (f"{' '.join(result['overrides'])}: {result['steps']} steps of {result['tokens_per_step']} tokens, "
+            f"{result['device']}; qat = all six model.qat switches, fp8 = model.fp8.enabled")
+
+
+def formats_figure(result: dict):
+    """formats.json's curves as a Figure (no pyplot state): the training loss of each variant, a `SMOOTH`-
+    step moving average (left), and each one's moving average against plain's, in % (right); the title
+    wrapped to the figure's width, the layout constrained so that nothing is cut."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    base = moving(result["curves"]["plain"]["loss"], SMOOTH)
+    for name, c in result["curves"].items():
+        smooth = moving(c["loss"], SMOOTH)
+        axes[0].plot(c["step"], smooth, label=name)
+        axes[1].plot(c["step"], [100 * (a / b - 1) for a, b in zip(smooth, base)], label=name)
     axes[0].set_ylabel(f"training loss ({SMOOTH}-step moving average)")
-    axes[1].set_ylabel("relative to plain")
+    axes[1].set_ylabel(f"loss vs plain, % ({SMOOTH}-step moving average)")
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.suptitle("\n".join(textwrap.wrap(figure_title(result), TITLE_CHARS)), fontsize=9)
+    return fig
+
+
+def replot(out: Path) -> Path:
+    """Draw OUT/formats.png from OUT/formats.json alone (no run is needed); returns the picture's path."""
+    path = out / "formats.json"
+    try:
+        result = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputNotFoundError(f"{path}: no such file; run launch/bench_formats.py (without --replot) to write "
+                                 f"it") from None
+    missing = [k for k in ("curves", "tokens_per_step") if k not in result]
+    if missing:
+        raise DataError(f"{path} has no {' / '.join(missing)} (written before bench_formats.py kept the per-step "
+                        f"losses): run launch/bench_formats.py again (its finished runs are reused) to write them")
+    fig = formats_figure(result)
+    fig.savefig(out / "formats.png", dpi=110)
+    return out / "formats.png"
 
 
 def main(argv: list[str]) -> int:
@@ -129,7 +167,12 @@ def main(argv: list[str]) -> int:
                     help="run the three variants at the same time (one process each; their step times then "
                          "share the CPU)")
     ap.add_argument("--last", type=int, default=20, help="steps averaged for the final training loss (default 20)")
+    ap.add_argument("--replot", action="store_true",
+                    help="only draw OUT/formats.png again from OUT/formats.json (its per-step losses); runs nothing")
     args, overrides = ap.parse_known_args(argv)
+    if args.replot:
+        print(f"wrote {replot(args.out)}")
+        return 0
     overrides = overrides or DEFAULT_OVERRIDES
     from flashtrain.train.build import read_configs
     from flashtrain.train.config import compose
@@ -162,12 +205,11 @@ def main(argv: list[str]) -> int:
         s["eval_vs_plain"] = None if s["eval_loss"] is None else s["eval_loss"] / plain["eval_loss"] - 1
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda (bf16 autocast)" if _cuda() else "cpu (fp32)"
-    title = (f"{' '.join(overrides)}: {steps} steps of {c.schedule.tokens_per_step} tokens, {device}; "
-             f"qat = all six model.qat switches, fp8 = model.fp8.enabled")
-    plot(args.out / "formats.png", runs, title)
-    (args.out / "formats.json").write_text(json.dumps({"overrides": overrides, "steps": steps, "device": device,
+    (args.out / "formats.json").write_text(json.dumps({"overrides": overrides, "steps": steps,
+                                                       "tokens_per_step": c.schedule.tokens_per_step, "device": device,
                                                        "parallel": args.parallel, "variants": VARIANTS,
-                                                       "summary": summary}, indent=1))
+                                                       "summary": summary, "curves": curves(runs)}, indent=1))
+    replot(args.out)
     print(f"\n| variant | train loss, last {args.last} steps | vs plain | held-out loss at step {steps} | vs plain "
           f"| median step s |\n|---|---|---|---|---|---|")
     for name, s in summary.items():
@@ -186,4 +228,6 @@ def _cuda() -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from flashtrain.config.cli import exit_on_user_error
+
+    sys.exit(exit_on_user_error(main, sys.argv[1:]))

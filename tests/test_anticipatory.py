@@ -166,21 +166,29 @@ def test_pipeline_and_expert_parallel_route_by_the_earlier_parameters(tmp_path, 
 @pytest.mark.slow
 def test_a_checkpoint_in_the_active_phase_resumes_exactly(tmp_path, corpus):
     """Stopped at step 3 with steps 4 and 5 read ahead and routed by step 2's and 3's parameters: the
-    resumed run trains steps 4-6 on the same batches with the same routing as the uninterrupted one."""
+    resumed run trains steps 4-6 on the same batches with the same routing as the uninterrupted one. The
+    run's spike counters (set by hand before the save: 2 skipped, 1 rollback) continue from the
+    checkpoint's values in the resumed trainer and its records (the guard's own round trip and the next
+    spike's count: tests/test_stability_state.py)."""
     ar = ["train.anticipatory_routing.delta_steps=2", "train.anticipatory_routing.active_steps=10"]
     straight = trainer(tmp_path / "straight", corpus, *ar, steps=6)
     straight.guard.routing.activate(0)
     finish(straight)
     first = trainer(tmp_path / "split", corpus, *ar, steps=3)
     first.guard.routing.activate(0)
+    first.guard.counts = {"skipped": 2, "rolled_back": 1}
     finish(first)
     ckpt = tmp_path / "split" / "checkpoints" / "step_00000003"
     assert (ckpt / "__0_0.distcp").is_file()
     resumed = trainer(tmp_path / "split", corpus, *ar, steps=6)
     ahead = resumed.guard.routing.ahead
     assert resumed.step == 3 and len(ahead) == 2 and all(r is not None for _, r in ahead)
+    assert resumed.guard.counts == {"skipped": 2, "rolled_back": 1}
     finish(resumed)
     assert losses(tmp_path / "split") == losses(tmp_path / "straight")
+    records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["spikes_skipped"], r["rollbacks"]) for r in records if "event" not in r][3:] == [
+        (4, 2, 1), (5, 2, 1), (6, 2, 1)]
 
 
 def test_a_second_spike_while_active_drops_the_cached_routes():

@@ -102,6 +102,29 @@ def test_heldout_set_is_fixed_follows_the_mix_and_counts_from_the_labels(val_sha
     assert a.targets.tolist() == targets and a.bytes.tolist() == n_bytes and min(targets) > 0
 
 
+@pytest.mark.parametrize("weights, tokens, want", [
+    # M = ceil(tokens / (2 x 32)) micro-batches, max(1, round(M x w / total)) per weighted source:
+    (([1000, 1], None), 512, [8, 1]),  # M = 8: round(7.992) = 8, round(0.008) = 0 -> 1
+    (([1, 1000], None), 512, [1, 8]),
+    (([1000, 1], None), 100, [2, 1]),  # M = 2: round(1.998) = 2, round(0.002) = 0 -> 1
+    ((None, [("web", 999, "text"), ("code", 1, "text"), ("caps", 1, "multimodal")]), 512, [8, 1]),  # 1000 : 1
+    (([1, 0], None), 512, [8, 0]),  # a zero weight: no held-out micro-batch
+])
+def test_every_weighted_source_gets_a_held_out_micro_batch(val_shards, tok, weights, tokens, want):
+    """A source whose share of `train.eval.tokens` rounds to zero still gets one micro-batch (and is scored),
+    so that a small source's loss is in every eval record; counts worked out by hand above."""
+    from flashtrain.data.sources import SourceConfig
+
+    shards, _ = val_shards
+    mix, named = weights
+    sources = None if named is None else [SourceConfig(name, shards, w, m) for name, w, m in named]
+    cfg = DataConfig(seq_len=32, batch_size=2, mix=mix, sources=sources)
+    got = heldout_set(cfg, SPEC, shards, tokens, token_byte_counts(tok, SPEC.vocab_size))
+    assert [s for s, _ in got.batches] == [0] * want[0] + [1] * want[1]
+    assert all(len(rows) == 2 for _, rows in got.batches)
+    assert [bool(t) for t in got.targets] == [n > 0 for n in want]  # each present source has scored labels
+
+
 def test_eval_record_by_hand():
     class Set:
         sources, targets, bytes = ("text", "mm"), np.array([100, 50]), np.array([300, 0])

@@ -13,6 +13,7 @@ import torch
 from layer_plans import FOUR_LAYERS
 from test_trainer import corpus_args, pretrain  # noqa: F401 - corpus_args is a fixture used below
 
+from flashtrain.config.errors import ConfigError
 from flashtrain.train.metrics import (
     LoggingConfig,
     MetricsLogger,
@@ -20,6 +21,7 @@ from flashtrain.train.metrics import (
     expert_load_figure,
     finite_or_none,
     init_wandb,
+    load_norm,
     read_run_id,
     relative_loads,
 )
@@ -132,6 +134,57 @@ def test_heatmap_panels_share_one_colour_scale():
     np.testing.assert_array_equal(image_im.get_array().filled(-1), [[-1, -1, -1, -1], [1, 3, 0, 0]])
     title = fig._suptitle.get_text()
     assert "step 123" in title and "text 8" in title and "image 4" in title
+
+
+def test_heatmaps_of_one_run_share_the_configured_scale_and_clip_above_it(tmp_path, monkeypatch):
+    """The colour scale is the run's (`logging.heatmap_max_load`, 3.0 here), not each picture's largest
+    load: three steps whose largest relative loads are 2.0, 3.5 and 4.0 get the same norm 0 / 1 / 3, and a
+    load above 3 maps past the top, to the over colour (black), with the colour bar's arrow and the count
+    and the largest named in the title. Relative loads by hand: load / the layer's mean load."""
+    calm = {0: torch.tensor([[2, 1, 1, 0], [0, 0, 0, 0]])}  # text mean 1: 2, 1, 1, 0; no image tokens
+    hot = {0: torch.tensor([[7, 1, 0, 0], [1, 1, 1, 1]])}  # text mean 2: 3.5, 0.5, 0, 0; image all 1
+    hotter = {0: torch.tensor([[8, 0, 0, 0], [5, 3, 0, 0]])}  # text mean 2: 4, 0, 0, 0; image 2.5, 1.5, 0, 0
+    seen = []
+    for step, loads in ((10, calm), (20, hot), (30, hotter)):
+        fig = expert_load_figure(loads, step, max_load=3.0)
+        bars, panels, _ = _figure_parts(fig)
+        im = panels[0].images[0]
+        seen.append((bars[0]._colorbar, fig._suptitle.get_text(), im))
+        assert (im.norm.vmin, im.norm.vcenter, im.norm.vmax) == (0.0, 1.0, 3.0)
+        assert "scale 0-3 (logging.heatmap_max_load)" in bars[0].get_ylabel()
+    assert seen[0][0].extend == "neither" and "clipped" not in seen[0][1]
+    for (bar, title, _), largest in zip(seen[1:], ["3.50", "4.00"]):
+        assert bar.extend == "max"
+        assert title.endswith(f"\n1 load(s) above 3 drawn black (clipped), the largest {largest}")
+    im = seen[1][2]
+    assert im.get_array()[0, 0] == 3.5  # the value itself is kept; it is drawn in the over colour
+    black = (0.0, 0.0, 0.0, 1.0)
+    assert tuple(im.cmap(im.norm(3.5))) == black and tuple(im.cmap(im.norm(3.0))) != black
+    assert im.norm(3.0) == 1.0 and im.norm(1.0) == 0.5 and im.norm(0.5) == pytest.approx(0.25)
+    n = load_norm(4.0)
+    assert (n.vmin, n.vcenter, n.vmax) == (0.0, 1.0, 4.0)
+    # the logger draws with the run's configured top
+    import flashtrain.train.metrics as metrics
+
+    tops = []
+
+    def spy(loads, step, max_load):
+        tops.append(max_load)
+        return expert_load_figure(loads, step, max_load)
+
+    monkeypatch.setattr(metrics, "expert_load_figure", spy)
+    cfg = LoggingConfig(wandb=WandbConfig(mode="disabled"), heatmap_interval=1, heatmap_max_load=3.0, progress=False)
+    logger = MetricsLogger(tmp_path, cfg, {}, enabled=True, total_steps=2, start_step=0)
+    logger.log(1, {"step": 1, "loss": 1.0}, hot)
+    logger.log(2, {"step": 2, "loss": 1.0}, calm)
+    logger.close()
+    assert tops == [3.0, 3.0] and (tmp_path / "expert_load" / "step_00000002.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("top", [1.0, 0.5, float("inf"), float("nan")])
+def test_a_heatmap_scale_top_at_or_below_balanced_is_refused(top):
+    with pytest.raises(ConfigError, match="logging.heatmap_max_load"):
+        LoggingConfig(heatmap_max_load=top).validate()
 
 
 # --- strict JSON -----------------------------------------------------------------------------------

@@ -58,11 +58,17 @@ class WandbConfig:
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     heatmap_interval: int = 50  # 0: no expert-load heatmaps at all
+    # the top of the heatmaps' colour scale (load / balanced load), the same in every picture of a run;
+    # a load above it is drawn in the over colour (black), the colour bar's arrow
+    heatmap_max_load: float = 4.0
     progress: bool = True
 
     def validate(self) -> None:
         if self.wandb.mode not in ("offline", "online", "disabled"):
             raise ConfigError(f"logging.wandb.mode={self.wandb.mode!r}: use offline, online or disabled")
+        if not (math.isfinite(self.heatmap_max_load) and self.heatmap_max_load > 1.0):
+            raise ConfigError(f"logging.heatmap_max_load={self.heatmap_max_load}: the colour scale's top must be a "
+                              f"finite load / balanced load above 1.0 (balanced), e.g. 4.0")
 
 
 def load_stats(loads: dict[int, torch.Tensor]) -> torch.Tensor | None:
@@ -110,25 +116,35 @@ def routed_counts(loads: dict[int, torch.Tensor]) -> dict[str, int]:
     return {name: max((int(loads[l][m].sum()) for l in loads), default=0) for m, name in enumerate(MODALITIES)}
 
 
-def expert_load_figure(loads: dict[int, torch.Tensor], step: int):
+def load_norm(max_load: float):
+    """The heatmaps' colour scale: load / balanced load from 0 (starved, blue) through 1 (balanced, white)
+    to `max_load` (`logging.heatmap_max_load`, red), fixed for the run so that one colour means one load in
+    every picture; a load above `max_load` maps past the top (the colour map's over colour)."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    return TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max_load)
+
+
+def expert_load_figure(loads: dict[int, torch.Tensor], step: int,
+                       max_load: float = LoggingConfig.heatmap_max_load):
     """The heatmap as a matplotlib Figure: one panel per modality (text, image), layers down, experts
-    across, coloured by `relative_loads` on one colour scale shared by both panels (white = balanced,
-    red = overloaded, blue = starved, grey = a layer without tokens of that modality), a colour bar, and
-    a title with the step and the routed assignments per modality. A modality without any token gets a
-    "no <modality> tokens in this step" note instead of a picture. Built without pyplot (no global
-    figure state, nothing to close; rendering uses the Agg canvas)."""
+    across, coloured by `relative_loads` on one colour scale shared by both panels and fixed for the run
+    (`load_norm(max_load)`: white = balanced, red = overloaded up to `max_load`, blue = starved, grey = a
+    layer without tokens of that modality, black = above `max_load`, clipped: the colour bar then ends in
+    an arrow and the title gives how many and the largest), a colour bar naming the scale, and a title with
+    the step and the routed assignments per modality. A modality without any token gets a "no <modality>
+    tokens in this step" note instead of a picture. Built without pyplot (no global figure state, nothing
+    to close; rendering uses the Agg canvas)."""
     import matplotlib as mpl
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import TwoSlopeNorm
     from matplotlib.figure import Figure
 
     layers, rel = relative_loads(loads)
     counts = routed_counts(loads)
-    top = float(np.nanmax(rel)) if np.isfinite(rel).any() else 2.0
-    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(2.0, top))  # one scale for both panels
-    cmap = mpl.colormaps["RdBu_r"].with_extremes(bad="0.85")
-
+    norm = load_norm(max_load)  # one scale for both panels and every step
+    cmap = mpl.colormaps["RdBu_r"].with_extremes(bad="0.85", over="black")
+    above = np.nan_to_num(rel, nan=0.0) > max_load  # (NaN: a layer and modality without tokens)
     fig = Figure(figsize=(10, 4.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2)
@@ -149,19 +165,24 @@ def expert_load_figure(loads: dict[int, torch.Tensor], step: int):
         if n_experts <= 32:
             ax.set_xticks(range(n_experts))
         ax.tick_params(labelsize=7)
-    bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=list(axes), shrink=0.9)
-    bar.set_label("load / balanced load (1.0 = balanced)")
+    bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=list(axes), shrink=0.9,
+                       extend="max" if above.any() else "neither")
+    bar.set_label(f"load / balanced load (1.0 = balanced)\nscale 0-{max_load:g} (logging.heatmap_max_load)")
+    clipped = (f"\n{int(above.sum())} load(s) above {max_load:g} drawn black (clipped), the largest "
+               f"{float(np.nanmax(rel)):.2f}") if above.any() else ""
     fig.suptitle(f"expert load at step {step}: text {counts['text']:,}, image {counts['image']:,} "
-                 f"routed assignments per layer")
+                 f"routed assignments per layer{clipped}")
     return fig
 
 
-def write_expert_load_png(loads: dict[int, torch.Tensor], step: int, run_dir: str | Path) -> Path:
-    """Render `expert_load_figure` to `<run_dir>/expert_load/step_XXXXXXXX.png` (atomically); returns the path."""
+def write_expert_load_png(loads: dict[int, torch.Tensor], step: int, run_dir: str | Path,
+                          max_load: float = LoggingConfig.heatmap_max_load) -> Path:
+    """Render `expert_load_figure` (colour scale 0-`max_load`) to `<run_dir>/expert_load/step_XXXXXXXX.png`
+    (atomically); returns the path."""
     out = Path(run_dir) / HEATMAP_DIR / f"step_{step:08d}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    expert_load_figure(loads, step).savefig(tmp, format="png")
+    expert_load_figure(loads, step, max_load).savefig(tmp, format="png")
     os.replace(tmp, out)
     return out
 
@@ -349,7 +370,7 @@ class MetricsLogger:
 
     def _heatmap(self, step: int, loads: dict[int, torch.Tensor]) -> Path | None:
         try:
-            return write_expert_load_png(loads, step, self.run_dir)
+            return write_expert_load_png(loads, step, self.run_dir, self.cfg.heatmap_max_load)
         except Exception as e:  # noqa: BLE001 - a picture must never stop training
             log.warning("expert-load heatmap failed at step %d (%s); no more heatmaps in this run", step, e)
             self._heatmaps = False

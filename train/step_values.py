@@ -14,7 +14,8 @@ in one all-reduce at its end.
 
 `source_tokens` counts the positions read, `source_targets` the scored labels.
 
-The metrics record reports the loader counters as three fields (`loader_fields`).
+The metrics record reports the loader counters as three fields (`loader_fields`), the padding as
+`padding_fraction` and the per-source values as `per_source` (`source_fields`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,28 @@ def loader_fields(v: dict) -> dict:
     return {"skipped_samples": int(sum(v[k] for k in SAMPLE_COUNTERS)),
             "skipped_images": int(sum(v[k] for k in IMAGE_COUNTERS)),
             "corrupt_shards": int(v["corrupt_shards"])}
+
+
+def padding_fraction(v: dict) -> float:
+    """The record's `padding_fraction`: the PAD positions over every position of the step's packed rows,
+    B x (seq_len + 1) per micro-batch (inputs and the last label; data/loader.py `collate`), over every dp
+    rank."""
+    return v["pad_tokens"] / max(v["positions"], 1.0)
+
+
+def source_fields(sources, v: dict, tokens_seen: dict[str, int]) -> dict:
+    """The record's `per_source`: for each data source with shards (data/sources.py; in `sources` order, as
+    the step's per-source values), `tokens_seen`, the positions of its documents read so far (rows of
+    seq_len + 1 positions, over every dp rank; added to `tokens_seen`, the run's running count by name: a
+    rolled-back step's reads stay counted, the data moves on), and `loss`, this step's mean CE over the
+    labels of its documents that are scored -- PAD and image positions are not (null: none in this step)."""
+    out = {}
+    for source, tokens, targets, ce in zip(sources, v["source_tokens"], v["source_targets"], v["source_ce"]):
+        if not source.shards:
+            continue
+        tokens_seen[source.name] = tokens_seen.get(source.name, 0) + int(tokens)
+        out[source.name] = {"tokens_seen": tokens_seen[source.name], "loss": ce / targets if targets else None}
+    return out
 
 
 class StepValues:

@@ -69,7 +69,7 @@ from flashtrain.train.run_guard import acquire_run_lock, die_with_launcher
 from flashtrain.train.spike import rng_state, set_rng_state
 from flashtrain.train.stability import StabilityGuard
 from flashtrain.train.step_runner import StepBatches
-from flashtrain.train.step_values import LOADER_COUNTERS, StepValues, loader_fields
+from flashtrain.train.step_values import LOADER_COUNTERS, StepValues, loader_fields, padding_fraction, source_fields
 
 __all__ = ["CheckpointConfig", "CollectiveError", "StepOutcome", "TrainConfig", "Trainer"]
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class Trainer:
             "step": self.step, "loss": v["ce"] / n_micro, "balance_loss": v["balance_loss"] / n_micro,
             "indexer_loss": v["indexer_loss"] / n_micro, "lr": lr, "grad_norm": v["grad_norm"],
             "tokens_seen": self.tokens_seen, "tokens_per_s": self.schedule.tokens_per_step / dt, "step_time_s": dt,
-            "padding_fraction": v["pad_tokens"] / max(v["positions"], 1.0),
+            "padding_fraction": padding_fraction(v),
             # the loader's skips (cumulative, every dp rank): samples, the part of them skipped for an image, and
             # the distinct shards found corrupt (at start-up or while reading); train/step_values.py
             **loader_fields(v),
@@ -219,7 +219,7 @@ class Trainer:
             "spike": out.spike, "anticipatory_routing": out.routed,
             "spikes_skipped": self.guard.counts["skipped"], "rollbacks": self.guard.counts["rolled_back"],
             "expert_load": load_statistics(out.loads, v["load_stats"]),
-            "per_source": self._per_source(v),
+            "per_source": source_fields(self.loader.sources, v, self.source_tokens),
             # model FLOPs (forward + backward) per token at data.seq_len, and MFU = flops_per_token * tokens_per_s
             # / (peak per device * world), null without a known peak (train/flops.py; train.peak_tflops)
             "flops_per_token": (fpt := (dspark_flops_per_token if self.dspark else flops_per_token)(
@@ -232,20 +232,6 @@ class Trainer:
             record.update(dspark_record(v, self.cfg))
             del record["indexer_loss"], record["vit_trainable"]
         return record, out.loads
-
-    def _per_source(self, v: dict) -> dict:
-        """Per data source (data/sources.py): `tokens_seen`, the positions of its documents read so far
-        (rows of seq_len + 1 positions, over every dp rank; a rolled-back step's reads stay counted, the
-        data moves on), and `loss`, this step's mean CE over its labels (null: none in this step)."""
-        out = {}
-        for source, tokens, targets, ce in zip(self.loader.sources, v["source_tokens"], v["source_targets"],
-                                               v["source_ce"]):
-            if not source.shards:
-                continue
-            self.source_tokens[source.name] = self.source_tokens.get(source.name, 0) + int(tokens)
-            out[source.name] = {"tokens_seen": self.source_tokens[source.name],
-                                "loss": ce / targets if targets else None}
-        return out
 
     def forward_backward_update(self) -> StepOutcome:
         """One optimizer step's computation, communication and update, without host syncs (but the spike
