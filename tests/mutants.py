@@ -1171,6 +1171,11 @@ MUTANTS = [
            'return {"returncode": codes[0]}',
            'return {"returncode": 0}',
            ['tests/test_warm_launch.py', '-k', 'plain_script']),
+    # issue 47: what a new user hit on real data (the input side of launch/prepare_data.py)
+    Mutant('a palette image with transparency goes straight to RGB (PIL warns)', 'data/images.py',
+           'if src.mode == "P" and "transparency" in src.info:',
+           'if False:',
+           ['tests/test_prepare.py', '-k', 'palette']),
 ]
 
 

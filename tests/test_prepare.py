@@ -112,3 +112,29 @@ def test_the_tokenizer_comes_from_the_shard_folders_manifests(tmp_path):
     assert run_prepare(str(b), "+exp=flash_tiny", "--text", str(tmp_path / "b.txt"), "--lines", "--tokenizer",
                        str(a / "tokenizer.json")) == 0
     assert data_sources(cfg, SPEC)[1] == str(a / "tokenizer.json")  # the same tokenizer in both folders
+
+
+# --- issue 47: what a new user hit on real data (the input side) --------------------------------------------------
+
+def test_a_palette_image_with_transparency_decodes_to_its_colours_without_a_warning():
+    """data/images.py decode_image: an 8-bit PNG whose palette has per-entry transparency (tRNS bytes) gives
+    the palette's colours, written here by hand, and no PIL UserWarning."""
+    import warnings
+
+    from PIL import Image
+
+    from flashtrain.data.images import decode_image
+
+    colours = [(200, 10, 30), (5, 250, 60), (90, 80, 220)]
+    im = Image.new("P", (4, 2))
+    im.putpalette([c for rgb in colours for c in rgb] + [0] * (768 - 9))
+    im.putdata([0, 1, 2, 0, 2, 1, 0, 1])
+    buf = io.BytesIO()
+    im.save(buf, format="PNG", transparency=bytes([0, 128, 255]))  # entry 0 clear, 1 half, 2 opaque
+    assert Image.open(io.BytesIO(buf.getvalue())).info["transparency"] == b"\x00\x80\xff"  # kept as bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rgb = decode_image(buf.getvalue())
+    assert rgb.mode == "RGB" and np.asarray(rgb).tolist() == [
+        [[200, 10, 30], [5, 250, 60], [90, 80, 220], [200, 10, 30]],
+        [[90, 80, 220], [5, 250, 60], [200, 10, 30], [5, 250, 60]]]
