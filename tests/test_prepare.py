@@ -116,6 +116,91 @@ def test_the_tokenizer_comes_from_the_shard_folders_manifests(tmp_path):
 
 # --- issue 47: what a new user hit on real data (the input side) --------------------------------------------------
 
+def bad_parquet(path, values: list[bytes]) -> None:
+    """A parquet file whose string column `text` holds `values` as they are, bytes that are not UTF-8 included
+    (pyarrow checks them neither on writing through buffers nor on reading)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    raw = pa.array(values, type=pa.binary())
+    pq.write_table(pa.table({"text": pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())}), path)
+
+
+def test_text_that_is_not_utf8_is_skipped_and_named_in_every_text_input(tmp_path):
+    """data/inputs.py: a document with more than 1% of its characters undecodable bytes (U+FFFD) or NUL is
+    skipped as "not UTF-8 text" and named where it is -- a .txt file, a .txt line (--lines; a whole file that
+    is not text once, by its name), a jsonl line (its "text", or the line itself when it does not parse), a
+    compressed jsonl line, a parquet row -- while a stray bad byte in a long enough document is kept."""
+    import gzip
+
+    from flashtrain.data.inputs import InputStats, iter_texts
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rand = src / "rand.txt"
+    rand.write_bytes(np.random.default_rng(0).integers(0, 256, 3000, dtype=np.uint8).tobytes())
+    utf16 = src / "utf16.txt"
+    utf16.write_bytes("hello world".encode("utf-16-le"))  # h NUL e NUL ...: 11 NUL of 22 characters
+    at_limit = src / "at_limit.txt"
+    at_limit.write_bytes(b"a" * 99 + b"\xff")  # 1 of 100 characters: 1%, kept
+    over = src / "over.txt"
+    over.write_bytes(b"a" * 98 + b"\xff")  # 1 of 99: over 1%
+    jl = src / "t.jsonl"
+    jl.write_bytes(b'{"text": "fine"}\n'
+                   b'{"text": "\xff\xfe\xfd ok"}\n'  # parses; its text: 3 of 6 characters U+FFFD
+                   b'\xff\xfe\x00\xfa{\n'  # does not parse, and is not text: 4 of 5
+                   b'not json at all\n'  # does not parse, but is text
+                   + json.dumps({"text": "\u0000\u0000 two NULs"}).encode() + b"\n")  # 2 of 11
+    gz = src / "z.jsonl.gz"
+    gz.write_bytes(gzip.compress(b'{"text": "gz fine"}\n{"text": "\xc3\xc3\xc3"}\n'))  # 3 of 3
+    pq = src / "p.parquet"
+    bad_parquet(pq, [b"pq fine", b"\xff\xfe bad", b"a stray \xff in a row of more than a hundred characters, "
+                     b"which is kept with it read as U+FFFD, as the rule says it should be."])
+    reported = []
+    stats = InputStats(report=reported.append)
+    files = [rand, utf16, at_limit, over, jl, gz, pq]
+    docs = list(iter_texts(files, False, stats))
+    assert docs == ["a" * 99 + "\ufffd", "fine", "gz fine", "pq fine",
+                    "a stray \ufffd in a row of more than a hundred characters, which is kept with it read as U+FFFD, "
+                    "as the rule says it should be."]
+    assert dict(stats.skipped) == {"not UTF-8 text": 8, "not JSON": 1} and stats.documents == 5
+    assert stats.named["not UTF-8 text"] == [str(rand), str(utf16), str(over), f"{jl}:2", f"{jl}:3", f"{jl}:5",
+                                             f"{gz}:2", f"{pq}:row 2"]
+    for line in (f"skipping {utf16}: not UTF-8 text (11 of 22 characters are bytes that are not UTF-8 or NUL; at "
+                 f"most 1% may be)",
+                 f"skipping {over}: not UTF-8 text (1 of 99 characters",
+                 f"skipping {jl}:2: not UTF-8 text (3 of 6 characters", f"skipping {jl}:3: not UTF-8 text (4 of 5 ",
+                 f"skipping {jl}:4: not JSON (", f"skipping {jl}:5: not UTF-8 text (2 of 11 characters",
+                 f"skipping {gz}:2: not UTF-8 text (3 of 3 characters", f"skipping {pq}:row 2: not UTF-8 text (2 of 6"):
+        assert any(r.startswith(line) for r in reported), (line, reported)
+
+    lines = src / "lines.txt"  # as a whole 5 of 631 characters are bad (under 1%): read line by line
+    lines.write_bytes(b"x" * 600 + b"\n\xff\xfe\n\n" + "second \u2028 same line\n".encode() + b"\x00\x00\x00 nul\n")
+    by_line = InputStats()
+    assert list(iter_texts([rand, lines], True, by_line)) == ["x" * 600, "second \u2028 same line"]
+    assert by_line.named == {"not UTF-8 text": [str(rand), f"{lines}:2", f"{lines}:5"]}  # rand.txt: once, whole
+    assert dict(by_line.skipped) == {"not UTF-8 text": 3}
+
+
+def test_a_skipped_jsonl_line_is_named_by_its_line_in_the_file(tmp_path):
+    """`file:line` is the line's number as an editor shows it: blank lines counted, a U+2028 inside a JSON
+    string no line break (numbers written by hand)."""
+    from flashtrain.data.inputs import InputStats, iter_texts
+
+    jl = tmp_path / "a.jsonl"
+    jl.write_text("\n"  # 1
+                  + json.dumps({"text": "first\u2028still line 2"}, ensure_ascii=False) + "\n"  # 2
+                  + "\n  \n\n"  # 3, 4, 5
+                  + "{broken\n"  # 6
+                  + json.dumps({"id": 1}) + "\n"  # 7
+                  + "\n"  # 8
+                  + json.dumps({"text": 3}) + "\n")  # 9
+    stats = InputStats()
+    assert list(iter_texts([jl], False, stats)) == ["first\u2028still line 2"]
+    assert stats.named == {"not JSON": [f"{jl}:6"], "no text field": [f"{jl}:7"],
+                           "text field not a string": [f"{jl}:9"]}
+
+
 def test_a_palette_image_with_transparency_decodes_to_its_colours_without_a_warning():
     """data/images.py decode_image: an 8-bit PNG whose palette has per-entry transparency (tRNS bytes) gives
     the palette's colours, written here by hand, and no PIL UserWarning."""
