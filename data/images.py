@@ -103,12 +103,18 @@ def plan_image_size(width: int, height: int, cfg: ImageProcessorConfig) -> tuple
 
 
 def decode_image(data: bytes):
-    """bytes -> RGB PIL image, or ImageDecodeError."""
+    """bytes -> RGB PIL image, or ImageDecodeError. A palette image with transparency (a GIF, an 8-bit PNG) goes
+    through RGBA, where PIL reads its transparency, and then drops the alpha as the conversion of any RGBA
+    image does: the colours its palette gives, as `convert("RGB")` would give them, without the UserWarning
+    PIL raises on the direct conversion of a palette whose transparency is given per entry ("Palette images
+    with Transparency expressed in bytes should be converted to RGBA images")."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as src:
             src.load()
+            if src.mode == "P" and "transparency" in src.info:
+                return src.convert("RGBA").convert("RGB")
             return src.convert("RGB")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise ImageDecodeError(f"cannot decode image ({len(data)} bytes): {decode_problem(e)}") from e

@@ -30,12 +30,19 @@ Engram compressed map) and manifest.json (per shard: documents, text tokens, ima
 with the sequence positions the images will take; what was skipped). A progress bar (documents/s, tokens,
 images) runs on stderr while the shards are written (redrawn every 5 s when stderr is not a terminal).
 Every input that cannot be used is counted by reason and named where it is (`file`, `file:line` of a
-jsonl line, `file:row N` of a parquet row): a line on stderr as it is found, and in manifest.json
-(`skipped`: counts by modality and reason, `skipped_where`: the first 100 of each reason named). A table
-per source ends the run: documents, tokens, images, what was skipped and why, with the first few of each
-reason named (the last stdout line is the same as JSON). Point `data.text_shards` / `data.mm_shards` at the tar
-files (globs work; so do webdataset URLs such as `pipe:CMD` or `https://...` once the shards are served
-from elsewhere).
+jsonl line or of a `.txt` line with --lines, `file:row N` of a parquet row; a line's number as an editor
+shows it, blank lines counted): a line on stderr as it is found, and in manifest.json (`skipped`: counts
+by modality and reason, `skipped_where`: the first 100 of each reason named). Text that is not UTF-8 --
+more than 1% of its characters undecodable bytes or NUL (data/inputs.py MAX_UNDECODED_SHARE): a binary
+file, UTF-16, Latin-1 -- is one such input ("not UTF-8 text"), in every text input and in captions and
+interleaved text. A table per source ends the run: documents, tokens, images, what was skipped and why,
+with the first few of each reason named (the last stdout line is the same as JSON). Point
+`data.text_shards` / `data.mm_shards` at the tar files (globs work; so do webdataset URLs such as
+`pipe:CMD` or `https://...` once the shards are served from elsewhere).
+
+Exit status 0 when the shards are written; 2, with one line `error: <message>`, on a user error: no
+input given, a bad --name, an input that does not exist, and inputs none of which holds a usable document
+(checked before anything is written: the message counts why, by reason).
 """
 
 from __future__ import annotations
@@ -112,9 +119,18 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from flashtrain.config.cli import exit_on_user_error  # noqa: E402
-from flashtrain.config.errors import DataError  # noqa: E402
+from flashtrain.config.errors import ConfigError, DataError, InputNotFoundError  # noqa: E402
 from flashtrain.data.images import ImageDecodeError, decode_image, num_image_positions, plan_image_size  # noqa: E402
-from flashtrain.data.inputs import InputStats, iter_texts, text_files  # noqa: E402
+from flashtrain.data.inputs import (  # noqa: E402
+    EMPTY,
+    NOT_UTF8,
+    TEXT_SUFFIXES,
+    InputStats,
+    iter_texts,
+    numbered_lines,
+    text_files,
+    undecoded,
+)
 from flashtrain.data.loader import WRITTEN_FOR  # noqa: E402
 from flashtrain.data.shards import Document, write_shards  # noqa: E402
 from flashtrain.data.sources import SOURCE_NAME  # noqa: E402
@@ -123,9 +139,15 @@ from flashtrain.train.config import compose, model_config, token_spec  # noqa: E
 from flashtrain.train.engram_map import load_or_build_engram_map  # noqa: E402
 
 
+def report(line: str) -> None:
+    """A skipped input's line on stderr as it is found (above the progress bar once there is one)."""
+    tqdm.write(line, file=sys.stderr)
+
+
 def image_caption_documents(folder: str, stats: InputStats) -> list[tuple[str, list]]:
     """(where, raw segments) per image with a caption; the caption requirement checked up front: images
-    without one are named once and counted, none with one is an error."""
+    without one are named once and counted, none with one is an error; a caption that is not UTF-8 text
+    skips its image (named by the caption's file)."""
     if not Path(folder).is_dir():
         raise DataError(f"--images {folder}: not a directory")
     images = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in IMAGE_EXTS)
@@ -142,31 +164,123 @@ def image_caption_documents(folder: str, stats: InputStats) -> list[tuple[str, l
               + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""), file=sys.stderr)
     for img in missing:
         stats.skip(WITHOUT_CAPTION, str(img), quiet=True)
-    return [(str(img), [("image", img), ("text", img.with_suffix(".txt").read_text(encoding="utf-8").strip())])
-            for img in images if img.with_suffix(".txt").is_file()]
+    out, lacking = [], set(missing)
+    for img in images:
+        caption = img.with_suffix(".txt")
+        if img in lacking:
+            continue
+        text = caption.read_text(encoding="utf-8", errors="replace").strip()
+        if why := undecoded(text):
+            stats.skip(NOT_UTF8, str(caption), why)
+            continue
+        out.append((str(img), [("image", img), ("text", text)]))
+    return out
+
+
+def interleaved_segments(line: str, base: Path) -> list:
+    """The raw segments of one interleaved jsonl line; ValueError / KeyError / TypeError if it is not
+    {"segments": [{"text": STRING} or {"image": PATH}, ...]}."""
+    segs = json.loads(line)["segments"]
+    if not isinstance(segs, list) or not all(isinstance(s, dict) for s in segs):
+        raise TypeError("segments is not a list of objects")
+    out = []
+    for i, s in enumerate(segs, 1):
+        if "text" in s:
+            if not isinstance(s["text"], str):
+                raise TypeError(f"segment {i}'s text is {type(s['text']).__name__}, not a string")
+            out.append(("text", s["text"]))
+        else:
+            out.append(("image", base / s["image"]))
+    return out
 
 
 def interleaved_documents(path: str, stats: InputStats) -> list[tuple[str, list]]:
+    """(where, raw segments) per usable line of an --interleaved jsonl, `where` = `file:line` (the line's number
+    in the file, blank lines counted: data/inputs.py numbered_lines); a line that is not a document, holds
+    neither an image nor text, or whose text is not UTF-8 text is skipped and named as it is found."""
+    if not Path(path).is_file():  # here, not a "truncated file" skip when reading it fails
+        raise InputNotFoundError(f"--interleaved {path!r} does not exist" if not Path(path).exists() else
+                                 f"--interleaved {path!r}: not a file; give the jsonl of interleaved documents")
     base = Path(path).parent
     out = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in numbered_lines(Path(path), stats):
         if not line.strip():
             continue
+        where = f"{path}:{n}"
         try:
-            segs = json.loads(line)["segments"]
-            out.append((f"{path}:{n}", [("text", s["text"]) if "text" in s else ("image", base / s["image"])
-                                        for s in segs]))
+            raw = interleaved_segments(line, base)
         except (ValueError, KeyError, TypeError) as e:
-            stats.skip(BAD_INTERLEAVED, f"{path}:{n}", f"{type(e).__name__}: {e}")
+            if why := undecoded(line):
+                stats.skip(NOT_UTF8, where, why)
+            else:
+                stats.skip(BAD_INTERLEAVED, where, f"{type(e).__name__}: {e}")
+            continue
+        text = "".join(v for k, v in raw if k == "text")
+        if why := undecoded(text):
+            stats.skip(NOT_UTF8, where, why)
+        elif not text.strip() and all(k == "text" for k, _ in raw):
+            stats.skip(EMPTY, where)
+        else:
+            out.append((where, raw))
     return out
+
+
+def read_image(value: Path, where: str, stats: InputStats):
+    """(bytes, decoded image) of an image segment of the document at `where`, or None once it is counted and
+    named in `stats` as unreadable or undecodable (rejected now rather than at training time)."""
+    image = str(value) if where == str(value) else f"{value} (in {where})"
+    try:
+        data = Path(value).read_bytes()
+        return data, decode_image(data)
+    except OSError as e:
+        stats.skip(IMAGE_UNREADABLE, image, e.strerror or type(e).__name__)
+    except ImageDecodeError as e:
+        stats.skip(IMAGE_UNDECODABLE, image, str(e))
+    return None
+
+
+def refuse_if_nothing_usable(args, files: list[Path], mm_raw: list, mm_stats: InputStats) -> None:
+    """A DataError when no input holds a usable document: found before anything is written, by reading up to
+    the first usable document (the text, then the multimodal documents' images), quietly -- the writing pass
+    reports each skip. When nothing is usable, everything has been read and the message counts why."""
+    text_probe, mm_probe = InputStats(), InputStats()
+    if next(iter_texts(files, args.lines, text_probe), None) is not None:
+        return
+    if any(all(read_image(v, where, mm_probe) for k, v in raw if k == "image") for where, raw in mm_raw):
+        return
+    parts = []
+    if args.text:
+        given, many = " ".join(args.text), len(args.text) > 1
+        parts.append(f"--text {given}: " + (f"none of {'their' if many else 'its'} {len(files)} files holds a usable "
+                                            f"document ({reasons(text_probe)})" if files else
+                                            f"no {', '.join(TEXT_SUFFIXES)} files in {'them' if many else 'it'}"))
+    if mm_raw or mm_stats.skipped:
+        given = " ".join(f"--{o} {v}" for o, v in (("images", args.images), ("interleaved", args.interleaved)) if v)
+        both = InputStats(skipped=mm_stats.skipped + mm_probe.skipped,
+                          named={r: mm_stats.named.get(r, []) + mm_probe.named.get(r, [])
+                                 for r in {**mm_stats.named, **mm_probe.named}})
+        parts.append(f"{given}: none of {len(mm_raw) + sum(mm_stats.skipped.values())} documents is usable "
+                     f"({reasons(both)})")
+    elif args.interleaved:
+        parts.append(f"--interleaved {args.interleaved}: no document in it")
+    raise DataError("nothing to write, no input holds a usable document: " + "; ".join(parts)
+                    + f"; nothing written to {args.out_dir}")
+
+
+def reasons(stats: InputStats) -> str:
+    """`N reason: first named[, ...]` per reason of `stats`, most frequent first."""
+    if not stats.skipped:
+        return "blank lines only"
+    return "; ".join(f"{n} {reason}: {stats.named[reason][0]}{', ...' if n > 1 else ''}"
+                     for reason, n in sorted(stats.skipped.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def main(argv: list[str]) -> int:
     args, overrides = parser().parse_known_args(argv)
     if args.name is not None and not SOURCE_NAME.match(args.name):  # a usable source name, before any work
-        print(f"prepare_data.py: --name {args.name!r}: a source name is letters, digits, '_', '.', '-' (e.g. --name "
-              f"web)", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--name {args.name!r}: a source name is letters, digits, '_', '.', '-' (e.g. --name web)")
+    if not (args.text or args.images or args.interleaved):
+        raise DataError("no documents given: name them with --text, --images or --interleaved (--help)")
     overrides = overrides or ["+exp=flash_small"]
     cfg = compose(overrides)
     spec = token_spec(model_config(cfg))
@@ -175,13 +289,11 @@ def main(argv: list[str]) -> int:
                    "model": cfg.run_name, "vocab_size": spec.vocab_size}
     out = Path(args.out_dir)
 
-    text_stats, mm_stats = InputStats(), InputStats()
+    text_stats, mm_stats = InputStats(report=report), InputStats(report=report)
     files = text_files(args.text)
     mm_raw = (image_caption_documents(args.images, mm_stats) if args.images else []) + \
         (interleaved_documents(args.interleaved, mm_stats) if args.interleaved else [])
-    if not files and not mm_raw:
-        print("prepare_data.py: no documents given (use --text, --images or --interleaved)", file=sys.stderr)
-        return 2
+    refuse_if_nothing_usable(args, files, mm_raw, mm_stats)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     captions = [s[1] for _, d in mm_raw for s in d if s[0] == "text"]
     shared = out / "tokenizer.json"
@@ -201,7 +313,6 @@ def main(argv: list[str]) -> int:
 
     tty = sys.stderr.isatty()
     bar = tqdm(desc="documents", unit="doc", file=sys.stderr, mininterval=0.1 if tty else 5.0, dynamic_ncols=tty)
-    text_stats.report = mm_stats.report = lambda line: bar.write(line, file=sys.stderr)
     counts = {"text": 0, "mm": 0, "images": 0}
     image_positions = [0]
 
@@ -220,16 +331,9 @@ def main(argv: list[str]) -> int:
                 if kind == "text":
                     doc.segments.append(("text", ids(value)))
                     continue
-                image = str(value) if where == str(value) else f"{value} (in {where})"
-                try:
-                    data = Path(value).read_bytes()
-                    img = decode_image(data)  # reject unreadable images now rather than at training time
-                except OSError as e:
-                    mm_stats.skip(IMAGE_UNREADABLE, image, e.strerror or type(e).__name__)
+                if (read := read_image(value, where, mm_stats)) is None:
                     break
-                except ImageDecodeError as e:
-                    mm_stats.skip(IMAGE_UNDECODABLE, image, str(e))
-                    break
+                data, img = read
                 n_h, n_w, _, _ = plan_image_size(img.width, img.height, spec.image)
                 image_positions[0] += num_image_positions(n_h, n_w)
                 doc.segments.append(("image", data, Path(value).suffix.lstrip(".").lower() or "png"))

@@ -112,3 +112,233 @@ def test_the_tokenizer_comes_from_the_shard_folders_manifests(tmp_path):
     assert run_prepare(str(b), "+exp=flash_tiny", "--text", str(tmp_path / "b.txt"), "--lines", "--tokenizer",
                        str(a / "tokenizer.json")) == 0
     assert data_sources(cfg, SPEC)[1] == str(a / "tokenizer.json")  # the same tokenizer in both folders
+
+
+# --- issue 47: what a new user hit on real data (the input side) --------------------------------------------------
+
+def bad_parquet(path, values: list[bytes]) -> None:
+    """A parquet file whose string column `text` holds `values` as they are, bytes that are not UTF-8 included
+    (pyarrow checks them neither on writing through buffers nor on reading)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    raw = pa.array(values, type=pa.binary())
+    pq.write_table(pa.table({"text": pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())}), path)
+
+
+def test_text_that_is_not_utf8_is_skipped_and_named_in_every_text_input(tmp_path):
+    """data/inputs.py: a document with more than 1% of its characters undecodable bytes (U+FFFD) or NUL is
+    skipped as "not UTF-8 text" and named where it is -- a .txt file, a .txt line (--lines; a whole file that
+    is not text once, by its name), a jsonl line (its "text", or the line itself when it does not parse), a
+    compressed jsonl line, a parquet row -- while a stray bad byte in a long enough document is kept."""
+    import gzip
+
+    from flashtrain.data.inputs import InputStats, iter_texts
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rand = src / "rand.txt"
+    rand.write_bytes(np.random.default_rng(0).integers(0, 256, 3000, dtype=np.uint8).tobytes())
+    utf16 = src / "utf16.txt"
+    utf16.write_bytes("hello world".encode("utf-16-le"))  # h NUL e NUL ...: 11 NUL of 22 characters
+    at_limit = src / "at_limit.txt"
+    at_limit.write_bytes(b"a" * 99 + b"\xff")  # 1 of 100 characters: 1%, kept
+    over = src / "over.txt"
+    over.write_bytes(b"a" * 98 + b"\xff")  # 1 of 99: over 1%
+    jl = src / "t.jsonl"
+    jl.write_bytes(b'{"text": "fine"}\n'
+                   b'{"text": "\xff\xfe\xfd ok"}\n'  # parses; its text: 3 of 6 characters U+FFFD
+                   b'\xff\xfe\x00\xfa{\n'  # does not parse, and is not text: 4 of 5
+                   b'not json at all\n'  # does not parse, but is text
+                   + json.dumps({"text": "\u0000\u0000 two NULs"}).encode() + b"\n")  # 2 of 11
+    gz = src / "z.jsonl.gz"
+    gz.write_bytes(gzip.compress(b'{"text": "gz fine"}\n{"text": "\xc3\xc3\xc3"}\n'))  # 3 of 3
+    pq = src / "p.parquet"
+    bad_parquet(pq, [b"pq fine", b"\xff\xfe bad", b"a stray \xff in a row of more than a hundred characters, "
+                     b"which is kept with it read as U+FFFD, as the rule says it should be."])
+    reported = []
+    stats = InputStats(report=reported.append)
+    files = [rand, utf16, at_limit, over, jl, gz, pq]
+    docs = list(iter_texts(files, False, stats))
+    assert docs == ["a" * 99 + "\ufffd", "fine", "gz fine", "pq fine",
+                    "a stray \ufffd in a row of more than a hundred characters, which is kept with it read as U+FFFD, "
+                    "as the rule says it should be."]
+    assert dict(stats.skipped) == {"not UTF-8 text": 8, "not JSON": 1} and stats.documents == 5
+    assert stats.named["not UTF-8 text"] == [str(rand), str(utf16), str(over), f"{jl}:2", f"{jl}:3", f"{jl}:5",
+                                             f"{gz}:2", f"{pq}:row 2"]
+    for line in (f"skipping {utf16}: not UTF-8 text (11 of 22 characters are bytes that are not UTF-8 or NUL; at "
+                 f"most 1% may be)",
+                 f"skipping {over}: not UTF-8 text (1 of 99 characters",
+                 f"skipping {jl}:2: not UTF-8 text (3 of 6 characters", f"skipping {jl}:3: not UTF-8 text (4 of 5 ",
+                 f"skipping {jl}:4: not JSON (", f"skipping {jl}:5: not UTF-8 text (2 of 11 characters",
+                 f"skipping {gz}:2: not UTF-8 text (3 of 3 characters", f"skipping {pq}:row 2: not UTF-8 text (2 of 6"):
+        assert any(r.startswith(line) for r in reported), (line, reported)
+
+    lines = src / "lines.txt"  # as a whole 5 of 631 characters are bad (under 1%): read line by line
+    lines.write_bytes(b"x" * 600 + b"\n\xff\xfe\n\n" + "second \u2028 same line\n".encode() + b"\x00\x00\x00 nul\n")
+    by_line = InputStats()
+    assert list(iter_texts([rand, lines], True, by_line)) == ["x" * 600, "second \u2028 same line"]
+    assert by_line.named == {"not UTF-8 text": [str(rand), f"{lines}:2", f"{lines}:5"]}  # rand.txt: once, whole
+    assert dict(by_line.skipped) == {"not UTF-8 text": 3}
+
+
+def test_prepare_data_names_text_captions_and_interleaved_lines_that_are_not_utf8(tmp_path, capsys):
+    """launch/prepare_data.py: "not UTF-8 text" skips counted, named on stderr as found, in manifest.json and
+    in the closing table, for a .txt, an image's caption (the image is skipped, named by its caption's file)
+    and an interleaved line's text; a caption that is not UTF-8 no longer stops the tool."""
+    src = tmp_path / "src"
+    (src / "imgs").mkdir(parents=True)
+    good, rand = src / "good.txt", src / "rand.txt"
+    good.write_text("a document of plain words")
+    rand.write_bytes(np.random.default_rng(1).integers(0, 256, 2000, dtype=np.uint8).tobytes())
+    (src / "imgs" / "cat.png").write_bytes(png())
+    (src / "imgs" / "cat.txt").write_text("a noisy box")
+    (src / "imgs" / "dog.png").write_bytes(png(seed=3))
+    dog = src / "imgs" / "dog.txt"
+    dog.write_bytes("a noisy box".encode("utf-16"))  # a BOM, then a NUL beside every letter
+    inter = src / "inter.jsonl"
+    inter.write_bytes(b'{"segments": [{"text": "look:"}, {"image": "imgs/cat.png"}]}\n'
+                      b'{"segments": [{"text": "\xff\xfe\xfd"}, {"image": "imgs/cat.png"}]}\n')
+    out = tmp_path / "out"
+    assert run_prepare(str(out), "+exp=flash_tiny", "--text", str(good), str(rand), "--images", str(src / "imgs"),
+                       "--interleaved", str(inter)) == 0
+    printed = capsys.readouterr()
+    counts = {"text": {"not UTF-8 text": 1}, "mm": {"not UTF-8 text": 2}}
+    where = {"text": {"not UTF-8 text": [str(rand)]}, "mm": {"not UTF-8 text": [str(dog), f"{inter}:2"]}}
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["skipped"] == counts and manifest["skipped_where"] == where and manifest["skipped_documents"] == 3
+    assert manifest["totals"]["text"]["documents"] == 1 and manifest["totals"]["mm"]["documents"] == 2
+    assert f"text, not UTF-8 text: {rand}" in printed.out and f"mm, not UTF-8 text: {dog}, {inter}:2" in printed.out
+    for name in (rand, dog, f"{inter}:2"):
+        assert f"skipping {name}: not UTF-8 text (" in printed.err, printed.err
+
+
+def test_inputs_without_a_usable_document_are_refused_before_anything_is_written(tmp_path, capsys):
+    """A --text folder where nothing is usable: exit 2, one `error:` line counting why by reason and naming
+    the first of each, and no OUT_DIR -- not a tokenizer trained on nothing and an empty manifest."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.txt").write_bytes(np.random.default_rng(2).integers(0, 256, 2000, dtype=np.uint8).tobytes())
+    (d / "b.txt").write_bytes("hello".encode("utf-16-le"))
+    (d / "c.jsonl").write_text('{"text": "   "}\n')
+    out = tmp_path / "out"
+    assert run_prepare(str(out), "+exp=flash_tiny", "--text", str(d)) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: nothing to write, no input holds a usable document: --text {d}: none of its 3 files holds a usable "
+        f"document (2 not UTF-8 text: {d / 'a.txt'}, ...; 1 empty document: {d / 'c.jsonl'}:1); nothing written to "
+        f"{out}"]
+    assert not out.exists()
+
+
+def test_multimodal_inputs_without_a_usable_document_and_no_text_are_refused(tmp_path, capsys):
+    """Images and interleaved lines none of which is usable, without text: exit 2 and one `error:` line (the
+    skips found while reading the inputs are reported above it as found), nothing written."""
+    (tmp_path / "imgs").mkdir()
+    cut = tmp_path / "imgs" / "cut.png"
+    cut.write_bytes(png(seed=1)[:2000])  # the header reads, the pixels end early
+    (tmp_path / "imgs" / "cut.txt").write_text("half a box")
+    inter = tmp_path / "inter.jsonl"
+    inter.write_text('\n{"segments": [{"image": "missing.png"}]}\n{"segs": []}\n')
+    out = tmp_path / "out"
+    assert run_prepare(str(out), "+exp=flash_tiny", "--images", str(tmp_path / "imgs"), "--interleaved",
+                       str(inter)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"skipping {inter}:3: bad interleaved document (KeyError: 'segments')",
+        f"error: nothing to write, no input holds a usable document: --images {tmp_path / 'imgs'} --interleaved "
+        f"{inter}: none of 3 documents is usable (1 bad interleaved document: {inter}:3; 1 image file unreadable: "
+        f"{tmp_path / 'missing.png'} (in {inter}:2); 1 image undecodable: {cut}); nothing written to {out}"]
+    assert not out.exists()
+
+
+def test_interleaved_skips_are_named_by_their_line_on_stderr_as_found(tmp_path, capsys):
+    """--interleaved: each unusable line is named `file:line` by its line in the file (blank lines counted;
+    a U+2028 inside a JSON string is no line break), on stderr as it is found (before the progress bar and
+    the text's skips) as well as in the closing table and manifest.json."""
+    (tmp_path / "cat.png").write_bytes(png())
+    inter = tmp_path / "inter.jsonl"
+    inter.write_text("\n\n"  # lines 1, 2
+                     + json.dumps({"segments": [{"text": "one\u2028line"}, {"image": "cat.png"}]}, ensure_ascii=False)
+                     + "\n\n"  # line 3, then a blank line 4
+                     + '{"segments": [{"text": "cut off"\n'  # line 5
+                     + "   \n"  # line 6, blank
+                     + json.dumps({"segments": [{"text": 5}]}) + "\n"  # line 7
+                     + json.dumps({"segments": []}) + "\n")  # line 8
+    text = tmp_path / "t.jsonl"
+    text.write_text("not json\n" + json.dumps({"text": "a text document"}) + "\n")
+    out = tmp_path / "out"
+    assert run_prepare(str(out), "+exp=flash_tiny", "--text", str(text), "--interleaved", str(inter)) == 0
+    printed = capsys.readouterr()
+    where = {"bad interleaved document": [f"{inter}:5", f"{inter}:7"], "empty document": [f"{inter}:8"]}
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["skipped_where"]["mm"] == where and manifest["totals"]["mm"]["documents"] == 1
+    err = printed.err
+    found = [err.index(f"skipping {inter}:5: bad interleaved document (JSONDecodeError: "),
+             err.index(f"skipping {inter}:7: bad interleaved document (TypeError: segment 1's text is int, not a "
+                       f"string)"),
+             err.index(f"skipping {inter}:8: empty document"), err.index(f"skipping {text}:1: not JSON (")]
+    assert found == sorted(found)  # as found: the interleaved file is read before the text
+    assert f"mm, bad interleaved document: {inter}:5, {inter}:7" in printed.out
+
+
+def test_a_skipped_jsonl_line_is_named_by_its_line_in_the_file(tmp_path):
+    """`file:line` is the line's number as an editor shows it: blank lines counted, a U+2028 inside a JSON
+    string no line break (numbers written by hand)."""
+    from flashtrain.data.inputs import InputStats, iter_texts
+
+    jl = tmp_path / "a.jsonl"
+    jl.write_text("\n"  # 1
+                  + json.dumps({"text": "first\u2028still line 2"}, ensure_ascii=False) + "\n"  # 2
+                  + "\n  \n\n"  # 3, 4, 5
+                  + "{broken\n"  # 6
+                  + json.dumps({"id": 1}) + "\n"  # 7
+                  + "\n"  # 8
+                  + json.dumps({"text": 3}) + "\n")  # 9
+    stats = InputStats()
+    assert list(iter_texts([jl], False, stats)) == ["first\u2028still line 2"]
+    assert stats.named == {"not JSON": [f"{jl}:6"], "no text field": [f"{jl}:7"],
+                           "text field not a string": [f"{jl}:9"]}
+
+
+def test_prepare_data_says_every_user_error_as_error_line(tmp_path, capsys):
+    """No input given, a bad --name, a missing --interleaved file (not a file cut short) and a --text folder
+    without text files: `error: <message>` on one stderr line, exit 2 (exit_on_user_error), nothing written."""
+    assert run_prepare(str(tmp_path / "out")) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: no documents given: name them with --text, --images or --interleaved (--help)"]
+    assert run_prepare(str(tmp_path / "out"), "--text", "x.txt", "--name", "my source") == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --name 'my source': a source name is letters, digits, '_', '.', '-' (e.g. --name web)"]
+    missing = tmp_path / "missing.jsonl"  # not read as a file cut short
+    assert run_prepare(str(tmp_path / "out"), "+exp=flash_tiny", "--interleaved", str(missing)) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: --interleaved '{missing}' does not exist"]
+    (tmp_path / "empty").mkdir()
+    assert run_prepare(str(tmp_path / "out"), "+exp=flash_tiny", "--text", str(tmp_path / "empty")) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: nothing to write, no input holds a usable document: --text {tmp_path / 'empty'}: no .txt, .jsonl, "
+        f".jsonl.gz, .jsonl.zst, .parquet files in it; nothing written to {tmp_path / 'out'}"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_palette_image_with_transparency_decodes_to_its_colours_without_a_warning():
+    """data/images.py decode_image: an 8-bit PNG whose palette has per-entry transparency (tRNS bytes) gives
+    the palette's colours, written here by hand, and no PIL UserWarning."""
+    import warnings
+
+    from PIL import Image
+
+    from flashtrain.data.images import decode_image
+
+    colours = [(200, 10, 30), (5, 250, 60), (90, 80, 220)]
+    im = Image.new("P", (4, 2))
+    im.putpalette([c for rgb in colours for c in rgb] + [0] * (768 - 9))
+    im.putdata([0, 1, 2, 0, 2, 1, 0, 1])
+    buf = io.BytesIO()
+    im.save(buf, format="PNG", transparency=bytes([0, 128, 255]))  # entry 0 clear, 1 half, 2 opaque
+    assert Image.open(io.BytesIO(buf.getvalue())).info["transparency"] == b"\x00\x80\xff"  # kept as bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rgb = decode_image(buf.getvalue())
+    assert rgb.mode == "RGB" and np.asarray(rgb).tolist() == [
+        [[200, 10, 30], [5, 250, 60], [90, 80, 220], [200, 10, 30]],
+        [[90, 80, 220], [5, 250, 60], [200, 10, 30], [5, 250, 60]]]
