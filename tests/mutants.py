@@ -1418,6 +1418,10 @@ MUTANTS = [
            'enumerate(content.split("\\n"), 1)',
            'enumerate(content.splitlines(), 1)',
            ['tests/test_prepare.py', '-k', 'not_utf8_is_skipped']),
+    Mutant('a truncated compressed file is named one line early', 'data/inputs.py',
+           'stats.skip(TRUNCATED, f"{path}:{n + 1}",',
+           'stats.skip(TRUNCATED, f"{path}:{n}",',
+           ['tests/test_data.py', '-k', 'compressed_jsonl']),
 ]
 
 

@@ -143,6 +143,8 @@ def test_inputs_stream_compressed_jsonl_and_parquet_and_count_what_they_skip(tmp
     assert next(docs) == texts[0]
     rest = list(docs)
     assert 100 < len(rest) < 19999 and cut.skipped == {"rest of a truncated or corrupt file": 1}
+    # named at the line where reading stopped: the first one after the 1 + len(rest) documents read whole
+    assert cut.named == {"rest of a truncated or corrupt file": [f"{tmp_path / 'cut.jsonl.gz'}:{len(rest) + 2}"]}
 
     out = tmp_path / "shards"
     prepare_data(str(out), "+exp=flash_tiny", "--text", str(src))
