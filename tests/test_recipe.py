@@ -64,7 +64,8 @@ def _pretrain(run, shards_dir, *overrides, procs=2, env=None):
            if procs > 1 else [sys.executable])
     cmd += [str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", *FOUR_LAYERS, f"hydra.run.dir={run}",
             f"data.text_shards=[{shards_dir}/text-*.tar]", "data.mm_shards=null", "data.batch_size=1",
-            "data.pack_buffer=4", "data.trace=true", "train.global_batch_tokens=512", "train.eval.interval=0", "train.peak_tflops.cpu=1",
+            "data.pack_buffer=4",  # a small packing buffer: the first epoch drains within the run
+            "data.trace=true", "train.global_batch_tokens=512", "train.eval.interval=0", "train.peak_tflops.cpu=1",
             "logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0", *SCHEDULE,
             RECIPE, *overrides]
     return warm_launch.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
