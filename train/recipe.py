@@ -61,7 +61,9 @@ def stage_list(cfg: DictConfig) -> list[StageConfig]:
     overrides of existing keys that a stage may change (module docstring)."""
     from flashtrain.train.resume import EXECUTION_ONLY
 
-    raw = OmegaConf.to_container(cfg.train.recipe.stages or [], resolve=True)
+    recipe = cfg.train.get("recipe")
+    stages_cfg = recipe.get("stages") if recipe is not None else None
+    raw = OmegaConf.to_container(stages_cfg, resolve=True) if stages_cfg else []
     stages: list[StageConfig] = []
     for i, entry in enumerate(raw):
         where = f"train.recipe.stages[{i}]"
@@ -94,7 +96,7 @@ def stage_at(stages: list[StageConfig], tokens: float) -> int:
 
 def stage_name(cfg: DictConfig, k: int) -> str:
     stages = stage_list(cfg)
-    return stages[k - 1].name if k else str(cfg.train.recipe.first)
+    return stages[k - 1].name if k else str((cfg.train.get("recipe") or {}).get("first", "first"))
 
 
 def stage_config(cfg: DictConfig, k: int) -> DictConfig:
