@@ -824,9 +824,10 @@ class Fuzzer:
         if self.failures:
             print("VERDICT: FAIL\n  " + "\n  ".join(self.failures), flush=True)
         else:
+            end = ("every document read once, every step once with the uninterrupted run's LR" if self.readers_changed
+                   else "the run ended bit-identical to the uninterrupted one")
             print(f"VERDICT: PASS ({a.kills} kills, {time.monotonic() - self.t0:.0f} s): every restart resumed from "
-                  f"the newest complete checkpoint and the run ended bit-identical to the uninterrupted one",
-                  flush=True)
+                  f"the newest complete checkpoint and {end}", flush=True)
         if not a.keep_dir and not self.failures:
             shutil.rmtree(self.work, ignore_errors=True)
         elif self.failures:
