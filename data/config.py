@@ -41,6 +41,7 @@ class DataConfig:
     pack_buffer: int = 64  # documents pieces held for best-fit packing
     num_workers: int = 0  # dataloader worker processes per rank (0: in the main process)
     seed: int = 0
+    trace: bool = False  # the data trace: the documents of every micro-batch (train/data_trace.py)
     corpus_dir: str | None = None  # default corpus cache; null: $FLASHTRAIN_CACHE or ~/.cache/flashtrain
     corpus_text_bytes: int = 12_000_000  # stdlib source read for the default corpus
     corpus_mm_docs: int = 4000  # rendered image documents in the default corpus

@@ -56,7 +56,10 @@ from flashtrain.data.sources import Source, default_sources
 
 log = logging.getLogger(__name__)
 IGNORE = -100
-STATE_VERSION = 2  # 2: per-source state by name (data.sources); 1: the two unnamed streams
+# 3: a cursor per shard, the layout's groups and row capacity (any layout resumes it: `relayout`); 2: per-source
+# state by name (data.sources), one position per reader (read as 3: `cursors_of_state_v2`); 1: two unnamed streams
+STATE_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 
 
 @dataclass
@@ -66,16 +69,22 @@ class Piece:
     images: list  # [(bytes, ext)] in order of appearance
     stream: int  # the index of its source in the run's source list
     pixels: list | None = field(default=None, repr=False, compare=False)  # decoded images, once placed in a row
+    # where it comes from: (shard, document key, epoch, first position, end position) in the document's
+    # `[BOS] + segments + [EOS]` positions (the data trace, `data.trace`); None for a piece made by hand
+    origin: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def to_state(self) -> dict:
-        return {"tokens": self.tokens, "types": self.types, "images": self.images, "stream": self.stream}
+        return {"tokens": self.tokens, "types": self.types, "images": self.images, "stream": self.stream,
+                "origin": self.origin}
 
     @classmethod
     def from_state(cls, s: dict, stream: int) -> "Piece":
-        return cls(np.asarray(s["tokens"]), np.asarray(s["types"]), list(s["images"]), stream)
+        origin = s.get("origin")
+        return cls(np.asarray(s["tokens"]), np.asarray(s["types"]), list(s["images"]), stream,
+                   origin=None if origin is None else tuple(origin))
 
 
 @dataclass
@@ -134,8 +143,10 @@ def decode_piece_images(piece: Piece, spec: TokenSpec) -> list:
     return out
 
 
-def document_pieces(doc: Document, spec: TokenSpec, capacity: int, stream: int, counters: Counters) -> list[Piece]:
-    """`[BOS] + segments + [EOS]` split into pieces of at most `capacity` positions; [] if skipped."""
+def document_pieces(doc: Document, spec: TokenSpec, capacity: int, stream: int, counters: Counters,
+                    where: tuple = (None, None, 0)) -> list[Piece]:
+    """`[BOS] + segments + [EOS]` split into pieces of at most `capacity` positions; [] if skipped. `where`:
+    (shard, document key, epoch) for the pieces' origins."""
     units: list[tuple[np.ndarray, np.ndarray, tuple | None]] = []
     has_content = False
     for seg in doc.segments:
@@ -163,13 +174,23 @@ def document_pieces(doc: Document, spec: TokenSpec, capacity: int, stream: int, 
     counters.documents += 1
     units = ([(np.array([spec.bos_id]), np.array([TEXT]), None)] + units
              + [(np.array([spec.eos_id]), np.array([TEXT]), None)])
+    return _cut(units, capacity, stream, where, 0)
+
+
+def _cut(units: list[tuple[np.ndarray, np.ndarray, tuple | None]], capacity: int, stream: int, where: tuple,
+         first: int) -> list[Piece]:
+    """Consecutive units (text runs, which are cut anywhere, and whole image spans) packed into pieces of at
+    most `capacity` positions; the pieces' origins count positions from `first`."""
     pieces: list[Piece] = []
     toks, types, imgs, size = [], [], [], 0
+    at = first
 
     def close():
-        nonlocal toks, types, imgs, size
+        nonlocal toks, types, imgs, size, at
         if size:
-            pieces.append(Piece(np.concatenate(toks), np.concatenate(types), imgs, stream))
+            pieces.append(Piece(np.concatenate(toks), np.concatenate(types), imgs, stream,
+                                origin=(*where, at, at + size)))
+            at += size
         toks, types, imgs, size = [], [], [], 0
 
     for t, y, img in units:
@@ -194,51 +215,106 @@ def document_pieces(doc: Document, spec: TokenSpec, capacity: int, stream: int, 
     return pieces
 
 
+def resplit(piece: Piece, capacity: int, counters: Counters) -> list[Piece]:
+    """A piece cut for a longer row, cut again for rows of `capacity` positions (a resume with a shorter
+    `data.seq_len`): its text anywhere, its image spans whole; [] (counted in `skipped_oversized_image`,
+    logged) when an image span of it is longer than a row."""
+    if len(piece) <= capacity:
+        return [piece]
+    starts = list(np.flatnonzero(piece.types == IMAGE_START))
+    units, i, images = [], 0, iter(piece.images)
+    while i < len(piece):
+        if piece.types[i] == IMAGE_START:
+            nxt = [j for j in starts if j > i]
+            end = i + 1
+            while end < len(piece) and piece.types[end] >= 0 and (not nxt or end < nxt[0]):
+                end += 1
+            if end - i > capacity:
+                counters.skipped_oversized_image += 1
+                log.warning("dropping a piece whose image span (%d) exceeds the new row (%d)", end - i, capacity)
+                return []
+            units.append((piece.tokens[i:end], piece.types[i:end], next(images)))
+        else:
+            end = i
+            while end < len(piece) and piece.types[end] == TEXT:
+                end += 1
+            units.append((piece.tokens[i:end], piece.types[i:end], None))
+        i = end
+    shard, key, epoch, first, _ = piece.origin if piece.origin is not None else (None, None, 0, 0, len(piece))
+    return _cut(units, capacity, piece.stream, (shard, key, epoch), first)
+
+
 class ShardStream:
-    """Documents of one source for one worker, epoch after epoch, with a resumable cursor. `tag` seeds
-    the epochs' shard orders with `seed`: the source's index when its stream first started (kept in the
-    state, so a reordered source list reads on as before)."""
+    """Documents of one source for one reader group, epoch after epoch. The group owns the shards `shards`
+    (the source's sorted shards i with i % groups == group, in index order: `split_shards`); where it
+    stands is one cursor per owned shard, (epoch, samples read in it) -- the data position, the same
+    whatever the layout: another split of the shards over readers reads each from its cursor. The group's
+    epoch is the smallest of its shards' epochs; in it the group reads its shards that are not done yet in
+    an order seeded by (`seed`, `tag`, epoch), each from its cursor's sample on. `tag`: the source's index
+    when its stream first started (kept in the state, so a reordered source list reads on as before)."""
 
-    def __init__(self, shards: list[str], tag: int, seed: str, counters: Counters, state: dict | None = None):
+    def __init__(self, shards: list[str], tag: int, seed: str, counters: Counters, cursors: dict | None = None):
         self.shards, self.stream, self.seed, self.counters = shards, tag, seed, counters
-        s = state or {"epoch": 0, "pos": 0, "skip": 0}
-        self.epoch, self.pos, self.skip = s["epoch"], s["pos"], s["skip"]
-        self._order = self._epoch_order()
-        self._reader = None
-        self._empty_epochs = 0
+        n = len(shards)
+        cursors = cursors or {}
+        self.epochs = np.array(cursors.get("epoch", np.zeros(n)), dtype=np.int32).reshape(n)
+        self.skips = np.array(cursors.get("skip", np.zeros(n)), dtype=np.int32).reshape(n)
+        self._reader, self._current = None, None
+        self._empty_epochs, self._read_any = 0, False
+        self._begin_epoch()
 
-    def _epoch_order(self) -> list[str]:
-        order = list(self.shards)
-        random.Random(f"{self.seed}/{self.stream}/{self.epoch}").shuffle(order)
-        return order
+    def _begin_epoch(self) -> None:
+        """The group's epoch: the smallest of its shards' (all done in the ones before)."""
+        self.epoch = int(self.epochs.min()) if len(self.epochs) else 0
+        self._order = list(range(len(self.shards)))
+        random.Random(f"{self.seed}/{self.stream}/{self.epoch}").shuffle(self._order)
+        self._pos = 0  # in `_order`: the shards before it are done in this epoch
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "skip": self.skip}
+        """The cursors: per owned shard (index order), its epoch and the samples read in it."""
+        return {"epoch": self.epochs.copy(), "skip": self.skips.copy()}
 
-    def next_document(self) -> Document:
+    def next_document(self) -> tuple[Document, str, int]:
+        """(document, its shard, its epoch)."""
         while True:
             if self._reader is None:
-                self._reader = read_shard(self._order[self.pos], self.counters.read, self.skip)
-            doc = next(self._reader, StopIteration)
-            if doc is StopIteration:
-                self._reader = None
-                self.pos, self.skip = self.pos + 1, 0
-                if self.pos == len(self._order):
-                    self.epoch, self.pos = self.epoch + 1, 0
-                    self._order = self._epoch_order()
-                    self._empty_epochs = self._empty_epochs + 1 if not self._read_any else 0
+                while self._pos < len(self._order) and self.epochs[self._order[self._pos]] > self.epoch:
+                    self._pos += 1  # done in this epoch (by this group, or by another layout's reader)
+                if self._pos == len(self._order):
+                    self._empty_epochs = 0 if self._read_any else self._empty_epochs + 1
                     self._read_any = False
                     if self._empty_epochs >= 2:
                         raise DataError(f"no readable document in the shards {self.shards} (two passes over them "
                                         f"gave none; each was logged): point the source's shards at webdataset "
                                         f"tars written by launch/prepare_data.py")
+                    self._begin_epoch()
+                    continue
+                self._current = self._order[self._pos]
+                self._reader = read_shard(self.shards[self._current], self.counters.read,
+                                          int(self.skips[self._current]))
+            j = self._current
+            doc = next(self._reader, StopIteration)
+            if doc is StopIteration:
+                self._reader = None
+                self.epochs[j], self.skips[j] = self.epoch + 1, 0
                 continue
-            self.skip += 1
+            self.skips[j] += 1
             if doc is not None:
                 self._read_any = True
-                return doc
+                return doc, self.shards[j], self.epoch
 
-    _read_any = False
+
+def cursors_of_state_v2(stream: dict, n: int, seed: str, tag: int) -> dict:
+    """A version-2 stream state (epoch, position in the epoch's order, samples read in its shard) as the
+    cursors of `ShardStream`: the shards before the position done in the epoch, the one at it partly."""
+    epoch, pos, skip = stream["epoch"], stream["pos"], stream["skip"]
+    order = list(range(n))
+    random.Random(f"{seed}/{tag}/{epoch}").shuffle(order)
+    epochs, skips = np.full(n, epoch, dtype=np.int32), np.zeros(n, dtype=np.int32)
+    epochs[order[:pos]] = epoch + 1
+    if pos < n:
+        skips[order[pos]] = skip
+    return {"epoch": epochs, "skip": skips}
 
 
 class WorkerPipeline:
@@ -262,20 +338,37 @@ class WorkerPipeline:
         saved = state.get("sources", {})
         same_weights = state.get("weights") == dict(zip(self.names, self.weights))
         self.tags = [saved[n]["tag"] if n in saved else i for i, n in enumerate(self.names)]
-        self.streams = [ShardStream(sh, self.tags[i], seed, self.counters, saved.get(n, {}).get("stream")) if sh
-                        else None for i, (n, sh) in enumerate(zip(self.names, shards))]
+        self.streams = [ShardStream(sh, self.tags[i], seed, self.counters, self._cursors(saved.get(n), sh, seed, i))
+                        if sh else None for i, (n, sh) in enumerate(zip(self.names, shards))]
         # the emitted tokens the mix compares; they restart with changed weights (the new shares hold from then)
         self.mix_tokens = [saved[n]["mix_tokens"] if n in saved and same_weights else 0 for n in self.names]
+        self._shas = [_names_sha(sh) if sh else None for sh in shards]  # (a constant of the group's shards)
         self.pending = [deque(Piece.from_state(p, i) for p in saved.get(n, {}).get("pending", []))
                         for i, n in enumerate(self.names)]
         self.buffers = [[Piece.from_state(p, i) for p in saved.get(n, {}).get("buffer", [])]
                         for i, n in enumerate(self.names)]
 
+    def _cursors(self, saved: dict | None, shards: list[str], seed: str, i: int) -> dict | None:
+        """The saved cursors of a source's shards here (a version-2 state's stream position converted); None
+        (from their start) for a new source, or when its shards are not the ones the cursors were saved for
+        (said once: the shard list of a source changed)."""
+        if not saved:
+            return None
+        if "cursors" not in saved:  # version 2: one position in the epoch's order
+            return None if saved.get("stream") is None else cursors_of_state_v2(saved["stream"], len(shards), seed,
+                                                                                  self.tags[i])
+        if saved.get("shards_sha") not in (None, _names_sha(shards)):
+            log.warning("data source %s: its shards are not the ones of the checkpoint; reading them from the start "
+                        "(the data position is per shard)", self.names[i])
+            return None
+        return saved["cursors"]
+
     def state(self) -> dict:
         return {"weights": dict(zip(self.names, self.weights)), "counters": self.counters.as_dict(),
                 "corrupt_shards_found": sorted(self.counters.read.corrupt),
-                "sources": {n: {"tag": self.tags[i], "stream": self.streams[i].state() if self.streams[i] else None,
-                                "mix_tokens": self.mix_tokens[i], "pending": [p.to_state() for p in self.pending[i]],
+                "sources": {n: {"tag": self.tags[i], "cursors": self.streams[i].state() if self.streams[i] else None,
+                                "shards_sha": self._shas[i], "mix_tokens": self.mix_tokens[i],
+                                "pending": [p.to_state() for p in self.pending[i]],
                                 "buffer": [p.to_state() for p in self.buffers[i]]}
                             for i, n in enumerate(self.names)}}
 
@@ -297,8 +390,9 @@ class WorkerPipeline:
                 continue
             while len(self.buffers[s]) < share:
                 while not self.pending[s]:
-                    doc = stream.next_document()
-                    self.pending[s].extend(document_pieces(doc, self.spec, self.capacity, s, self.counters))
+                    doc, shard, epoch = stream.next_document()
+                    self.pending[s].extend(document_pieces(doc, self.spec, self.capacity, s, self.counters,
+                                                           (shard, doc.key, epoch)))
                 self.buffers[s].append(self.pending[s].popleft())
 
     def next_row(self) -> list[Piece]:
@@ -336,10 +430,15 @@ class WorkerPipeline:
                        len(self.names))
 
 
+def _names_sha(shards: list[str]) -> str:
+    return hashlib.sha256("\n".join(shards).encode()).hexdigest()[:16]
+
+
 def collate(rows: list[list[Piece]], spec: TokenSpec, seq_len: int, n_sources: int = 2) -> dict:
     """Rows of pieces -> the training batch (inputs are positions 0..S-1, labels 1..S). Per source (the
     pieces' `stream`): `stream_tokens` [B, n_sources] its positions per row, `label_sources` [B, S] the
-    source of each label position's target, `source_targets` [n_sources] its scored labels."""
+    source of each label position's target, `source_targets` [n_sources] its scored labels. `trace`: per
+    row, (source index, origin) of each piece in row order (the data trace, `data.trace`)."""
     L = seq_len + 1
     B = len(rows)
     tokens = torch.full((B, L), spec.pad_id, dtype=torch.long)
@@ -366,7 +465,8 @@ def collate(rows: list[list[Piece]], spec: TokenSpec, seq_len: int, n_sources: i
     label_sources = source[:, 1:].clone()
     return {"tokens": tokens[:, :-1], "labels": labels, "token_types": types[:, :-1], "images": images,
             "stream_tokens": stream_tokens, "pad_tokens": int(pad.sum()), "label_sources": label_sources,
-            "source_targets": torch.bincount(label_sources[labels != IGNORE], minlength=n_sources)}
+            "source_targets": torch.bincount(label_sources[labels != IGNORE], minlength=n_sources),
+            "trace": [[(p.stream, p.origin) for p in row] for row in rows]}
 
 
 def _identity(x):
@@ -420,21 +520,37 @@ class PackedLoader:
 
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "rank": self.rank, "world": self.world,
-                "num_workers": max(1, self.cfg.num_workers), "worker_states": dict(self.worker_states),
-                "next_worker": self.next_worker}
+                "num_workers": max(1, self.cfg.num_workers), "capacity": self.cfg.seq_len + 1,
+                "worker_states": dict(self.worker_states), "next_worker": self.next_worker}
 
-    def load_state_dict(self, state: dict) -> None:
+    def same_layout(self, state: dict) -> bool:
+        """Was `state` (this data-parallel rank's) saved by this layout: the same readers x workers and row
+        capacity? Then it resumes exactly (`load_state_dict(state)`); else every rank's state is needed."""
+        _check_version(state)
+        return (state["world"], state["num_workers"], state.get("capacity", self.cfg.seq_len + 1)) == (
+            self.world, max(1, self.cfg.num_workers), self.cfg.seq_len + 1)
+
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """`state`: this rank's, saved by this layout (`same_layout`): every batch that follows is the one the
+        saved run would have read. A list: every data-parallel rank's state, saved by any layout (another
+        number of readers or workers, another `data.seq_len`): the data position re-split over this one
+        (`relayout`): each document read once, the ones in flight included."""
         n = max(1, self.cfg.num_workers)
-        if state.get("version", 1) != STATE_VERSION:
-            raise DataError(f"data loader state version {state.get('version', 1)} (written before data.sources "
-                            f"had names); this flashtrain reads version {STATE_VERSION}: resume that run with the "
-                            f"flashtrain that wrote it, or start from its weights (train.resume_from with a "
-                            f"weights-only checkpoint)")
-        if (state["world"], state["num_workers"]) != (self.world, n):
-            raise DataError(f"data loader state was saved with {state['world']} rank(s) x {state['num_workers']} "
-                             f"worker(s); this run has {self.world} x {n}. Resume with the same layout")
-        self.worker_states = dict(state["worker_states"])
-        self.next_worker = state["next_worker"]
+        if isinstance(state, list):
+            mine = [s for s in state if s.get("rank") == self.rank]
+            if mine and len(state) == self.world and self.same_layout(mine[0]):
+                return self.load_state_dict(mine[0])
+            groups = relayout(state, self.sources, self.world * n, self.cfg.seq_len + 1, self.cfg.seed)
+            self.worker_states = {w: groups[reader_group(self.rank, w, n)] for w in range(n)}
+            self.next_worker = 0
+        else:
+            if not self.same_layout(state):
+                raise DataError(f"data loader state was saved with {state['world']} rank(s) x "
+                                f"{state['num_workers']} worker(s), rows of {state.get('capacity', '?')} positions; "
+                                f"this run has {self.world} x {n}, rows of {self.cfg.seq_len + 1}: resume it from "
+                                f"every rank's state (a list)")
+            self.worker_states = dict(state["worker_states"])
+            self.next_worker = state["next_worker"]
         self._it = None
         self._log_source_changes()
 
@@ -465,6 +581,10 @@ class PackedLoader:
         total["corrupt_shards"] = len(corrupt)
         return total
 
+    def close(self) -> None:
+        """Stop the workers (a new iterator starts them again from the state)."""
+        self._it = None
+
     def __iter__(self):
         return self
 
@@ -482,6 +602,85 @@ class PackedLoader:
         self.worker_states[w] = batch.pop("_state")
         self.next_worker = (w + 1) % max(1, self.cfg.num_workers)
         return batch
+
+
+def _check_version(state: dict) -> None:
+    if state.get("version", 1) not in READABLE_VERSIONS:
+        raise DataError(f"data loader state version {state.get('version', 1)} (written before data.sources had "
+                        f"names); this flashtrain reads versions {', '.join(map(str, READABLE_VERSIONS))}: resume that "
+                        f"run with the flashtrain that wrote it, or start from its weights (train.resume_from with a "
+                        f"weights-only checkpoint)")
+
+
+def relayout(states: list[dict], sources: list[Source], groups: int, capacity: int, seed: int) -> dict[int, dict]:
+    """The data position of every reader of a checkpoint (`states`: each data-parallel rank's loader state,
+    any layout) re-split over `groups` reader groups (data-parallel ranks x workers) with rows of `capacity`
+    positions: {group: its WorkerPipeline state}. Per source:
+    - the cursors of every shard (each old group's owned shards) go to the shard's owner in the new split
+      (`split_shards`: shard i to group i % groups), so each reads its shards on from where they stood;
+    - the documents in flight (pieces read but not yet placed in a row: every old group's packing buffer
+      and pending pieces, cut again for a shorter row, `resplit`) are dealt to the new groups in turn and
+      placed before anything new is read;
+    - the tokens each group emitted for the mix are shared out evenly (the mix's shares hold on);
+    and the loader's counters (skips) go to group 0, the corrupt shards found to their new owners, so the
+    run's totals continue. A group that never delivered a batch (no state) had read nothing."""
+    old: dict[int, dict] = {}
+    old_groups = None
+    for st in states:
+        _check_version(st)
+        n_w = st["num_workers"]
+        old_groups = st["world"] * n_w
+        for w, gs in st["worker_states"].items():
+            old[reader_group(st["rank"], int(w), n_w)] = gs
+    counters = Counters()
+    totals: dict = {}
+    for gs in old.values():
+        for k, v in gs["counters"].items():
+            totals[k] = totals.get(k, 0) + v
+    any_state = next(iter(old.values()), {})
+    weights = any_state.get("weights", {s.name: s.weight for s in sources})
+    out = {g: {"weights": weights, "counters": {}, "corrupt_shards_found": [], "sources": {}} for g in range(groups)}
+    for i, source in enumerate(sources):
+        shards = sorted(source.shards)
+        n = len(shards)
+        epochs, skips = np.zeros(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
+        tag, mix, pieces = i, 0, []
+        for g in sorted(old):
+            saved = old[g].get("sources", {}).get(source.name)
+            if not saved:
+                continue
+            tag = saved["tag"]
+            mix += saved["mix_tokens"]
+            pieces += [Piece.from_state(p, i) for p in saved["buffer"] + saved["pending"]]
+            owned = np.arange(g, n, old_groups)
+            cursors = saved.get("cursors")
+            if "cursors" not in saved and saved.get("stream") is not None:  # version 2
+                cursors = cursors_of_state_v2(saved["stream"], len(owned), f"{seed}/{g}", tag)
+            if cursors is None:
+                continue
+            if len(cursors["epoch"]) != len(owned) or saved.get("shards_sha") not in (
+                    None, _names_sha(shards[g::old_groups])):
+                log.warning("data source %s: its shards are not the ones of the checkpoint; reading them from the "
+                            "start (the data position is per shard)", source.name)
+                continue
+            epochs[owned], skips[owned] = cursors["epoch"], cursors["skip"]
+        pieces = [q for p in pieces for q in resplit(p, capacity, counters)]
+        for g in range(groups):
+            owned = np.arange(g, n, groups)
+            out[g]["sources"][source.name] = {
+                "tag": tag, "cursors": {"epoch": epochs[owned], "skip": skips[owned]},
+                "shards_sha": _names_sha(shards[g::groups]) if len(owned) else None,
+                "mix_tokens": mix // groups + (g < mix % groups),
+                "pending": [p.to_state() for p in pieces[g::groups]], "buffer": []}
+    totals["skipped_oversized_image"] = totals.get("skipped_oversized_image", 0) + counters.skipped_oversized_image
+    out[0]["counters"] = totals
+    owner = {shard: k % groups for source in sources for k, shard in enumerate(sorted(source.shards))}
+    for name in sorted({c for gs in old.values() for c in gs.get("corrupt_shards_found", [])}):
+        out[owner.get(name, 0)]["corrupt_shards_found"].append(name)
+    for g in out:  # the counters as Counters.as_dict() has them, zero where nothing was counted
+        out[g]["counters"] = {**Counters().as_dict(), **out[g]["counters"]}
+        out[g]["counters"]["corrupt_shards"] = len(out[g]["corrupt_shards_found"])
+    return out
 
 
 def reader_shards(sources: list[Source], rank: int, world: int, num_workers: int) -> list[str]:

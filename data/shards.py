@@ -41,9 +41,11 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 @dataclass
 class Document:
-    """segments: ("text", int32 array) or ("image", bytes, extension)."""
+    """segments: ("text", int32 array) or ("image", bytes, extension); `key`: its sample key in the shard
+    (read back; the data trace names documents by it)."""
 
     segments: list = field(default_factory=list)
+    key: str | None = None
 
 
 @dataclass
@@ -329,6 +331,7 @@ def read_shard(path: str, stats: ReadStats, skip: int = 0) -> Iterator[Document 
                 continue
             try:
                 doc = _parse(sample)
+                doc.key = key
             except Exception as e:  # noqa: BLE001 - any malformed sample is skipped and counted
                 on_bad_sample(key, e)
                 doc = None

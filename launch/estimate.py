@@ -12,6 +12,9 @@ rank the step's peak of live tensor bytes and its parts at that peak; `--json` p
     {"world": W, "ranks": [{"rank", "stages", "peak_bytes", "params_bytes", "grads_bytes",
      "optimizer_bytes", "activations_bytes", "temporaries_bytes", "buffers_bytes"}], "max_peak_bytes": ...}
 
+`--tokens T` estimates the stage of the recipe (`train.recipe`, train/recipe.py) a run is in after T tokens:
+`python launch/estimate.py +exp=flash_2048gpu --tokens 3.4e13` is the 1M-token stage's layout.
+
 `--device cuda` (default) simulates the GPU step (bf16 autocast); `--device cpu` the CPU step (fp32).
 The figure is live tensor bytes: leave headroom for the allocator and the communication buffers.
 """
@@ -93,7 +96,7 @@ def main(argv: list[str]) -> None:
 
     parser = argparse.ArgumentParser(
         prog="launch/estimate.py", usage="python launch/estimate.py +exp=NAME [HYDRA OVERRIDES...] [--world N] "
-        "[--rank R] [--device cuda|cpu] [--jobs 2] [--json]", description=__doc__,
+        "[--rank R] [--device cuda|cpu] [--jobs 2] [--tokens T] [--json]", description=__doc__,
         epilog=overrides_help(), formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--world", type=int, default=None,
                         help="number of GPUs (processes) of the layout; default: the config's parallel.world (an "
@@ -105,7 +108,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--jobs", type=int, default=2,
                         help="ranks simulated at once, one process each (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
+    parser.add_argument("--tokens", type=float, default=None, metavar="T",
+                        help="estimate the recipe's stage a run is in after T tokens (train.recipe, e.g. 3.4e13 for "
+                             "exp=flash's 1M stage); default: the first stage, the config as composed")
     args, overrides = parser.parse_known_args(argv)
+    if args.tokens is not None:  # the recipe's stage of that token count: its overrides after the given ones
+        from flashtrain.train.recipe import overrides_at
+
+        name, overrides = overrides_at(overrides, args.tokens)
+        print(f"recipe stage {name!r} at {args.tokens:g} tokens: {' '.join(overrides)}", file=sys.stderr, flush=True)
     if args.world is None:
         args.world = configured_world(overrides)
         if args.world is None:

@@ -20,7 +20,14 @@ Kills (one kind per restart, in a seeded random order that visits every kind onc
   train/faults.py, point=checkpoint_write) while the next checkpoint is on disk with its manifest but not
   yet renamed complete, written synchronously / in the background;
 - `ckpt_in_flight`: the same at point=checkpoint_in_flight, right after a background write started.
-The first three land at a uniform random time within `--window` s after the start's first step appears in
+- `readers` (with `--reader-kills`): the `job` kill, and the restart runs on the other number of
+  processes (`--procs` <-> 1: other data-parallel readers, the "lost a node" case; data/loader.py
+  `relayout`). The run then cannot end bit for bit where the uninterrupted one does (other readers pack
+  other rows), so the end checks become: every step logged once with the uninterrupted run's LR and tokens,
+  and, from the data trace (`data.trace=true` in both runs) and the final checkpoint's documents in flight
+  against the shards' contents, every document read once -- each read document's positions emitted
+  exactly once, or still in flight at the end.
+The random kinds land at a uniform random time within `--window` s after the start's first step appears in
 metrics.jsonl (and no later than its share of the remaining steps, so that every kill lands before the
 run ends), or, for a `--startup-kills` fraction of them, at a random time between the workers' launch and
 the first step (importing, taking the lock, joining the process group, loading the checkpoint).
@@ -64,7 +71,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("worker", "job", "launcher", "ckpt_write_sync", "ckpt_write_async", "ckpt_in_flight")
-RANDOM_KINDS = KINDS[:3]
+READERS = "readers"  # --reader-kills: a job kill whose restart has another number of processes (data readers)
+RANDOM_KINDS = (*KINDS[:3], READERS)
 # flash_tiny cut to its first 4 layers with consistent layer roles (tests/test_metrics.py FOUR_LAYERS)
 FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
                "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
@@ -278,6 +286,64 @@ def compare_final(a: Path, b: Path, scratch: Path) -> tuple[int, list[str], list
     return n, params, state
 
 
+# -------------------------------------------------------------------------------- the data, per document
+def documents_read_once(run_dir: Path, final: Path, scratch: Path) -> tuple[list[str], int, int]:
+    """(problems, documents read, trace lines): every document the final checkpoint's cursors say was read
+    (all of its shard's samples in epochs before the shard's cursor epoch, the first `skip` in it) has its
+    positions [0, n) covered exactly once by the data trace's pieces (data/train's `data.trace`) and the
+    pieces still in flight in the final state (packing buffers, pending); none read twice, none lost,
+    nothing emitted of a document not read. n is counted here from the shard (BOS + text + image spans +
+    EOS), not taken from the loader."""
+    from flashtrain.data.images import image_token_types
+    from flashtrain.data.loader import image_grid
+    from flashtrain.data.shards import ReadStats, read_shard
+    from flashtrain.train.config import compose, model_config, token_spec
+
+    ranges: dict = {}
+    lines = [json.loads(x) for f in sorted((run_dir / "data_trace").glob("*.jsonl"))
+             for x in f.read_text().splitlines()]
+    for r in lines:
+        for row in r["rows"]:
+            for source, shard, key, epoch, start, end in row:
+                ranges.setdefault((shard, key, epoch), []).append((start, end))
+    state = load_checkpoint_state(final, scratch)
+    blobs = [_unblob(state[k]) for k in sorted(state) if re.fullmatch(r"dp\d+", k)]
+    cursors: dict[str, tuple[int, int]] = {}
+    corpus = next((run_dir.parent / "corpus").glob("*/manifest.json")).parent
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    shards = {name: sorted(str(corpus / e["path"]) for e in manifest[name]) for name in ("text", "mm")}
+    for blob in blobs:
+        data = blob["data"]
+        groups = data["world"] * data["num_workers"]
+        for w, gs in data["worker_states"].items():
+            g = data["rank"] * data["num_workers"] + int(w)
+            for name, st in gs["sources"].items():
+                for shard, e, k in zip(shards[name][g::groups], st["cursors"]["epoch"], st["cursors"]["skip"]):
+                    cursors[shard] = (int(e), int(k))
+                for piece in st["buffer"] + st["pending"]:
+                    shard, key, epoch, start, end = piece["origin"]
+                    ranges.setdefault((shard, key, epoch), []).append((start, end))
+    spec = token_spec(model_config(compose(["+exp=flash_tiny"])))
+    problems, read, seen = [], 0, set()
+    for shard, (epoch_now, skip) in sorted(cursors.items()):
+        docs = list(read_shard(shard, ReadStats()))
+        for epoch in range(epoch_now + 1):
+            for i, doc in enumerate(docs if epoch < epoch_now else docs[:skip]):
+                if doc is None:
+                    continue
+                n = 2 + sum(len(seg[1]) if seg[0] == "text" else len(image_token_types(*image_grid(seg[1], spec.image)))
+                            for seg in doc.segments)
+                got = sorted(ranges.get((shard, doc.key, epoch), []))
+                seen.add((shard, doc.key, epoch))
+                read += 1
+                if [a for a, _ in got] != [0] + [b for _, b in got[:-1]] or not got or got[-1][1] != n:
+                    problems.append(f"{shard} document {doc.key} (epoch {epoch}, {n} positions): emitted or in flight "
+                                    f"{got} instead of once over [0, {n})")
+    problems += [f"{k[0]} document {k[1]} (epoch {k[2]}) was emitted but its shard's cursor says it was not read"
+                 for k in sorted(set(ranges) - seen)]
+    return problems, read, len(lines)
+
+
 # ------------------------------------------------------------------------------------------ metrics
 def metrics_lines(path: Path) -> list[bytes]:
     """metrics.jsonl's complete lines (a line cut short by a kill, without its newline, is not one)."""
@@ -314,6 +380,7 @@ class Start:
     kind: str | None  # None: the completing start
     async_save: bool
     expected_resume: int | None  # the newest verified checkpoint when it started
+    procs: int = 2  # its torchrun --nproc_per_node
     fault: str | None = None
     aim: int | None = None  # the checkpoint step a targeted kill is aimed at
     rank: int | None = None
@@ -340,6 +407,7 @@ class Fuzzer:
         self.t0 = time.monotonic()
         self.startup_s: float | None = None  # the quickest launch -> first step seen so far
         self.current: tuple[subprocess.Popen, Start] | None = None  # the start running now
+        self.readers_changed = False  # a `readers` kill happened: the end is checked per document, not bit for bit
 
     def cleanup(self) -> None:
         """After a failure mid-start: SIGKILL whatever of the job still runs."""
@@ -359,12 +427,15 @@ class Fuzzer:
         base = ["+exp=flash_tiny", f"hydra.run.dir={run_dir}", *FOUR_LAYERS, *SMALL, *SMALL_CORPUS,
                 f"data.corpus_dir={self.work / 'corpus'}", f"train.max_steps={a.steps}",
                 f"train.checkpoint.interval={a.interval}", f"train.checkpoint.async_save={str(async_save).lower()}"]
+        if a.reader_kills:
+            base.append("data.trace=true")
         extra_keys = {e.split("=", 1)[0].lstrip("+~") for e in a.extra}
         return [o for o in base if o.split("=", 1)[0].lstrip("+~") not in extra_keys] + list(a.extra)
 
-    def command(self, run_dir: Path, async_save: bool) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.args.procs}",
-                str(ROOT / "launch" / "pretrain.py"), *self.overrides(run_dir, async_save)]
+    def command(self, run_dir: Path, async_save: bool, procs: int | None = None) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={procs or self.args.procs}", str(ROOT / "launch" / "pretrain.py"),
+                *self.overrides(run_dir, async_save)]
 
     def say(self, line: str) -> None:
         print(f"[{time.monotonic() - self.t0:7.1f}s] {line}", flush=True)
@@ -379,7 +450,7 @@ class Fuzzer:
         start.metrics_before = metrics_lines(metrics)
         start.t_launch = time.monotonic()
         with open(start.log, "w") as out:
-            return subprocess.Popen(self.command(run_dir, start.async_save), cwd=ROOT, env=env, stdout=out,
+            return subprocess.Popen(self.command(run_dir, start.async_save, start.procs), cwd=ROOT, env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     def watch(self, launcher: subprocess.Popen, start: Start) -> None:
@@ -492,11 +563,11 @@ class Fuzzer:
         """Kill once the workers exist, at a random moment before the first step is expected (while the
         workers import, take the lock, join the process group, load the checkpoint)."""
         deadline = time.monotonic() + START_TIMEOUT_S
-        while len(self.children(launcher)) < self.args.procs:
+        while len(self.children(launcher)) < start.procs:
             if launcher.poll() is not None:
                 return False
             if time.monotonic() > deadline:
-                raise FuzzFailure(f"start {start.index}: no {self.args.procs} workers within {START_TIMEOUT_S:.0f} s")
+                raise FuzzFailure(f"start {start.index}: no {start.procs} workers within {START_TIMEOUT_S:.0f} s")
             time.sleep(0.01)
         delay = self.rng.uniform(0.0, max(0.0, self.startup_s - (time.monotonic() - start.t_launch)))
         t0 = time.monotonic()
@@ -514,18 +585,19 @@ class Fuzzer:
     def kill(self, launcher: subprocess.Popen, start: Start, when: str) -> bool:
         workers = self.children(launcher)
         start.seen.update(descendants(launcher.pid))
-        if len(workers) != self.args.procs:
+        if len(workers) != start.procs:
             raise FuzzFailure(f"start {start.index}: the launcher has {len(workers)} child process(es), expected "
-                              f"{self.args.procs} workers")
+                              f"{start.procs} workers")
         if start.kind == "worker":
             victim = self.rng.choice(workers)
             os.kill(victim.pid, signal.SIGKILL)
             start.kill_note = f"worker pid {victim.pid} killed {when}"
-        elif start.kind == "job":
+        elif start.kind in ("job", READERS):
             os.kill(launcher.pid, signal.SIGKILL)
             for w in workers:
                 os.kill(w.pid, signal.SIGKILL)
-            start.kill_note = f"launcher + {len(workers)} workers killed {when}"
+            start.kill_note = f"launcher + {len(workers)} workers killed {when}" + (
+                f"; the restart runs {self.other_procs(start.procs)} process(es)" if start.kind == READERS else "")
         else:
             os.kill(launcher.pid, signal.SIGKILL)
             launcher.wait()
@@ -582,10 +654,14 @@ class Fuzzer:
                                  f"then held {on_disk}: the fault fired elsewhere")
 
     # --- the whole fuzz ----------------------------------------------------------------------------------
+    def other_procs(self, procs: int) -> int:
+        """The process count after a `readers` kill: 1 after --procs, --procs after 1."""
+        return 1 if procs == self.args.procs else self.args.procs
+
     def plan(self) -> list[str]:
         kinds: list[str] = []
         while len(kinds) < self.args.kills:
-            round_ = list(KINDS)
+            round_ = list(KINDS) + ([READERS] if self.args.reader_kills else [])
             self.rng.shuffle(round_)
             kinds += round_
         return kinds[:self.args.kills]
@@ -594,7 +670,7 @@ class Fuzzer:
         newest = start.expected_resume or 0
         interval, steps = self.args.interval, self.args.steps
         target = min((newest // interval + 1) * interval, steps)
-        start.aim, start.rank = target, self.rng.randrange(self.args.procs)
+        start.aim, start.rank = target, self.rng.randrange(start.procs)
         point = "checkpoint_in_flight" if kind == "ckpt_in_flight" else "checkpoint_write"
         start.async_save = kind != "ckpt_write_sync"
         start.fault = f"kill:rank={start.rank}:step={target}:point={point}"
@@ -616,11 +692,13 @@ class Fuzzer:
         kinds = self.plan()
         pending: Start | None = None  # the previous kill, reported once its restart has resumed
         async_flip = self.rng.random() < 0.5
+        procs = self.args.procs
         for i in range(self.args.kills + 1):
             kind = kinds[i] if i < len(kinds) else None
             newest = verify_checkpoints(self.run_dir)
             async_flip = not async_flip
-            start = Start(i, kind, async_save=True if kind is None else async_flip, expected_resume=newest)
+            start = Start(i, kind, async_save=True if kind is None else async_flip, expected_resume=newest,
+                          procs=procs)
             if kind is not None and kind not in RANDOM_KINDS:
                 if newest is not None and newest >= self.args.steps:
                     raise FuzzFailure(f"the run already has its final checkpoint before kill {i + 1} (raise --steps)")
@@ -647,6 +725,9 @@ class Fuzzer:
                                   f"(raise --steps)")
             verify_checkpoints(self.run_dir)
             pending = start
+            if kind == READERS:
+                procs = self.other_procs(procs)
+                self.readers_changed = True
 
     def report(self, killed: Start, restart: Start) -> None:
         n = killed.index + 1
@@ -671,6 +752,8 @@ class Fuzzer:
         for d in final:
             if (problem := checkpoint_damage(d)) is not None:
                 raise FuzzFailure(f"final checkpoint {d}: {problem}")
+        if self.readers_changed:
+            return self.compare_per_document(final[0])
         n, params, state = compare_final(*final, self.work)
         if params:
             self.failures.append(f"{len(params)} of {n} final model / optimizer tensors differ from the uninterrupted "
@@ -706,6 +789,26 @@ class Fuzzer:
         if bad or bad_ref:
             self.say(f"note: {len(bad) + len(bad_ref)} unreadable metrics.jsonl line(s) (cut by a kill): {bad[:3]}")
 
+    def compare_per_document(self, final: Path) -> None:
+        """After a change of readers: each step logged once with the uninterrupted run's LR and tokens; every
+        document read once, from the data trace and the final checkpoint's documents in flight against the
+        shards (`documents_read_once`)."""
+        steps = self.args.steps
+        ref = {r["step"]: r for r in read_records(self.ref_dir / "metrics.jsonl")[0]}
+        got = read_records(self.run_dir / "metrics.jsonl")[0]
+        if [r["step"] for r in got] != list(range(1, steps + 1)):
+            self.failures.append(f"metrics.jsonl holds steps {[r['step'] for r in got]}, not 1..{steps} once each")
+        wrong = [r["step"] for r in got if (r["lr"], r["tokens_seen"]) != (ref[r["step"]]["lr"],
+                                                                            ref[r["step"]]["tokens_seen"])]
+        if wrong:
+            self.failures.append(f"the LR or tokens seen differ from the uninterrupted run's at steps {wrong[:10]}")
+        problems, read, traced = documents_read_once(self.run_dir, final, self.work)
+        self.failures += problems[:20]
+        if not problems and not wrong:
+            self.say(f"readers changed: metrics.jsonl holds each step once with the uninterrupted run's LR and "
+                     f"tokens; {read} documents read, each once ({traced} trace lines, the final checkpoint's "
+                     f"documents in flight, the shards' contents)")
+
     def run(self) -> int:
         a = self.args
         self.say(f"crash fuzz: {a.kills} kills, {a.steps} steps, checkpoint every {a.interval}, seed {a.seed}, "
@@ -721,9 +824,10 @@ class Fuzzer:
         if self.failures:
             print("VERDICT: FAIL\n  " + "\n  ".join(self.failures), flush=True)
         else:
+            end = ("every document read once, every step once with the uninterrupted run's LR" if self.readers_changed
+                   else "the run ended bit-identical to the uninterrupted one")
             print(f"VERDICT: PASS ({a.kills} kills, {time.monotonic() - self.t0:.0f} s): every restart resumed from "
-                  f"the newest complete checkpoint and the run ended bit-identical to the uninterrupted one",
-                  flush=True)
+                  f"the newest complete checkpoint and {end}", flush=True)
         if not a.keep_dir and not self.failures:
             shutil.rmtree(self.work, ignore_errors=True)
         elif self.failures:
@@ -748,6 +852,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep-dir", default=None,
                    help="work directory to use and keep (default: a temporary one, removed after a pass)")
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for both runs (default none)")
+    p.add_argument("--reader-kills", action="store_true",
+                   help="add the `readers` kill: its restart runs on the other number of processes (--procs <-> 1), "
+                        "and the end is checked per document and step instead of bit for bit (default off)")
     p.add_argument("--strict-state", action="store_true",
                    help="fail when the final data-loader / RNG state differs (default: a note; parameters must match)")
     args = p.parse_args(argv)

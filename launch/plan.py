@@ -21,14 +21,17 @@ unfreeze step), the per-layer role table and per-layer parameter counts; with `p
 partition (layers, the partitioner's cost-model bytes and compute per stage under `train.recompute`,
 imbalance) for a CUDA run (bf16 autocast) unless `--device cpu`.
 
-With --gpus N --gpu-memory GB: the layout search of train/layouts.py over pp x cp x ep x dp x pipeline
+With --gpus N --gpu-memory GB: for each stage of the recipe (`train.recipe`, train/recipe.py: exp=flash's
+64K stage, then its 1M stage from 34T), the layout search of train/layouts.py over pp x cp x ep x dp x pipeline
 schedule x recompute mode with the partitioner's cost model. It prints the fastest layouts that fit
 (`plan.show`) as ready-to-paste overrides, each with its per-GPU memory (cost model), pipeline compute
 imbalance, bubble fraction and step time relative to the fastest (parallel/step_time.py; assumptions in
 conf/plan/default.yaml), the configuration's own layout evaluated the same way, and how many layouts
 each constraint rules out (world-size / batch divisibility, state, the Engram stage, activations), with
 the example closest to fitting. Nothing fits: it says so, names the smallest GPU count (a power-of-two
-multiple of N) and the smallest GPU memory that would fit, and exits 2. `--verify` then runs
+multiple of N) and the smallest GPU memory that would fit, and exits 2. `--seq S` searches for that
+sequence length alone (no stages); `--json` prints the report, or {"stages": [one report per stage, with
+its "stage"]} for a recipe. `--verify` then runs
 launch/estimate.py on the first layout's worst rank (a few minutes for exp=flash on a CPU) and prints the
 simulated peak next to the cost model's figure and the cost model's stated error (`plan.cost_model_error`); the
 estimator shortens 1F1B steps to the micro-batches that set the peak and simulates other schedules whole
@@ -340,18 +343,41 @@ def main(argv: list[str]) -> int:
         report = build_report(overrides, args.device, args.world)
         print(json.dumps(report) if args.json else format_report(report))
         return 0
-    report = propose(overrides, args.gpus, args.gpu_memory, args.seq)
-    if report["layouts"] and args.verify:
-        report["verify"] = verify(report, report["overrides"], args.device)
+    stages = recipe_stages(overrides) if args.seq is None else [("", 0.0, [])]
+    reports = []
+    for name, from_tokens, extra in stages:  # the recipe's stages (train.recipe): a layout search for each
+        report = propose(overrides + extra, args.gpus, args.gpu_memory, args.seq)
+        if report["layouts"] and args.verify:
+            report["verify"] = verify(report, report["overrides"], args.device)
+        if name:
+            report["stage"] = {"name": name, "from_tokens": from_tokens, "overrides": extra}
+        reports.append(report)
+        if not args.json:
+            if name:
+                print(f"{'' if len(reports) == 1 else chr(10)}== recipe stage {name!r} (from {from_tokens:g} tokens"
+                      f"{': ' + ' '.join(extra) if extra else ''}) ==")
+            print(format_proposals(report))
+            if "verify" in report:
+                print("\n" + format_verify(report["verify"], report))
     if args.json:
-        print(json.dumps(report))
-    else:
-        print(format_proposals(report))
-        if "verify" in report:
-            print("\n" + format_verify(report["verify"], report))
-    if not report["layouts"]:
-        raise nothing_fits(report)
+        print(json.dumps(reports[0] if len(reports) == 1 else {"stages": reports}))
+    if empty := [r for r in reports if not r["layouts"]]:
+        raise nothing_fits(empty[0])
     return 0
+
+
+def recipe_stages(overrides: list[str]) -> list[tuple[str, float, list[str]]]:
+    """(name, from tokens, the overrides that make it) of each stage of the recipe (train/recipe.py); one
+    unnamed entry for a config without stages."""
+    from flashtrain.train.config import compose
+    from flashtrain.train.recipe import stage_list, stage_name, stage_overrides
+
+    conf = compose(overrides)
+    stages = stage_list(conf)
+    if not stages:
+        return [("", 0.0, [])]
+    return [(stage_name(conf, k), stages[k - 1].from_tokens if k else 0.0, stage_overrides(conf, k))
+            for k in range(len(stages) + 1)]
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ report (root cause: rank 0, exitcode 2) -- it gives every failed worker exit sta
 
 from __future__ import annotations
 
+import gc
+import logging
 import sys
 
 from flashtrain.config.cli import exit_with_help  # noqa: E402 - imports nothing heavy
@@ -49,6 +51,7 @@ from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E40
 from flashtrain.config.cli import exit_on_user_error  # noqa: E402
 from flashtrain.config.errors import USER_ERRORS  # noqa: E402
 from flashtrain.train.config import compose_with_run_dir  # noqa: E402
+from flashtrain.train.recipe import other_world_stage  # noqa: E402
 from flashtrain.train.run_record import StartRecord, new_directories  # noqa: E402
 
 NEW_DIRECTORIES: list = []  # what Hydra will create for the run directory: a refused start removes it again
@@ -68,6 +71,15 @@ def run(cfg: DictConfig) -> None:
             raise
         start.admit(trainer.is_main)  # the config record (.hydra/) and the job log (pretrain.log)
         trainer.fit()
+        while trainer.crossed:  # a boundary of the recipe's stages (train/recipe.py): the next stage, same processes
+            if (relaunch := other_world_stage(cfg, start.run_dir)) is not None:
+                logging.getLogger("flashtrain.launch").info(relaunch)  # (every rank: the job ends here)
+                break
+            trainer.close()
+            del trainer
+            gc.collect()
+            trainer = Trainer(cfg, start.run_dir)  # its stage from the checkpoint just saved: its layout, resumed
+            trainer.fit()
 
     exit_on_user_error(admitted_then_fit)
 

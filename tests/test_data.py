@@ -216,8 +216,10 @@ def test_split_covers_every_document_once_over_2_ranks_x_2_workers(tmp_path):
             stream = ShardStream(mine, 0, "0/x", Counters())
             assert mine == split_shards(shards, 0, 1, rank * 2 + worker, 4)  # the same group in a 1 x 4 layout
             n = sum(e["documents"] for e in entries if str(tmp_path / e["path"]) in mine)
-            seen += [int(stream.next_document().segments[0][1][0]) for _ in range(n)]
-            assert stream.epoch == 0 or (stream.epoch == 1 and stream.pos == 0 and stream.skip == 0)
+            seen += [int(stream.next_document()[0].segments[0][1][0]) for _ in range(n)]
+            counts = {str(tmp_path / e["path"]): e["documents"] for e in entries}
+            assert stream.epoch == 0 and all(  # every shard done, or its every sample read (its end not yet seen)
+                (e, k) in ((1, 0), (0, counts[sh])) for sh, e, k in zip(mine, stream.epochs, stream.skips))
     assert sorted(seen) == [3 + i for i in range(203)]
 
 

@@ -214,3 +214,20 @@ def test_the_prefix_sum_cost_table_is_the_stage_cost():
     flight = [5, 3, 2, 1]
     table = _cost_table(units, 4, flight)
     assert len(table) > 1000 and all(v == _stage_cost(units, i, j, flight[s - 1]) for (s, i, j), v in table.items())
+
+
+def test_a_recipe_is_planned_stage_by_stage(capsys):
+    """Issue 48 item 4: a config with train.recipe stages gets a layout search per stage -- the same as a
+    search of the config with that stage's overrides -- and launch/estimate.py --tokens T the overrides of
+    the stage a run is in after T tokens."""
+    from flashtrain.train.recipe import overrides_at
+
+    recipe = ["train.global_batch_tokens=256",
+              "train.recipe.stages=[{name: long, from_tokens: 1e4, overrides: ['data.seq_len=128']}]"]
+    plan_tool.main([*TINY, *recipe, "--gpus", "2", "--gpu-memory", "0.05", "--json"])
+    got = json.loads(capsys.readouterr().out)["stages"]
+    assert [(r["stage"]["name"], r["stage"]["from_tokens"], r["seq_len"]) for r in got] == [
+        ("first", 0.0, 64), ("long", 1e4, 128)]
+    assert got[1]["layouts"] == plan_tool.propose([*TINY, *recipe, "data.seq_len=128"], 2, 0.05, None)["layouts"]
+    assert overrides_at([*TINY, *recipe], 9999) == ("first", [*TINY, *recipe])
+    assert overrides_at([*TINY, *recipe], 1e4) == ("long", [*TINY, *recipe, "data.seq_len=128"])

@@ -726,11 +726,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_ran
     if weights_only(path):
         return _load_weights_only(path, model, layout), None
     if rank_key not in md or (dp is not None and len(saved) != dp):
-        raise ConfigError(f"checkpoint {path} was written with {len(saved)} data-parallel reader(s) and this run has "
-                         f"{dp if dp is not None else 'more'}: the data-loader state needs the same number of "
-                         f"data-parallel ranks (world size / (parallel.pp x parallel.cp) = {len(saved)}); "
-                         f"the model and optimizer state would load into any layout, and parallel.pp / parallel.ep / "
-                         f"parallel.cp may differ")
+        rank_key = f"dp{dp_rank % len(saved)}"  # another number of readers: `mine` is that rank's (its "data": None)
+    same_readers = rank_key == f"dp{dp_rank}" and (dp is None or len(saved) == dp)
     state = {"model": _sharded_model_state(model, layout), "optim": _optimizer_templates(md, optimizers, model, layout),
              "meta": b"", rank_key: b""}
     own_key = f"{OWN_PREFIX}{_rank()}"
@@ -743,4 +740,28 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_ran
     model.load_state_dict({k: _unwrap(v) for k, v in state["model"].items()})
     _install_optimizer_state(optimizers, model, state["optim"])
     mine["own"] = own
+    if not same_readers:
+        mine["data"] = None  # this layout's readers take every reader's data position: `load_data_states`
     return meta, mine
+
+
+def saved_readers(path: str | Path) -> int:
+    """How many data-parallel readers wrote checkpoint `path` (its `dp<r>` states)."""
+    return sum(1 for k in read_metadata(path).state_dict_metadata if re.fullmatch(r"dp\d+", k))
+
+
+def load_data_states(path: str | Path) -> list[dict]:
+    """Every data-parallel rank's data-loader state of checkpoint `path` (data/loader.py `relayout` re-splits
+    them over another layout), read from each rank's `dp<r>` state; and checks that none of them holds
+    look-ahead batches (Anticipatory Routing active at the save), which belong to their reader."""
+    n = saved_readers(path)
+    state = {f"dp{r}": b"" for r in range(n)}
+    dcp_load(state, path)
+    blobs = [_unblob(state[f"dp{r}"], f"checkpoint {path}: its dp{r}") for r in range(n)]
+    ahead = [b.get("anticipatory_routing", {}) for b in blobs]
+    if any(a.get("batches") for a in ahead):
+        raise ConfigError(f"checkpoint {path} was saved while Anticipatory Routing held look-ahead batches (until "
+                          f"step {ahead[0].get('active_until')}), which belong to its {n} data-parallel reader(s): "
+                          f"resume with {n} reader(s) (world size / (parallel.pp x parallel.cp)) until then, and "
+                          f"change the layout at a later checkpoint")
+    return [b["data"] for b in blobs]

@@ -29,6 +29,7 @@ from flashtrain.train.evaluate import EvalConfig
 from flashtrain.train.flops import PeakTflops
 from flashtrain.train.optim.config import OptimConfig
 from flashtrain.train.profile import ProfileConfig
+from flashtrain.train.recipe import RecipeConfig
 from flashtrain.train.spike import SpikeConfig
 
 
@@ -63,6 +64,7 @@ class TrainConfig:
     stage: str = "pretrain"  # pretrain | dspark: the frozen backbone, the drafter trained (train/dspark.py)
     backbone: str | None = None  # the DSpark stage's backbone checkpoint
     dspark: DSparkLossConfig = field(default_factory=DSparkLossConfig)  # its objective (train/dspark_loss.py)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # the recipe's stages (train/recipe.py)
 
 
 def global_sequences(global_batch_tokens: float, seq_len: int) -> int:

@@ -55,15 +55,23 @@ from flashtrain.train.build import (
     read_configs,
     run_plan,
 )
-from flashtrain.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint, read_meta
+from flashtrain.train.checkpoint import (
+    CheckpointWriter,
+    latest_checkpoint,
+    load_checkpoint,
+    load_data_states,
+    read_meta,
+)
 from flashtrain.train.collectives import CollectiveError, Operation, all_reduce, barrier, collective_error
 from flashtrain.train.compile import compile_report
 from flashtrain.train.config import CheckpointConfig, TrainConfig, rounded_batch_note
+from flashtrain.train.data_trace import DataTrace, truncate_traces
 from flashtrain.train.dspark import backbone_pointer, build_dspark_rank, check_backbone, dspark_record
 from flashtrain.train.engram_map import load_or_build_engram_map
 from flashtrain.train.flops import dspark_flops_per_token, flops_per_token, mfu, peak_flops
 from flashtrain.train.metrics import MetricsLogger, load_statistics, load_stats
 from flashtrain.train.profile import StepProfiler
+from flashtrain.train.recipe import check_stage, next_boundary, stage_list, stage_name, start_stage
 from flashtrain.train.resume import check_model_config, resume_path
 from flashtrain.train.run_guard import acquire_run_lock, die_with_launcher
 from flashtrain.train.spike import rng_state, set_rng_state
@@ -94,7 +102,12 @@ class Trainer:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         die_with_launcher()
         faults.validate_environment()
-        self.run_dir, self.cfg = Path(run_dir), read_configs(cfg)  # validated before anything exists
+        self.run_dir, self.raw_cfg = Path(run_dir), cfg
+        # the recipe's stage of the resume point (train/recipe.py): its configuration, every stage checked
+        self.stage, stage_cfg = start_stage(cfg, self.run_dir, world)
+        self.cfg = read_configs(stage_cfg)  # validated before anything exists
+        self.next_stage_tokens = next_boundary(cfg, self.stage)  # None: the last stage
+        self.crossed = False  # this run of the stage ended at the next one's boundary (saved there)
         c, self.schedule = self.cfg, self.cfg.schedule
         self.plan = run_plan(c, world)
         self.max_steps = c.train.max_steps or self.schedule.total_steps
@@ -114,6 +127,8 @@ class Trainer:
             backend = f", process group {dist.get_backend()}" if dist.is_initialized() else ""
             log.info(f"run directory {self.run_dir}: {world} process(es) on {self.device.type}, pp={self.dims.pp} "
                      f"dp={self.dims.dp} ep={self.dims.ep} cp={self.dims.cp}, {self.max_steps} steps{backend}")
+            if stage_list(cfg):
+                log.info(self.stage_line())
         torch.manual_seed(c.train.seed)
         random.seed(c.train.seed)
         np.random.seed(c.train.seed)
@@ -142,6 +157,7 @@ class Trainer:
         self.evaluator = None if self.dspark else build_evaluator(c, self.dims, self.runner, val, tok, self.device,
                                                                   self.is_main)
         self.checkpoints = CheckpointWriter(self.run_dir, c.train.checkpoint.keep, c.train.checkpoint.async_save)
+        self.trace: DataTrace | None = None  # data.trace: opened by `fit`
         self._resume()
 
     def _resume(self) -> None:
@@ -155,12 +171,23 @@ class Trainer:
         if self.dspark:
             check_backbone(meta.get("backbone"), backbone_pointer(self.cfg.train.backbone), path)
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
+        check_stage(self.raw_cfg, self.stage, self.tokens_seen, path)
         if mine is None:  # weights alone: fresh optimizer state, data from the start, the schedule from step 0
             if self.is_main:
                 log.info(f"started from the weights in {path} ({meta.get('imported_from', 'imported')}): step 0, fresh "
                          f"optimizer state")
             return
-        self.loader.load_state_dict(mine["data"])
+        if mine["data"] is not None and self.loader.same_layout(mine["data"]):
+            self.loader.load_state_dict(mine["data"])  # this reader's own position: the same batches follow
+        else:  # another number of readers or workers, another data.seq_len: the data position re-split
+            states = load_data_states(path)
+            self.loader.load_state_dict(states)
+            if self.is_main:
+                before = states[0]
+                log.info(f"the data position of {path} ({len(states)} reader(s) x {before['num_workers']} worker(s), "
+                         f"rows of {before.get('capacity', '?')} positions) re-split over {self.dims.dp} reader(s) x "
+                         f"{max(1, self.cfg.data.num_workers)} worker(s), rows of {self.cfg.data.seq_len + 1}: each "
+                         f"document read once, those in flight included (data/loader.py relayout)")
         self.source_tokens = dict(meta.get("source_tokens", {}))
         set_rng_state(mine["rng"])
         self.guard.load_state_dict(mine, mine.get("own"))
@@ -245,6 +272,8 @@ class Trainer:
             batches, routes = self.guard.next_batches(self.step + 1, self.batches, self.runner.record_routes)
         else:
             batches, routes = next(self.batches), None
+        if self.trace is not None:
+            self.trace.record(self.step + 1, batches)
         with self._injected_spike():
             sums, loads = self.runner.run(batches, routes)
         self.op.name = "the gradient-norm all-reduce (clipping)"
@@ -285,6 +314,7 @@ class Trainer:
         c = self.cfg
         metrics = MetricsLogger(self.run_dir, c.logging, c.cfg_dict, self.is_main, self.max_steps, self.step)
         profiler = StepProfiler.for_trainer(self)  # train.profile: traces / memory snapshots of chosen steps
+        self._open_trace()
         try:
             self._loop(metrics, profiler)
             self.op.name = "finishing the last checkpoint write"
@@ -294,6 +324,8 @@ class Trainer:
         finally:
             profiler.close()  # a trace / memory history still open (SIGTERM, a stop, a short run): write what it has
             metrics.close()
+            if self.trace is not None:
+                self.trace.close()
             signal.signal(signal.SIGTERM, previous)
         if self.is_main:  # after the progress bar has closed: a line of its own
             if self.compiled:
@@ -301,14 +333,44 @@ class Trainer:
             log.info(self.last_line())
         if dist.is_initialized():
             dist.barrier()
-            dist.destroy_process_group()
+            if not self.crossed:  # at a stage boundary the next stage's trainer runs in the same processes
+                dist.destroy_process_group()
+
+    def close(self) -> None:
+        """Let go of what the next stage's trainer in this process takes again: the run directory's job lock and
+        the loader's workers."""
+        lock = getattr(self, "_run_lock", None)
+        if lock is not None:
+            lock.close()
+        self.loader.close()
+
+    def stage_line(self) -> str:
+        """The start-up line naming the recipe's stage this start runs, what it sets and the next one."""
+        stages = stage_list(self.raw_cfg)
+        sets = " ".join(o for st in stages[:self.stage] for o in st.overrides) or "the exp as composed"
+        nxt = "the last stage" if self.next_stage_tokens is None else \
+            f"next: {stage_name(self.raw_cfg, self.stage + 1)!r} from {self.next_stage_tokens:g} tokens"
+        return (f"recipe stage {stage_name(self.raw_cfg, self.stage)!r} ({self.stage + 1} of {len(stages) + 1}): "
+                f"{sets}; {nxt}")
+
+    def _open_trace(self) -> None:
+        """data.trace: rank 0 removes what a lost start traced after the resumed step, then each reading rank
+        opens its file (train/data_trace.py)."""
+        if not self.cfg.data.trace:
+            return
+        if self.is_main:
+            truncate_traces(self.run_dir, self.step)
+        barrier()
+        if self.dims.pp_rank == 0 and self.counts_data:
+            self.trace = DataTrace(self.run_dir, self.loader.names, self.dims.dp_rank, self.dims.dp)
 
     def last_line(self) -> str:
         """The run's closing log line: where it stopped, what it read, how long this start took, and the
         checkpoint a restart resumes from."""
         wall = time.time() - self.started
         newest = latest_checkpoint(self.run_dir)
-        how = "stopped by SIGTERM" if self._stop else "finished"
+        how = "stopped by SIGTERM" if self._stop else (
+            f"ended stage {stage_name(self.raw_cfg, self.stage)!r}" if self.crossed else "finished")
         return (f"{how} at step {self.step} of {self.max_steps}: {self.tokens_seen:,} tokens seen, "
                 f"{wall:.0f} s wall time in this start ({datetime.timedelta(seconds=round(wall))}); newest "
                 f"checkpoint {newest if newest is not None else 'none'}")
@@ -355,10 +417,16 @@ class Trainer:
         stop = bool(flag.item())  # every rank stops (and saves) together: read once
         if stop:
             self._stop = True  # (the rank that got the signal may be another: the flag is all-reduced)
-        saved = self.step % self.cfg.train.checkpoint.interval == 0 or self.step == self.max_steps or stop
+        # the next stage of the recipe (train/recipe.py): save here, end this stage's run (the launcher goes on)
+        self.crossed = self.next_stage_tokens is not None and self.tokens_seen >= self.next_stage_tokens
+        saved = self.step % self.cfg.train.checkpoint.interval == 0 or self.step == self.max_steps or stop or \
+            self.crossed
         if saved:
             self.op.name = f"saving checkpoint step_{self.step:08d}"
             self.save()
         if stop and self.is_main:
             log.info(f"SIGTERM: saved step {self.step}, exiting")
-        return saved, stop
+        elif self.crossed and self.is_main:
+            log.info(f"recipe stage {stage_name(self.raw_cfg, self.stage + 1)!r} from {self.next_stage_tokens:g} "
+                     f"tokens: saved step {self.step} ({self.tokens_seen:,} tokens); it goes on in that stage's layout")
+        return saved, stop or self.crossed
