@@ -1475,6 +1475,14 @@ MUTANTS = [
            'if key.startswith(FIXED_PREFIXES) or (model_field is not None and model_field not in EXECUTION_ONLY):',
            'if key.startswith(FIXED_PREFIXES):',
            ['tests/test_recipe.py', '-k', 'checked']),
+    Mutant("the stage is read from the oldest checkpoint's meta", 'train/recipe.py',
+           'own = list(reversed(complete_checkpoints(run_dir)))',
+           'own = list(complete_checkpoints(run_dir))',
+           ['tests/test_checkpoint_verify.py', '-k', 'stage_is_chosen']),
+    Mutant('an unreadable checkpoint file escapes as DCP traceback', 'train/checkpoint.py',
+           'first = errors[0] if errors else e',
+           'raise',
+           ['tests/test_checkpoint_verify.py', '-k', 'stage_is_chosen']),
 ]
 
 

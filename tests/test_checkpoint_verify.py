@@ -76,6 +76,28 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous(tmp_path, damag
     assert ck.latest_verified_checkpoint(tmp_path, report=reports.append) is None
 
 
+def test_the_stage_is_chosen_from_the_checkpoint_a_resume_would_load(tmp_path):
+    """The recipe picks a start's stage from its resume point's tokens before anything is built
+    (train/recipe.py `resume_tokens`): a newest checkpoint with a data file deleted is read past, as the
+    resume itself does, instead of stopping the start with DCP's traceback (DCP raises a BaseException)."""
+    from omegaconf import OmegaConf
+
+    from flashtrain.train.recipe import resume_tokens
+
+    model = nn.Linear(8, 4)
+    writer = ck.CheckpointWriter(tmp_path, keep=5)
+    for step, tokens in ((1, 1000), (2, 3000)):
+        writer.save(step, model, {}, {"step": step, "tokens_seen": tokens}, {"data": step})
+    cfg = OmegaConf.create({"train": {"resume_from": None}})
+    assert resume_tokens(cfg, tmp_path) == 3000.0
+    _data_file(ck.step_dir(tmp_path, 2)).unlink()
+    with pytest.raises(ck.CheckpointError, match=r"step_00000002 could not be read \(FileNotFoundError: .*__0_0"
+                                                 r"\.distcp.*\); it is damaged or still being written"):
+        ck.read_meta(ck.step_dir(tmp_path, 2))
+    assert resume_tokens(cfg, tmp_path) == 1000.0
+    assert resume_tokens(cfg, tmp_path / "elsewhere") == 0.0  # nothing to resume: a fresh start
+
+
 def test_the_tools_refuse_a_damaged_checkpoint_as_a_resume_would(tmp_path, capsys):
     """Issue 47 item 4: launch/evaluate.py, the harness and launch/export_official.py verify the checkpoint
     they read (train/checkpoint.py `check_readable`) and refuse one whose files fail their checksums, or one

@@ -200,16 +200,20 @@ def read_metadata(path: str | Path):
 
 def dcp_load(state: dict, path: str | Path) -> None:
     """`dcp.load` of `state` from `path` through `SafeReader` and `SafeLoadPlanner`; a refused object is
-    one CheckpointError (DCP wraps what a rank raised in a CheckpointException)."""
+    one CheckpointError (DCP wraps what a rank raised in a CheckpointException), a missing or unreadable file
+    included."""
     with warnings.catch_warnings():  # DCP warns when it runs without a process group (one process): expected
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
             dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
-        except CheckpointException as e:
-            for error, _ in e.failures.values():
+        except CheckpointException as e:  # a BaseException: `except Exception` would not see it
+            errors = [error for error, _ in e.failures.values()]
+            for error in errors:
                 if isinstance(error, CheckpointError):
                     raise CheckpointError(str(error)) from None
-            raise
+            first = errors[0] if errors else e
+            raise CheckpointError(f"checkpoint {path} could not be read ({type(first).__name__}: {first}); it is "
+                                  f"damaged or still being written: pick another checkpoint") from None
 
 
 def _rank() -> int:

@@ -143,7 +143,7 @@ def resume_tokens(cfg: DictConfig, run_dir) -> float:
     meta reads, or `train.resume_from` (train/resume.py `resume_path`: imported weights start a run, the run
     directory's own checkpoints continue it). The resume itself verifies the checkpoint; a fall-back past a
     damaged one into another stage is caught there (`check_stage`)."""
-    from flashtrain.train.checkpoint import complete_checkpoints, read_meta, weights_only
+    from flashtrain.train.checkpoint import CheckpointError, complete_checkpoints, read_meta, weights_only
 
     resume_from = cfg.train.get("resume_from")
     own = list(reversed(complete_checkpoints(run_dir)))
@@ -152,7 +152,7 @@ def resume_tokens(cfg: DictConfig, run_dir) -> float:
     for path in own:
         try:
             return float(read_meta(path).get("tokens_seen", 0))
-        except Exception:  # noqa: BLE001 - a damaged newest checkpoint: the resume skips it, so does this
+        except (CheckpointError, OSError):  # a damaged newest checkpoint: the resume skips it, so does this
             continue
     return 0.0
 
