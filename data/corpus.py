@@ -29,6 +29,7 @@ import math
 import os
 import random
 import shutil
+import socket
 import sysconfig
 from pathlib import Path
 
@@ -137,7 +138,8 @@ def ensure_default_corpus(cfg: DataConfig, spec: TokenSpec) -> Path:
     final = root / corpus_key(cfg, spec)
     if (final / "manifest.json").is_file():
         return final
-    tmp = root / f".building-{final.name}-{os.getpid()}"
+    log.info("building the default corpus in %s (once per cache: every later start finds it there)", final)
+    tmp = root / f".building-{final.name}-{socket.gethostname()}-{os.getpid()}"  # a node's pid is not unique
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     texts, held = heldout_texts(stdlib_texts(cfg.corpus_text_bytes), cfg.corpus_val_text_bytes)

@@ -69,7 +69,7 @@ def run(cfg: DictConfig) -> None:
         except USER_ERRORS:
             start.refuse()
             raise
-        start.admit(trainer.is_main)  # the config record (.hydra/) and the job log (pretrain.log)
+        start.admit(trainer.is_main, trainer.nodes.places[trainer.rank].node)  # .hydra/ and the job log
         trainer.fit()
         while trainer.crossed:  # a boundary of the recipe's stages (train/recipe.py): the next stage, same processes
             if (relaunch := other_world_stage(cfg, start.run_dir)) is not None:

@@ -10,6 +10,8 @@
 - `schedule`: the former name of `pipeline_schedule` ("schedule" alone means the LR schedule); still read,
   with a deprecation message, for one release.
 - `timeout_s`: the process-group timeout (collectives that wait longer fail instead of hanging).
+- `peer_timeout_s`: a rank whose heartbeat has not moved for this long is gone (its process or node died):
+  the job ends, naming it (parallel/liveness.py), without waiting for `timeout_s`.
 - `stage_layers`: layer counts per stage (pp x stages per rank entries) to pin the partition by hand.
 - `partition_memory_slack`: the cost-balanced partition first minimises the largest stage's memory M, then
   the slowest stage's compute among splits whose stages all stay within M x (1 + slack)
@@ -54,6 +56,7 @@ class ParallelConfig:
     cp_balance: str = "zigzag"
     pipeline_schedule: str = "1f1b"
     timeout_s: float = 1800.0
+    peer_timeout_s: float = 60.0
     microbatches: int | None = None
     stage_layers: list | None = None
     partition_memory_slack: float = 0.0
@@ -81,6 +84,9 @@ class ParallelConfig:
                               f"{sorted(SCHEDULES)}")
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s}: the process-group timeout in seconds, > 0")
+        if not self.peer_timeout_s > 0:
+            raise ConfigError(f"parallel.peer_timeout_s={self.peer_timeout_s}: how long a rank's heartbeat may stand "
+                              f"still before it counts as gone, in seconds (> 0)")
         if self.pp < 1 or self.ep < 1 or self.cp < 1:
             raise ConfigError(f"parallel.pp={self.pp}, parallel.ep={self.ep}, parallel.cp={self.cp}: "
                               "degrees must be >= 1")

@@ -44,6 +44,7 @@ from flashtrain.parallel.config import ParallelConfig
 from flashtrain.parallel.construct import build_rank_model
 from flashtrain.parallel.context import ContextComm
 from flashtrain.parallel.dims import ParallelDims
+from flashtrain.parallel.nodes import cuda_device_index
 from flashtrain.parallel.pipeline import Pipeline, build_pipeline, local_stage_ranges
 from flashtrain.train.collectives import Operation
 from flashtrain.train.compile import apply_compile, check_backend, compile_enabled
@@ -142,7 +143,7 @@ def init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = cuda_device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
         torch.cuda.set_device(local)
         return rank, world, torch.device("cuda", local)
     return rank, world, torch.device("cpu")

@@ -14,11 +14,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flashtrain.config.errors import CheckpointError
+from flashtrain.config.errors import CheckpointError, FlashtrainError
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed or did not complete within `parallel.timeout_s`; names the step and the operation."""
+class CollectiveError(FlashtrainError, RuntimeError):
+    """A collective failed or did not complete within `parallel.timeout_s`; names the step, the operation and
+    the ranks that are gone. One line (flashtrain.config.cli `exit_on_user_error`): printed by `printed_by`
+    alone, the lowest rank still there, when the heartbeats tell which ranks are gone; EVERY_RANK when the
+    job's store is gone too; None: as any user error (rank 0, the others after a wait)."""
+
+    EVERY_RANK = -1
+
+    def __init__(self, message: str, printed_by: int | None = None):
+        super().__init__(message)
+        self.printed_by = printed_by
 
 
 @dataclass
@@ -43,17 +52,25 @@ def all_reduce(t: torch.Tensor, device: torch.device, op=None, group=None) -> to
     return t
 
 
-def collective_error(e: RuntimeError, op: Operation, rank: int, timeout_s: float) -> RuntimeError:
-    """A failed or timed-out collective, named by step and operation (parallel.timeout_s bounds the wait);
-    any other error unchanged."""
+def collective_error(e: BaseException, op: Operation, rank: int, timeout_s: float, liveness=None) -> BaseException:
+    """A failed or timed-out collective, named by step and operation (parallel.timeout_s bounds the wait) and,
+    with the job's heartbeats (parallel/liveness.py), by the ranks that are gone; any other error unchanged."""
     if not dist.is_initialized() or isinstance(e, (CollectiveError, FloatingPointError, CheckpointError)):
         return e
     text = str(e)
     timed_out = "timed out" in text.lower() or "timeout" in text.lower()
     if not (timed_out or isinstance(e, dist.DistError) or "connection" in text.lower()):
         return e
-    why = (f"did not complete within parallel.timeout_s={timeout_s:g} s (a rank stalled or "
-           f"is stuck)" if timed_out else f"failed ({type(e).__name__}: {text.splitlines()[0][:200]})")
-    return CollectiveError(f"rank {rank}: step {op.step}, {op.name}: a collective {why}; the last "
-                           f"checkpoint is intact -- restart in the run directory to resume (raise "
-                           f"parallel.timeout_s if the step legitimately takes longer)")
+    why = (f"did not complete within parallel.timeout_s={timeout_s:g} s" if timed_out else
+           f"failed ({type(e).__name__}: {text.splitlines()[0][:200]})")
+    where = f"rank {rank}: step {op.step}, {op.name}: a collective {why}"
+    lost = liveness.lost_ranks() if liveness is not None else []
+    if lost is None:  # the store is gone with the node that hosts it: every rank says so
+        return CollectiveError(f"{where}; {liveness.store_gone_line()}", printed_by=CollectiveError.EVERY_RANK)
+    if lost:
+        alive = [r for r in range(liveness.world) if r not in lost]
+        return CollectiveError(f"{where}; {liveness.lost_line(lost, 'its heartbeat stopped')}", printed_by=alive[0])
+    hint = " (a rank stalled or is stuck; every rank's heartbeat still moves)" if liveness is not None else \
+        " (a rank stalled or is stuck)" if timed_out else ""
+    return CollectiveError(f"{where}{hint}; the last checkpoint is intact -- restart in the run directory to resume "
+                           f"(raise parallel.timeout_s if the step legitimately takes longer)")

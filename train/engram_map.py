@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 from pathlib import Path
 
 from flashtrain.model.engram import build_compressed_token_map
@@ -25,5 +27,8 @@ def load_or_build_engram_map(tokenizer_path: str | Path) -> list[int]:
         if saved.get("tokenizer_sha256") == digest:
             return saved["map"]
     lookup, size = build_compressed_token_map(Tokenizer.from_file(str(path)))
-    cache.write_text(json.dumps({"tokenizer_sha256": digest, "compressed_vocab_size": size, "map": lookup}))
+    # whole or not at all: another node's rank may read it meanwhile (a shared cache, parallel/nodes.py)
+    tmp = cache.with_name(f".{cache.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"tokenizer_sha256": digest, "compressed_vocab_size": size, "map": lookup}))
+    os.replace(tmp, cache)
     return lookup

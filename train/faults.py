@@ -4,6 +4,8 @@ Off unless the environment variable `FLASHTRAIN_FAULT` is set; then it holds one
 separated by `;`, each `action:key=value:...`:
 
     kill:rank=1:step=3:point=step_start            SIGKILL rank 1 when it reaches that point of step 3
+    kill_node:rank=1:step=3                        SIGKILL rank 1's launcher (its node's torchrun), then rank 1:
+                                                   the node is gone (its other workers die with their launcher)
     kill:rank=0:step=4:point=checkpoint_write:once=/tmp/x   ... only if /tmp/x does not exist (created first)
     stall:rank=1:step=2:point=step_start:seconds=600       rank 1 sleeps there (a hung collective for the others)
     spike:rank=0:step=7:scale=100:once=/tmp/y      rank 0's head input x 100 in step 7: a loss spike (train/spike.py)
@@ -31,7 +33,7 @@ from flashtrain.config.errors import ConfigError
 
 FAULT_ENV = "FLASHTRAIN_FAULT"
 POINTS = ("step_start", "checkpoint_write", "checkpoint_in_flight", "after_step")
-ACTIONS = ("kill", "stall", "spike")
+ACTIONS = ("kill", "kill_node", "stall", "spike")
 
 
 @dataclass(frozen=True)
@@ -128,12 +130,23 @@ def _first_time(f: Fault) -> bool:
     return True
 
 
+def _launcher_is_parent() -> bool:
+    """Whether this worker's parent is a torchrun launcher (not a test's stand-in for one)."""
+    try:
+        cmd = open(f"/proc/{os.getppid()}/cmdline", "rb").read()
+    except OSError:
+        return False
+    return b"torch.distributed.run" in cmd or b"torchrun" in cmd
+
+
 def inject(point: str, step: int, rank: int) -> None:
     """Fire the kill / stall faults set for this point, step and rank (nothing when FLASHTRAIN_FAULT is unset)."""
     for f in _faults():
         if f.action == "spike" or (f.point, f.step, f.rank) != (point, step, rank) or not _first_time(f):
             continue
-        if f.action == "kill":
+        if f.action == "kill_node" and _launcher_is_parent():
+            os.kill(os.getppid(), signal.SIGKILL)
+        if f.action in ("kill", "kill_node"):
             os.kill(os.getpid(), signal.SIGKILL)
         else:
             time.sleep(f.seconds)

@@ -7,7 +7,8 @@ lock, the resume point (train/trainer.py `Trainer.__init__`). Until then it writ
 - the log lines of the start (shard checks, the layout, ...) go to the console and are held in memory;
 - `admit`: rank 0 writes the run's record, `.hydra/config.yaml`, `hydra.yaml` and `overrides.yaml`
   (what Hydra would have written; a restart replaces them), and every rank appends its held and further
-  log lines to the job log `<hydra.job.name>.log` (`pretrain.log`), as Hydra's own file handler did;
+  log lines to the job log `<hydra.job.name>.log` (`pretrain.log`), as Hydra's own file handler did (the
+  ranks of another node k: `pretrain.node<k>.log`);
 - `refuse` (a user error before admission: a busy run directory, a config or input check): the held
   lines are dropped, and the directories this start created (Hydra makes `hydra.run.dir` before the
   task runs) are removed again, with the job lock a fresh one received. A refused second job thus leaves
@@ -49,6 +50,11 @@ def _console_format(hydra_cfg: DictConfig) -> str | None:
         return None
 
 
+def job_log_name(job: str, node: int) -> str:
+    """The job log of the ranks of `node` (torchrun's GROUP_RANK): `<job>.log` for node 0, `<job>.node<k>.log`."""
+    return f"{job}.log" if node == 0 else f"{job}.node{node}.log"
+
+
 class _Held(logging.Handler):
     """Keeps the log records of a start that is not admitted yet."""
 
@@ -69,8 +75,10 @@ class StartRecord:
         self.held = _Held()
         logging.getLogger().addHandler(self.held)
 
-    def admit(self, is_main: bool) -> None:
-        """Rank 0 records the config; every rank's log lines from now on (and those held) go to the job log."""
+    def admit(self, is_main: bool, node: int = 0) -> None:
+        """Rank 0 records the config; every rank's log lines from now on (and those held) go to the job log: the
+        ranks of node 0 (rank 0's) to `pretrain.log`, those of node k to `pretrain.node<k>.log` (appends from
+        several machines to one file of a shared filesystem can interleave mid-line)."""
         if is_main:
             record = self.run_dir / RECORD_DIR
             record.mkdir(exist_ok=True)
@@ -82,7 +90,7 @@ class StartRecord:
                 os.replace(tmp, record / name)
         root = logging.getLogger()
         root.removeHandler(self.held)
-        job_log = logging.FileHandler(self.run_dir / f"{self.hydra_cfg.job.name}.log")
+        job_log = logging.FileHandler(self.run_dir / job_log_name(self.hydra_cfg.job.name, node))
         job_log.setFormatter(logging.Formatter(_console_format(self.hydra_cfg)))
         for held in self.held.records:
             job_log.handle(held)

@@ -41,6 +41,8 @@ from omegaconf import DictConfig
 from flashtrain.data.loader import data_sources, heldout_shards
 from flashtrain.model.vision import set_vision_body_trainable
 from flashtrain.parallel.construct import model_template
+from flashtrain.parallel.liveness import Liveness
+from flashtrain.parallel.nodes import STARTUP_TURNS, NodeTable, check_shared_run_dir, startup_turn
 from flashtrain.train import faults
 from flashtrain.train.balancing import global_loads, update_biases
 from flashtrain.train.build import (
@@ -121,6 +123,10 @@ class Trainer:
 
         self.rank, world, self.device = init_distributed(c.parallel.timeout_s)
         self.is_main = self.rank == 0
+        # the job's nodes (parallel/nodes.py): named in messages; every one must see the run directory
+        self.nodes = NodeTable.gather()
+        check_shared_run_dir(self.run_dir, self.nodes, self.rank)
+        self.liveness = Liveness.for_job(self.rank, world, c.parallel.peer_timeout_s, self.nodes.describe)
         self.mixed_precision = self.device.type == "cuda"
         self.dims = build_dims(c, self.plan, self.rank, self.device.type)
         if self.is_main:
@@ -129,12 +135,17 @@ class Trainer:
                      f"dp={self.dims.dp} ep={self.dims.ep} cp={self.dims.cp}, {self.max_steps} steps{backend}")
             if stage_list(cfg):
                 log.info(self.stage_line())
+            if len(self.nodes.nodes()) > 1:
+                log.info(f"{self.nodes.summary()}; a rank whose heartbeat stands still for parallel.peer_timeout_s="
+                         f"{c.parallel.peer_timeout_s:g} s is gone and ends the job")
         torch.manual_seed(c.train.seed)
         random.seed(c.train.seed)
         np.random.seed(c.train.seed)
-        # rank 0 builds the default corpus / engram map first; the others then find them cached
-        for turn in (0, 1):
-            if (turn == 0) == self.is_main:
+        # the default corpus / engram map: rank 0 builds them first, then each other node's first rank (a node-local
+        # cache), then the rest find them cached (parallel/nodes.py startup_turn)
+        mine = startup_turn(self.rank, self.nodes.places[self.rank].local_rank)
+        for turn in range(STARTUP_TURNS):
+            if turn == mine:
                 sources, tok = data_sources(c.data, c.spec)
                 val = heldout_shards(c.data, c.spec) if c.train.eval.interval else []
                 token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
@@ -320,7 +331,7 @@ class Trainer:
             self.op.name = "finishing the last checkpoint write"
             self.checkpoints.wait()  # (a SIGTERM stop leaves the last one in flight)
         except RuntimeError as e:
-            raise collective_error(e, self.op, self.rank, self.cfg.parallel.timeout_s) from e
+            raise collective_error(e, self.op, self.rank, self.cfg.parallel.timeout_s, self.liveness) from e
         finally:
             profiler.close()  # a trace / memory history still open (SIGTERM, a stop, a short run): write what it has
             metrics.close()
@@ -333,16 +344,23 @@ class Trainer:
             log.info(self.last_line())
         if dist.is_initialized():
             dist.barrier()
+            self._stop_liveness()
             if not self.crossed:  # at a stage boundary the next stage's trainer runs in the same processes
                 dist.destroy_process_group()
 
     def close(self) -> None:
         """Let go of what the next stage's trainer in this process takes again: the run directory's job lock and
         the loader's workers."""
+        self._stop_liveness()
         lock = getattr(self, "_run_lock", None)
         if lock is not None:
             lock.close()
         self.loader.close()
+
+    def _stop_liveness(self) -> None:
+        if self.liveness is not None:
+            self.liveness.stop()
+            self.liveness = None
 
     def stage_line(self) -> str:
         """The start-up line naming the recipe's stage this start runs, what it sets and the next one."""
