@@ -152,8 +152,10 @@ class Liveness:
                 pass
             _die(line)
 
-    def lost_line(self, lost: list[int], how: str) -> str:
-        return (f"rank {self.rank}: {self.describe(lost)} is gone ({how}: the process or its node died); the last "
+    def lost_line(self, lost: list[int], how: str, named: bool = True) -> str:
+        """The one line of a lost peer (`named`: starting with this rank, when it is the whole message)."""
+        who = f"rank {self.rank}: " if named else ""
+        return (f"{who}{self.describe(lost)} is gone ({how}: the process or its node died); the last "
                 f"checkpoint is intact -- start every node again to resume, or the remaining nodes alone (the "
                 f"data position re-splits over fewer readers)")
 

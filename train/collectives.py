@@ -9,6 +9,7 @@ turns); without a process group they do nothing.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,12 @@ def all_reduce(t: torch.Tensor, device: torch.device, op=None, group=None) -> to
     return t
 
 
+def _first_sentence(text: str) -> str:
+    """The library's message without its source location (gloo's `[.../pair.cc:553] `), to its first full stop."""
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else "")
+    return first.split(". ")[0].rstrip(".")[:200]
+
+
 def collective_error(e: BaseException, op: Operation, rank: int, timeout_s: float, liveness=None) -> BaseException:
     """A failed or timed-out collective, named by step and operation (parallel.timeout_s bounds the wait) and,
     with the job's heartbeats (parallel/liveness.py), by the ranks that are gone; any other error unchanged."""
@@ -62,14 +69,15 @@ def collective_error(e: BaseException, op: Operation, rank: int, timeout_s: floa
     if not (timed_out or isinstance(e, dist.DistError) or "connection" in text.lower()):
         return e
     why = (f"did not complete within parallel.timeout_s={timeout_s:g} s" if timed_out else
-           f"failed ({type(e).__name__}: {text.splitlines()[0][:200]})")
+           f"failed ({_first_sentence(text)})")
     where = f"rank {rank}: step {op.step}, {op.name}: a collective {why}"
     lost = liveness.lost_ranks() if liveness is not None else []
     if lost is None:  # the store is gone with the node that hosts it: every rank says so
         return CollectiveError(f"{where}; {liveness.store_gone_line()}", printed_by=CollectiveError.EVERY_RANK)
     if lost:
         alive = [r for r in range(liveness.world) if r not in lost]
-        return CollectiveError(f"{where}; {liveness.lost_line(lost, 'its heartbeat stopped')}", printed_by=alive[0])
+        return CollectiveError(f"{where}; {liveness.lost_line(lost, 'its heartbeat stopped', named=False)}",
+                               printed_by=alive[0])
     hint = " (a rank stalled or is stuck; every rank's heartbeat still moves)" if liveness is not None else \
         " (a rank stalled or is stuck)" if timed_out else ""
     return CollectiveError(f"{where}{hint}; the last checkpoint is intact -- restart in the run directory to resume "
