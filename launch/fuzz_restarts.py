@@ -20,6 +20,13 @@ Kills (one kind per restart, in a seeded random order that visits every kind onc
   train/faults.py, point=checkpoint_write) while the next checkpoint is on disk with its manifest but not
   yet renamed complete, written synchronously / in the background;
 - `ckpt_in_flight`: the same at point=checkpoint_in_flight, right after a background write started.
+- `node` (with `--nodes N`, N >= 2: every start is N torchrun launchers with `--nnodes=N` and a c10d
+  rendezvous on 127.0.0.1, --procs / N processes each, as N machines would run it): SIGKILL of one
+  random node's launcher and its workers at once; the other nodes must end by themselves within
+  NODE_LOSS_S, their log naming the lost node (parallel/liveness.py), or -- when the killed node hosted
+  the rendezvous store -- with torchrun's own "connection to the C10d store has failed" (their launchers
+  end first, taking their workers); the restart starts every node again. With --nodes the other kinds
+  act on the multi-node job too (`launcher`: one node's);
 - `readers` (with `--reader-kills`): the `job` kill, and the restart runs on the other number of
   processes (`--procs` <-> 1: other data-parallel readers, the "lost a node" case; data/loader.py
   `relayout`). The run then cannot end bit for bit where the uninterrupted one does (other readers pack
@@ -72,13 +79,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("worker", "job", "launcher", "ckpt_write_sync", "ckpt_write_async", "ckpt_in_flight")
 READERS = "readers"  # --reader-kills: a job kill whose restart has another number of processes (data readers)
-RANDOM_KINDS = (*KINDS[:3], READERS)
+NODE = "node"  # --nodes N: one node's launcher and workers SIGKILLed; the others end by themselves
+RANDOM_KINDS = (*KINDS[:3], READERS, NODE)
+NODE_LOSS_S = 30.0  # the other nodes end by themselves within this (parallel.peer_timeout_s below, + start-up)
+# torchrun's own error when the node that hosts the c10d rendezvous store (the first to bind its port) is lost
+STORE_LOST = "The connection to the C10d store has failed"
+LOST_PEER = re.compile(r"^error: rank \d+: .*(?:node (\d+) on \S+ \([^)]*\) is gone|the job's store at \S+ "
+                       r"(?:does not answer|has not answered))", re.M)
 # flash_tiny cut to its first 4 layers with consistent layer roles (tests/test_metrics.py FOUR_LAYERS)
 FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_source_layers=[2]",
                "model.index_source_layers=[2]", "model.candidate_source_layer=2", "model.engram_layer_ids=[1]"]
 SMALL = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0",
          "train.peak_tflops.cpu=1",  # no CPU peak measurement at every start
          "parallel.timeout_s=60",  # a hung collective fails in a minute, not half an hour
+         "parallel.peer_timeout_s=6",  # a lost node is named within seconds (parallel/liveness.py)
          "train.global_batch_tokens=256", "data.batch_size=1"]  # one 128-token sequence per rank and step
 SMALL_CORPUS = ["data.corpus_text_bytes=300000", "data.corpus_mm_docs=100", "data.corpus_shards=2"]
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
@@ -146,6 +160,14 @@ def descendants(pid: int) -> list[Proc]:
             out.append(proc)
         todo += children.get(p, [])
     return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_dead(procs, timeout: float) -> list[Proc]:
@@ -373,6 +395,46 @@ def read_records(path: Path, before: list[bytes] | None = None) -> tuple[list[di
     return records, bad
 
 
+class Launchers:
+    """A start's torchrun launchers -- one, or one per node (--nodes) -- with Popen's poll / wait / kill: the
+    start runs while any runs; its status is the first non-zero one."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs = procs
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    @property
+    def returncode(self) -> int | None:
+        codes = [p.returncode for p in self.procs]
+        if any(c is None for c in codes):
+            return None
+        return next((c for c in codes if c != 0), 0)
+
+    def poll(self) -> int | None:
+        for p in self.procs:
+            p.poll()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for p in self.procs:
+            p.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self.returncode
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def tree(self) -> list[Proc]:
+        """Every process below the launchers."""
+        return [q for pid in self.pids for q in descendants(pid)]
+
+
 # ---------------------------------------------------------------------------------------------- run
 @dataclass
 class Start:
@@ -415,9 +477,8 @@ class Fuzzer:
             return
         launcher, start = self.current
         if launcher.poll() is None:
-            start.seen.update(descendants(launcher.pid))
+            start.seen.update(launcher.tree())
             launcher.kill()
-            launcher.wait()
         for p in start.seen:
             if p.alive():
                 os.kill(p.pid, signal.SIGKILL)
@@ -432,16 +493,20 @@ class Fuzzer:
         extra_keys = {e.split("=", 1)[0].lstrip("+~") for e in a.extra}
         return [o for o in base if o.split("=", 1)[0].lstrip("+~") not in extra_keys] + list(a.extra)
 
-    def command(self, run_dir: Path, async_save: bool, procs: int | None = None) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={procs or self.args.procs}", str(ROOT / "launch" / "pretrain.py"),
+    def command(self, run_dir: Path, async_save: bool, procs: int | None = None, port: int | None = None) -> list[str]:
+        """One launcher's command: a standalone one, or (`port`) one of --nodes launchers, procs / nodes each."""
+        procs = procs or self.args.procs
+        where = ["--standalone", f"--nproc_per_node={procs}"] if port is None else [
+            f"--nnodes={self.args.nodes}", f"--nproc_per_node={procs // self.args.nodes}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=fuzz{port}"]
+        return [sys.executable, "-m", "torch.distributed.run", *where, str(ROOT / "launch" / "pretrain.py"),
                 *self.overrides(run_dir, async_save)]
 
     def say(self, line: str) -> None:
         print(f"[{time.monotonic() - self.t0:7.1f}s] {line}", flush=True)
 
     # --- one start ---------------------------------------------------------------------------------
-    def launch(self, start: Start, run_dir: Path) -> subprocess.Popen:
+    def launch(self, start: Start, run_dir: Path) -> Launchers:
         env = {k: v for k, v in os.environ.items() if k not in ("FLASHTRAIN_FAULT",)}
         if start.fault:
             env["FLASHTRAIN_FAULT"] = start.fault
@@ -449,20 +514,23 @@ class Fuzzer:
         metrics = run_dir / "metrics.jsonl"
         start.metrics_before = metrics_lines(metrics)
         start.t_launch = time.monotonic()
+        nodes = self.args.nodes if start.procs == self.args.procs else 1  # a `readers` restart: one launcher
+        port = free_port() if nodes > 1 else None
         with open(start.log, "w") as out:
-            return subprocess.Popen(self.command(run_dir, start.async_save, start.procs), cwd=ROOT, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            return Launchers([subprocess.Popen(self.command(run_dir, start.async_save, start.procs, port), cwd=ROOT,
+                                               env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                              for _ in range(nodes)])
 
-    def watch(self, launcher: subprocess.Popen, start: Start) -> None:
+    def watch(self, launcher: Launchers, start: Start) -> None:
         """Collect the start's processes, at most every SCAN_INTERVAL_S."""
         if time.monotonic() - start.t_scan >= SCAN_INTERVAL_S:
-            start.seen.update(descendants(launcher.pid))
+            start.seen.update(launcher.tree())
             start.t_scan = time.monotonic()
 
     def new_records(self, start: Start) -> list[dict]:
         return read_records(self.run_dir / "metrics.jsonl", start.metrics_before)[0]
 
-    def wait_first_step(self, launcher: subprocess.Popen, start: Start) -> bool:
+    def wait_first_step(self, launcher: Launchers, start: Start) -> bool:
         """Until the start's first step is in metrics.jsonl (True) or the launcher exited (False)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -502,7 +570,7 @@ class Fuzzer:
             raise FuzzFailure(f"start {start.index}: its first metrics record is step {first[0]['step']}, "
                               f"expected {(want or 0) + 1} after resuming from {want}")
 
-    def finish_kill(self, launcher: subprocess.Popen, start: Start) -> None:
+    def finish_kill(self, launcher: Launchers, start: Start) -> None:
         """After a kill: the launcher gone, then no process of the job left, the lock free, every checkpoint
         complete and verified."""
         try:
@@ -516,21 +584,22 @@ class Fuzzer:
                           f"kill for 30 s", f"start {start.index} ({start.kind}): the run directory's lock is still "
                           f"held after every process of the job died")
 
-    def require_gone(self, procs: list, seconds: float, survived: str, locked: str) -> None:
+    def require_gone(self, procs: list, seconds: float, survived: str, locked: str | None) -> None:
         """Every process in `procs` dies within `seconds` (survivors are killed, and named in `survived`'s
-        {pids}) and the run directory's lock is free afterwards."""
+        {pids}) and (`locked` given) the run directory's lock is free afterwards."""
         left = wait_dead(procs, seconds)
         if left:
             for p in left:
                 os.kill(p.pid, signal.SIGKILL)
             raise FuzzFailure(survived.format(pids=[p.pid for p in left]))
-        if not lock_free(self.run_dir):
+        if locked is not None and not lock_free(self.run_dir):
             raise FuzzFailure(locked)
 
-    def children(self, launcher: subprocess.Popen) -> list[Proc]:
-        return [p for p in descendants(launcher.pid) if (s := _stat(p.pid)) is not None and int(s[1]) == launcher.pid]
+    def children(self, launcher: Launchers) -> list[Proc]:
+        """The workers: the launchers' own children."""
+        return [p for p in launcher.tree() if (s := _stat(p.pid)) is not None and int(s[1]) in launcher.pids]
 
-    def random_kill(self, launcher: subprocess.Popen, start: Start, remaining: int) -> bool:
+    def random_kill(self, launcher: Launchers, start: Start, remaining: int) -> bool:
         """Kill at a random moment (during start-up, or after the first step); False if the run ended first."""
         if self.startup_s is not None and self.rng.random() < self.args.startup_kills:
             return self.startup_kill(launcher, start)
@@ -559,7 +628,7 @@ class Fuzzer:
         return self.kill(launcher, start, f"{start.t_kill - t_first:.2f} s after the start's first step (last "
                                           f"logged step {last})")
 
-    def startup_kill(self, launcher: subprocess.Popen, start: Start) -> bool:
+    def startup_kill(self, launcher: Launchers, start: Start) -> bool:
         """Kill once the workers exist, at a random moment before the first step is expected (while the
         workers import, take the lock, join the process group, load the checkpoint)."""
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -582,9 +651,9 @@ class Fuzzer:
         phase = f"after its first step (last logged step {recs[-1]['step']})" if recs else "during start-up"
         return self.kill(launcher, start, f"{start.t_kill - start.t_launch:.2f} s after launch, {phase}")
 
-    def kill(self, launcher: subprocess.Popen, start: Start, when: str) -> bool:
+    def kill(self, launcher: Launchers, start: Start, when: str) -> bool:
         workers = self.children(launcher)
-        start.seen.update(descendants(launcher.pid))
+        start.seen.update(launcher.tree())
         if len(workers) != start.procs:
             raise FuzzFailure(f"start {start.index}: the launcher has {len(workers)} child process(es), expected "
                               f"{start.procs} workers")
@@ -593,22 +662,61 @@ class Fuzzer:
             os.kill(victim.pid, signal.SIGKILL)
             start.kill_note = f"worker pid {victim.pid} killed {when}"
         elif start.kind in ("job", READERS):
-            os.kill(launcher.pid, signal.SIGKILL)
+            for pid in launcher.pids:
+                os.kill(pid, signal.SIGKILL)
             for w in workers:
                 os.kill(w.pid, signal.SIGKILL)
             start.kill_note = f"launcher + {len(workers)} workers killed {when}" + (
                 f"; the restart runs {self.other_procs(start.procs)} process(es)" if start.kind == READERS else "")
+        elif start.kind == NODE:
+            return self.node_kill(launcher, start, workers, when)
         else:
-            os.kill(launcher.pid, signal.SIGKILL)
-            launcher.wait()
+            victim = self.rng.choice(launcher.procs)  # (one node's, with --nodes)
+            workers = [w for w in workers if (s := _stat(w.pid)) is not None and int(s[1]) == victim.pid]
+            victim.kill()
+            victim.wait()
+            alone = len(launcher.procs) == 1  # with --nodes, the other nodes' ranks (rank 0 too) end by themselves
             self.require_gone(workers, 10.0, f"start {start.index}: workers {{pids}} outlived their SIGKILLed "
                               f"launcher by 10 s (PR_SET_PDEATHSIG)", f"start {start.index}: the run directory's "
-                              f"lock is held after the launcher was killed and its workers died")
-            start.kill_note = f"launcher alone killed {when}; its workers died by themselves, the lock is free"
+                              f"lock is held after the launcher was killed and its workers died" if alone else None)
+            start.kill_note = f"launcher alone killed {when}; its workers died by themselves, the lock is free" \
+                if alone else f"node {launcher.procs.index(victim)}'s launcher alone killed {when}; its workers " \
+                              f"died by themselves, the other node(s) ended, the lock is free"
         self.finish_kill(launcher, start)
         return True
 
-    def targeted_kill(self, launcher: subprocess.Popen, start: Start) -> bool:
+    def node_kill(self, launcher: Launchers, start: Start, workers: list[Proc], when: str) -> bool:
+        """SIGKILL one node (its launcher and workers at once); the other nodes must end by themselves within
+        NODE_LOSS_S, a surviving rank naming the lost node."""
+        index = self.rng.randrange(len(launcher.procs))
+        victim = launcher.procs[index]
+        mine = [w for w in workers if (s := _stat(w.pid)) is not None and int(s[1]) == victim.pid]
+        victim.kill()
+        for w in mine:
+            os.kill(w.pid, signal.SIGKILL)
+        victim.wait()
+        t0 = time.monotonic()
+        try:
+            launcher.wait(timeout=NODE_LOSS_S)
+        except subprocess.TimeoutExpired:
+            raise FuzzFailure(f"start {start.index} ({NODE}): the other node(s) still ran {NODE_LOSS_S:.0f} s after "
+                              f"one was killed (log {start.log})") from None
+        ended = time.monotonic() - t0
+        text = start.log.read_text(errors="replace")
+        named = LOST_PEER.findall(text)
+        if named:
+            how = f"naming node {named[0]}" if named[0] else "naming the lost store (the node that hosted it)"
+        elif STORE_LOST in text:  # the killed node hosted the rendezvous: the others' launchers end first
+            how = "their launchers having lost the rendezvous store it hosted"
+        else:
+            raise FuzzFailure(f"start {start.index} ({NODE}): the surviving node ended without a line naming the "
+                              f"lost one (log {start.log})")
+        start.kill_note = (f"launcher {index} + its {len(mine)} worker(s) killed {when}; the other node(s) ended by "
+                           f"themselves {ended:.1f} s later, {how}")
+        self.finish_kill(launcher, start)
+        return True
+
+    def targeted_kill(self, launcher: Launchers, start: Start) -> bool:
         """The fault fires by itself; False if the run ended without it."""
         deadline = time.monotonic() + START_TIMEOUT_S + EXIT_TIMEOUT_S
         resume_checked = False
@@ -661,7 +769,7 @@ class Fuzzer:
     def plan(self) -> list[str]:
         kinds: list[str] = []
         while len(kinds) < self.args.kills:
-            round_ = list(KINDS) + ([READERS] if self.args.reader_kills else [])
+            round_ = [*KINDS, *([READERS] if self.args.reader_kills else []), *([NODE] if self.args.nodes > 1 else [])]
             self.rng.shuffle(round_)
             kinds += round_
         return kinds[:self.args.kills]
@@ -735,7 +843,7 @@ class Fuzzer:
               f"({killed.t_kill - killed.t_launch:.1f}s after launch): {killed.kill_note}; restart: "
               f"{restart.resumed_note}", flush=True)
 
-    def complete(self, launcher: subprocess.Popen, start: Start) -> None:
+    def complete(self, launcher: Launchers, start: Start) -> None:
         try:
             rc = launcher.wait(timeout=START_TIMEOUT_S + 30 * self.args.steps)
         except subprocess.TimeoutExpired:
@@ -852,6 +960,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep-dir", default=None,
                    help="work directory to use and keep (default: a temporary one, removed after a pass)")
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for both runs (default none)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="torchrun launchers per start (--nnodes, a c10d rendezvous on 127.0.0.1), --procs / nodes "
+                        "processes each; 2 or more adds the `node` kill (default 1: one --standalone launcher)")
     p.add_argument("--reader-kills", action="store_true",
                    help="add the `readers` kill: its restart runs on the other number of processes (--procs <-> 1), "
                         "and the end is checked per document and step instead of bit for bit (default off)")
@@ -862,6 +973,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.steps = 2 * args.kills + 10
     if args.kills < 0 or args.steps < 2 or args.interval < 1 or args.window < 0:
         p.error("--kills >= 0, --steps >= 2, --interval >= 1 and --window >= 0")
+    if args.nodes < 1 or args.procs % args.nodes:
+        p.error(f"--nodes={args.nodes} must be >= 1 and divide --procs={args.procs}")
     return args
 
 

@@ -159,8 +159,12 @@ class Liveness:
                 f"checkpoint is intact -- start every node again to resume, or the remaining nodes alone (the "
                 f"data position re-splits over fewer readers)")
 
-    def store_gone_line(self) -> str:
-        return (f"rank {self.rank}: the job's store at {os.environ.get('MASTER_ADDR')}:"
-                f"{os.environ.get('MASTER_PORT')} has not answered for parallel.peer_timeout_s="
-                f"{self.peer_timeout_s:g} s: the node that hosts it (the rendezvous endpoint) is gone; the last "
-                f"checkpoint is intact -- start every node again to resume")
+    def store_gone_line(self, waited: bool = True, named: bool = True) -> str:
+        """The one line of a store that does not answer: after peer_timeout_s of the thread's tries (`waited`),
+        or at once in a post-mortem."""
+        who = f"rank {self.rank}: " if named else ""
+        how = (f"has not answered for parallel.peer_timeout_s={self.peer_timeout_s:g} s" if waited else
+               "does not answer")
+        return (f"{who}the job's store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} {how}: "
+                f"the node that hosts it (the rendezvous endpoint) is gone; the last checkpoint is intact -- start "
+                f"every node again to resume")

@@ -147,6 +147,13 @@ def test_rank_0s_watch_ends_the_job_when_a_heartbeat_stands_still(monkeypatch):
             "node died); the last checkpoint is intact -- start every node again to resume, or the remaining nodes "
             "alone (the data position re-splits over fewer readers)")
     assert died == [line] and store.data[live.verdict_key] == line
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    end = ": the node that hosts it (the rendezvous endpoint) is gone; the last checkpoint is intact -- start every " \
+          "node again to resume"
+    assert live.store_gone_line() == "rank 0: the job's store at node0:29500 has not answered for " \
+                                     "parallel.peer_timeout_s=6 s" + end
+    assert live.store_gone_line(waited=False, named=False) == "the job's store at node0:29500 does not answer" + end
 
 
 class FakeLiveness:
@@ -161,8 +168,8 @@ class FakeLiveness:
     def lost_line(self, lost, how, named=True):
         return f"{lost} gone ({how}, named={named})"
 
-    def store_gone_line(self):
-        return "store gone"
+    def store_gone_line(self, waited=True, named=True):
+        return f"store gone (waited={waited}, named={named})"
 
 
 def test_a_failed_collective_names_the_lost_ranks_and_who_prints_it(monkeypatch):
@@ -174,7 +181,7 @@ def test_a_failed_collective_names_the_lost_ranks_and_who_prints_it(monkeypatch)
     assert str(e) == ("rank 2: step 3, the gradient reduction: a collective failed (Connection closed by peer "
                       "[127.0.0.1]:27350); [0, 1] gone (its heartbeat stopped, named=False)")
     e = collective_error(closed, op, 2, 10, FakeLiveness(None))
-    assert e.printed_by == CollectiveError.EVERY_RANK and str(e).endswith("; store gone")
+    assert e.printed_by == CollectiveError.EVERY_RANK and str(e).endswith("; store gone (waited=False, named=False)")
     e = collective_error(RuntimeError("Timed out waiting 10000ms"), op, 0, 10, FakeLiveness([]))
     assert e.printed_by is None
     assert str(e) == ("rank 0: step 3, the gradient reduction: a collective did not complete within "

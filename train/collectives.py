@@ -73,7 +73,8 @@ def collective_error(e: BaseException, op: Operation, rank: int, timeout_s: floa
     where = f"rank {rank}: step {op.step}, {op.name}: a collective {why}"
     lost = liveness.lost_ranks() if liveness is not None else []
     if lost is None:  # the store is gone with the node that hosts it: every rank says so
-        return CollectiveError(f"{where}; {liveness.store_gone_line()}", printed_by=CollectiveError.EVERY_RANK)
+        return CollectiveError(f"{where}; {liveness.store_gone_line(waited=False, named=False)}",
+                               printed_by=CollectiveError.EVERY_RANK)
     if lost:
         alive = [r for r in range(liveness.world) if r not in lost]
         return CollectiveError(f"{where}; {liveness.lost_line(lost, 'its heartbeat stopped', named=False)}",
