@@ -516,6 +516,8 @@ class Fuzzer:
         start.t_launch = time.monotonic()
         nodes = self.args.nodes if start.procs == self.args.procs else 1  # a `readers` restart: one launcher
         port = free_port() if nodes > 1 else None
+        if port is not None:  # torchrun sets 1 only for more than one process per node: the reference's threads
+            env.setdefault("OMP_NUM_THREADS", "1")
         with open(start.log, "w") as out:
             return Launchers([subprocess.Popen(self.command(run_dir, start.async_save, start.procs, port), cwd=ROOT,
                                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
