@@ -193,6 +193,7 @@ def test_a_failed_collective_names_the_lost_ranks_and_who_prints_it(monkeypatch)
 
 
 @pytest.mark.parametrize("rank,printed_by,printed", [("2", 2, True), ("3", 2, False), ("0", 2, False),
+                                                     ("0", 0, True), ("1", 0, False),
                                                      ("3", CollectiveError.EVERY_RANK, True)])
 def test_a_lost_peer_is_printed_by_the_rank_it_names_alone(monkeypatch, capsys, rank, printed_by, printed):
     monkeypatch.setenv("RANK", rank)
@@ -236,3 +237,17 @@ def test_a_frozen_peer_ends_the_job_within_the_peer_timeout(tmp_path):
         "error: rank 0: the ranks [1] is gone (its heartbeat has not moved for parallel.peer_timeout_s=2.4 s: the "
         "process or its node died); the last checkpoint is intact -- start every node again to resume, or the "
         "remaining nodes alone (the data position re-splits over fewer readers)")
+
+
+def test_each_restart_of_a_job_beats_under_its_own_keys(monkeypatch):
+    """A torchrun restart is a new attempt in the same store: its counters and verdict must not be the old
+    attempt's (a stale verdict would end the new attempt at once)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    keys = []
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        live = lv.Liveness(FakeStore(), rank=0, world=2, peer_timeout_s=6)
+        keys.append((live.key(1), live.verdict_key))
+    assert keys == [("flashtrain/liveness/job7/0/beat/1", "flashtrain/liveness/job7/0/verdict"),
+                    ("flashtrain/liveness/job7/1/beat/1", "flashtrain/liveness/job7/1/verdict")]

@@ -307,7 +307,7 @@ def cached_cpu_peak(measure=None) -> tuple[float, str]:
     entries[key] = {"flops": flops, "measured_at": at}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{PEAK_CACHE}.{os.getpid()}.tmp")
+        tmp = path.with_name(f".{PEAK_CACHE}.{platform.node()}.{os.getpid()}.tmp")  # a cache shared by nodes
         tmp.write_text(json.dumps(entries, indent=1), encoding="utf-8")
         os.replace(tmp, path)
         where = f"cached in {path} for later starts"
