@@ -264,3 +264,42 @@ def test_pipeline_sends_each_micro_batchs_engram_ids_during_the_previous_forward
     when = dict(launches)
     for per_mb in rounds:
         assert [when[q] for q in per_mb] == [0] + list(range(n - 1))  # k's ids leave during k - 1's forward
+
+
+@pytest.mark.parametrize("layout", ["flat", "rows"])
+def test_the_zero1_adamw_gather_assembles_every_parameter_from_its_owners(monkeypatch, layout):
+    """ShardedAdamW's all-gather, on 4 simulated ranks of one replica group: after the gather every element
+    of every parameter is its owner's updated value -- parameters shorter than the group (empty pieces),
+    not a multiple of it and a multiple of it; equal flat chunks (the one-copy path) and row pieces (the
+    per-piece path)."""
+    from flashtrain.parallel.zero import Ownership
+    from flashtrain.train.optim import adamw
+
+    size, shapes = 4, [(3,), (5, 2), (8,), (2, 6)]
+
+    def pieces(shape):
+        numel = torch.Size(shape).numel()
+        return flat_pieces(numel, size) if layout == "flat" else row_pieces(shape[0], numel // shape[0], size)
+
+    ranks = []
+    for r in range(size):  # rank r's values: 100 r + the element's index (what it would hold after its step)
+        params = [torch.arange(torch.Size(s).numel(), dtype=torch.float32).view(s) + 100 * r for s in shapes]
+        own = {id(p): Ownership(pieces(s), r, group="g") for p, s in zip(params, shapes)}
+        ranks.append((params, adamw.ShardedAdamW([{"params": params}], zero_of=lambda p, own=own: own[id(p)])))
+    sends = [None] * size
+
+    def all_gather_single(recv, send, group):  # every rank's send buffer, in rank order
+        recv.view(size, -1).copy_(torch.stack(sends))
+
+    monkeypatch.setattr(adamw.dist, "all_gather_single", all_gather_single)
+    for r, (params, opt) in enumerate(ranks):  # first pass: what each rank sends
+        monkeypatch.setattr(adamw.dist, "all_gather_single",
+                            lambda recv, send, group, r=r: sends.__setitem__(r, send.clone()))
+        opt._gather(params)
+    monkeypatch.setattr(adamw.dist, "all_gather_single", all_gather_single)
+    for params, opt in ranks:
+        opt._gather(params)
+        for p, s in zip(params, shapes):
+            want = torch.tensor([100 * q.owner + i for q in pieces(s) for i in range(q.start, q.end)],
+                                dtype=torch.float32)
+            assert torch.equal(p.view(-1), want), (layout, s)

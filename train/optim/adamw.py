@@ -14,7 +14,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashtrain.parallel.zero import Ownership, whole
+from flashtrain.parallel.zero import Ownership, flat_pieces, whole
+
+
+def _flat_layout(own: Ownership) -> bool:
+    """Whether `own` is `parallel.zero.flat_pieces`' layout: owner k holds elements [k per, (k + 1) per),
+    per = ceil(numel / size). Then the all-gathered chunks (row k of the receive buffer: owner k's piece,
+    padded to per) laid end to end are the parameter -- one copy per parameter instead of one per piece
+    (exp=flash's 64K layout has replica groups of dp x cp = 512 ranks: 512 copies per parameter)."""
+    return own.pieces == flat_pieces(max(q.end for q in own.pieces), len(own.pieces))
 
 
 class ShardedAdamW:
@@ -22,6 +30,7 @@ class ShardedAdamW:
         self.zero_of = zero_of or (lambda p: whole(p.numel()))
         self.params = [p for g in param_groups for p in g["params"]]
         self.view_of: dict[int, torch.Tensor] = {}
+        self._flat: dict[int, bool] = {}  # per parameter: its ownership is the flat layout (`_flat_layout`)
         inner_groups = []
         for g in param_groups:
             views = []
@@ -77,9 +86,17 @@ class ShardedAdamW:
             at = 0
             for (p, own), n in zip(members, per):
                 flat = p.view(-1)
-                for q in own.pieces:
-                    if q.numel:
-                        flat[q.start:q.end].copy_(recv[q.owner, at:at + q.numel])
+                if id(p) not in self._flat:
+                    self._flat[id(p)] = _flat_layout(own)
+                if self._flat[id(p)]:  # rows of whole chunks, then the last one's part: two copies at most
+                    full, rest = divmod(flat.numel(), n)
+                    flat[:full * n].view(full, n).copy_(recv[:full, at:at + n])
+                    if rest:
+                        flat[full * n:].copy_(recv[full, at:at + rest])
+                else:
+                    for q in own.pieces:
+                        if q.numel:
+                            flat[q.start:q.end].copy_(recv[q.owner, at:at + q.numel])
                 at += n
 
     # --- checkpoint interface (train/checkpoint.py) ---------------------------------------------
