@@ -1548,6 +1548,19 @@ MUTANTS = [
            '--rdzv-id="$SLURM_JOB_ID-$attempt"',
            '--rdzv-id="$SLURM_JOB_ID"',
            ['tests/test_multinode.py', '-k', 'slurm']),
+    # --- "Performance you can measure today", part 3: FLOPs per token against torch's FLOP counter ----------------
+    Mutant('flops per token drops the indexer\'s scoring', 'train/flops.py',
+           '            if role.has_indexer:\n                hd = cfg.index_n_heads * cfg.index_head_dim',
+           '            if False:\n                hd = cfg.index_n_heads * cfg.index_head_dim',
+           ['tests/test_flop_count.py']),
+    Mutant('flops per token counts every routed expert, not the activated ones', 'train/flops.py',
+           'k_over_e = cfg.n_activated_experts / cfg.n_routed_experts',
+           'k_over_e = 1.0',
+           ['tests/test_flop_count.py']),
+    Mutant('flops per token attends the whole causal prefix, not the window', 'train/flops.py',
+           'window = (t + 1).clamp(max=cfg.window_size)',
+           'window = t + 1',
+           ['tests/test_flop_count.py']),
 ]
 
 

@@ -32,6 +32,80 @@ the trainer, `--seq` in the benchmark):
   work, and activation recomputation (`train.recompute`): these are model FLOPs, so the MFU does not
   rise when a run recomputes.
 
+By component (`flop_components`, `flops_by_component`; they sum to flops per token): `dense_matmuls` (6 x every
+P_mm part but the routed experts and the indexer: attention, compressor, mHC, gate, shared expert, Engram, LM
+head), `routed_experts` (6 x the activated experts' share), `attention_core` (F_attn) and `indexer` (6 x its
+wq_b / weights_proj / wk share of P_mm, plus F_index).
+
+Checked against torch's FLOP counter (tests/test_flop_count.py, `python -m pytest -q tests/test_flop_count.py`):
+forward + backward under `torch.utils.flop_counter.FlopCounterMode`, recomputation off, the CPU reference path
+(`model.use_triton=false`: the counter has no formula for `torch._grouped_mm`, so it would miss the grouped
+experts), every counted matmul attributed to its component by where the model computed it. The counter sees
+what that path computes, which differs from the model FLOPs above as follows; with these differences added
+to the formula, every component matches the count to float64 rounding (relative 1e-9):
+- attention core, masked band keys: the reference scores a chunk of `attn_chunk_size` (C) queries against
+  its whole key band [t0 - W + 1, t1) and masks the keys outside each query's window: up to C + W - 1 keys
+  per query where the formula has w_t <= W (V41_SPEC §2).
+- attention core, empty top-k slots: all k = min(index_topk, S // m) columns are computed, also where a
+  query has fewer than k entries to select (c_t < k while (t + 1) // m < k), and then masked.
+- attention core, recomputed logits: the lean backward recomputes QK^T (FlashAttention-style): 14, not 12,
+  FLOPs per (query, slot, head channel).
+- indexer, detached inputs: wq_b and weights_proj read detached inputs (V41_SPEC §2: only the KL loss
+  trains the indexer), so their backward has no input gradient: 4 per weight, where the formula keeps 6.
+- indexer, scoring: the reference scores all S // m entries per query and masks the invisible ones; the
+  formula counts the n_t = (t + 1) // m visible ones (about half, averaged over the sequence).
+- indexer, KL logits: the lean function computes the selected entries' logits again in forward (with
+  gradient; the selection ran without) and recomputes them in backward: 8 per (query, slot, index
+  channel) on all k columns, where the formula has 4 on the c_t selected ones.
+- dense matmuls, mHC B mixing: X'_j = sum_i B_ij X_i (V41_SPEC §3) is n^2 D multiply-adds per token and
+  site, a batched matmul to the counter (6 n^2 D with its backward) and element-wise work to the formula.
+- not counted by either: element-wise work (norms, RoPE, softmaxes, Sinkhorn, SwiGLU, the pooling) and the
+  embedding and Engram lookups; the counter counts matmul-type ops only.
+Measured, per token (counted = formula + the differences, named as in the list above):
+                           formula     counted  differences
+    flash_tiny, EIGHT_LAYERS, B 2, S 64, C 32
+      dense_matmuls       1,769,472   1,867,776  mHC mixing +98,304
+      routed_experts        589,824     589,824  none
+      attention_core        120,336     326,144  band +155,904, empty +3,312, recompute +46,592
+      indexer                33,360      34,816  detached -6,912, scoring +5,056, KL +3,072 +240
+      total               2,512,992   2,818,560  1.12x
+    flash_small widths, FOUR_LAYERS, B 1, S 256
+      dense_matmuls      36,274,176  36,470,784  mHC mixing +196,608
+      routed_experts      4,718,592   4,718,592  none
+      attention_core      1,477,632   4,128,768  band +1,963,008, empty +98,304, recompute +589,824
+      indexer               151,552     174,080  detached -34,816, scoring +16,384, KL +32,768 +8,192
+      total              42,621,952  45,492,224  1.07x
+(flash_tiny: `model.attn_chunk_size=32`; both: `model.use_triton=false model.vision_n_layers=0
+model.hc_sinkhorn_iters=1`, execution- or text-only overrides.) The GPU path's Triton kernels are invisible to
+the counter; the figure the trainer reports is the model FLOPs above on every device.
+
+Comparing MFU across frameworks. The convention is the usual one: 6 FLOPs per multiply-add with a weight
+(forward, input gradient, weight gradient), 12 per attended (query, key) pair and head channel (PaLM's
+6N + 12 L H Q T with the attended keys in place of T), over the bf16 dense peak, recomputation not counted.
+Megatron-Bridge's DeepSeek-V4 count (src/megatron/bridge/training/utils/flop_utils.py,
+`experimental_attention_variant == "dsv4_hybrid"`, as read at commit 0494433b) is, per token, 6 x the attention
+projections (wq_a, wq_b, wkv, the grouped wo_a, wo_b; it also counts the q / kv norm weights), the
+compressors, the indexer's projections, the top-k routed and shared experts, the LM head (padded vocabulary)
+and V4's MTP layers, plus 12 x heads x head_dim x (window + mean selected entries) per layer, plus
+6 x index_heads x index_head_dim x S / 4 per indexer layer. What differs from the figure here:
+- not counted there: the MoE gate, the mHC matrices hc_{attn,ffn}_fn, Engram's wkv (V4 has no Engram): 2.4%
+  of flops per token at exp=flash (seq 65,536: 108.2 GFLOP, of which gate 0.47, mHC 0.24, Engram 1.89);
+- the window: every query counts the whole window there, min(window, t + 1) here (equal past W tokens);
+- the indexer's scoring: there every compressed entry of the sequence, forward and backward (6); here the
+  visible ones, forward only (2: no gradient flows through the selection), plus the KL backward (4) on the
+  selected ones -- that rule (with S / m for S / 4) on exp=flash's 8 indexers at seq 65,536 gives 10.5
+  GFLOP/token where this formula has 1.8;
+- the compress ratios: it accepts 0, 4 and 128 (V4's CSA / HCA) and rejects V4.1-Flash's 1 and 2, so it does
+  not evaluate this model as it stands; V4.1's index keys come from `wk` on the compressed latent (S / m
+  entries), V4's from an indexer compressor on every token;
+- the drafter: V4's MTP layers are in its pre-training count; V4.1's DSpark drafter is a stage of its own here
+  (`dspark_flops_per_token`).
+NeMo 2's `nemo/utils/flops_formulas.py` (as read at commit 034b17b3) has no V4 entry; its `deepseekv3` counts
+6 x the MLA projections and the shared + top-k routed experts per token plus 6 x (qk + v head dims) x S^2 per
+layer and sequence (no causal halving), without the LM head or the router. For an "activated parameters"
+comparison: `dense_matmuls` + `routed_experts` = 6 x the activated matmul parameters per token (embedding
+excluded, LM head included), and `attention_core` + `indexer` is the attention.
+
 The DSpark stage (train/dspark.py; `dspark_flops_per_token`), per token of the data (one anchor): the frozen
 backbone's forward (a third of the above), plus, 6x (forward and backward), the drafter's matmul parameters
 once per anchor for `main_proj` and K = `dspark_block_size` times for the rest (each draft position runs the
@@ -88,6 +162,10 @@ PEAK_TFLOPS: list[tuple[str, float]] = [
 
 
 # --------------------------------------------------------------------------------------------- flops
+# the components of flops per token (`flop_components`), as tests/test_flop_count.py counts them
+COMPONENTS = ("dense_matmuls", "routed_experts", "attention_core", "indexer")
+
+
 def matmul_params(model, cfg: ModelConfig) -> dict[str, float]:
     """Activated matmul parameters per text token by part (see the module docstring); `model` may be on
     the meta device. Unknown 2-D parameters are counted under `other` (and should be classified here)."""
@@ -157,6 +235,16 @@ def attention_flops(cfg: ModelConfig, seq: int) -> dict[str, float]:
     return {"attention_core": core, "indexer_scoring": index}
 
 
+def flop_components(parts: dict[str, float], attn: dict[str, float]) -> dict[str, float]:
+    """The module docstring's terms regrouped by component (`COMPONENTS`), summing to flops per token:
+    6 x the dense matmul parameters (every part but the routed experts and the indexer), 6 x the
+    `n_activated_experts` routed experts' share, the attention core, and the indexer (6 x its projections
+    plus its scoring and KL backward). `parts`: `matmul_params`; `attn`: `attention_flops`."""
+    dense = sum(v for k, v in parts.items() if k not in ("routed_experts", "indexer"))
+    return {"dense_matmuls": 6 * dense, "routed_experts": 6 * parts["routed_experts"],
+            "attention_core": attn["attention_core"], "indexer": 6 * parts["indexer"] + attn["indexer_scoring"]}
+
+
 def flop_accounting(cfg: ModelConfig, seq: int, template=None) -> dict:
     """flops per token at `seq` with its parts, and the parameter counts they come from. `template`: the
     whole model (any device, meta is enough; not a rank's pruned model); built on the meta device if None."""
@@ -167,10 +255,12 @@ def flop_accounting(cfg: ModelConfig, seq: int, template=None) -> dict:
     parts = matmul_params(template, cfg)
     p_mm = sum(parts.values())
     attn = attention_flops(cfg, seq)
+    components = flop_components(parts, attn)
     info = inspect_model(template, cfg)
     return {
         "seq": seq,
-        "flops_per_token": 6 * p_mm + attn["attention_core"] + attn["indexer_scoring"],
+        "flops_per_token": sum(components.values()),
+        "flops_components": components,
         "flops_breakdown": {"matmul_params_x6": 6 * p_mm, **attn},
         "matmul_params_per_token": p_mm,
         "matmul_params_by_part": parts,
@@ -180,13 +270,25 @@ def flop_accounting(cfg: ModelConfig, seq: int, template=None) -> dict:
 
 
 @functools.lru_cache(maxsize=8)
+def _flop_components(cfg_json: str, seq: int) -> tuple[tuple[str, float], ...]:
+    components = flop_accounting(typed_config(ModelConfig, json.loads(cfg_json), "model"), seq)["flops_components"]
+    return tuple(components.items())
+
+
 def _flops_per_token(cfg_json: str, seq: int) -> float:
-    return flop_accounting(typed_config(ModelConfig, json.loads(cfg_json), "model"), seq)["flops_per_token"]
+    return sum(v for _, v in _flop_components(cfg_json, seq))
+
+
+def flops_by_component(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+    """Model FLOPs per token at `seq_len` by component (`flop_components`, the module docstring); their sum
+    is `flops_per_token`. Cached as `flops_per_token`."""
+    return dict(_flop_components(json.dumps(asdict(cfg), sort_keys=True), int(seq_len)))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs (forward + backward) per token at sequence length `seq_len` (the module docstring);
-    cached per (config, seq_len): the first call builds the model's meta-device template (~0.1-0.2 s)."""
+    """Model FLOPs (forward + backward) per token at sequence length `seq_len` (the module docstring): the
+    sum of `flops_by_component`; cached per (config, seq_len): the first call builds the model's meta-device
+    template (~0.1-0.2 s)."""
     return _flops_per_token(json.dumps(asdict(cfg), sort_keys=True), int(seq_len))
 
 
