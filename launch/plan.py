@@ -10,7 +10,7 @@ fit a cluster.
                                                 # per-rank tokens, attention imbalance of the chunkings
     python launch/plan.py +exp=flash --gpus 2048 --gpu-memory 80 --seq 65536   # layouts that fit
     python launch/plan.py +exp=flash_node --gpus 8 --gpu-memory 80             # one node
-    python launch/plan.py +exp=flash --gpus 2048 --gpu-memory 80 --verify      # ... and the estimator's check
+    python launch/plan.py +exp=flash --gpus 2048 --gpu-memory 80 --verify      # ... each position simulated
 
 Takes `+exp=NAME` and any Hydra override (`model.dim=1024`, `parallel.pp=8`); builds nothing.
 
@@ -32,10 +32,11 @@ the example closest to fitting. Nothing fits: it says so, names the smallest GPU
 multiple of N) and the smallest GPU memory that would fit, and exits 2. `--seq S` searches for that
 sequence length alone (no stages); `--json` prints the report, or {"stages": [one report per stage, with
 its "stage"]} for a recipe. `--verify` then runs
-launch/estimate.py on the first layout's worst rank (a few minutes for exp=flash on a CPU) and prints the
-simulated peak next to the cost model's figure and the cost model's stated error (`plan.cost_model_error`); the
-estimator shortens 1F1B steps to the micro-batches that set the peak and simulates other schedules whole
-(hours for hundreds of micro-batches).
+launch/estimate.py on every pipeline position of the first layout (two simulations side by side; each
+recipe stage's first layout) and prints, per position, the simulated peak next to the cost model's figure,
+whether each is within the cost model's stated error (`plan.cost_model_error`), and whether the largest
+simulated peak fits the GPU less `plan.headroom`; the estimator shortens 1F1B steps to the micro-batches
+that set the peak and simulates other schedules whole (hours for hundreds of micro-batches).
 
 The cost model is a fast analytic view; per-GPU memory of a real step is launch/estimate.py's measurement.
 """
@@ -46,6 +47,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from flashtrain.config.cli import exit_on_user_error
@@ -273,35 +275,64 @@ def nothing_fits(r: dict) -> ConfigError:
                        f"per GPU, cost model); the smallest that would fit: {gpus}, or {memory}")
 
 
-def verify(r: dict, overrides: list[str], device: str) -> dict:
-    """launch/estimate.py on the first layout's worst rank: its simulated peak against the cost model's."""
+def verify(r: dict, overrides: list[str], device: str, jobs: int = 2) -> dict:
+    """launch/estimate.py on every pipeline position of the first layout (its first rank: the ranks of one
+    position hold equal shares), `jobs` simulations side by side: each position's simulated peak against
+    its cost-model figure, and whether the simulated peaks fit the GPU less `plan.headroom`. The
+    estimator's per-rank lines are passed on as they come (prefixed `verify:`)."""
     x = r["layouts"][0]
     cmd = [sys.executable, str(ROOT / "launch" / "estimate.py"), *overrides, *x["overrides"], "--world",
-           str(r["gpus"]), "--rank", str(x["worst_rank"]), "--device", device, "--json"]
-    print(f"verify: launch/estimate.py on rank {x['worst_rank']} ..." + (
+           str(r["gpus"]), "--device", device, "--jobs", str(jobs), "--json"]
+    print(f"verify: launch/estimate.py on every pipeline position of layout 1, {jobs} at a time ..." + (
         "" if x["pipeline_schedule"] == "1f1b" or x["pp"] == 1 else
         f" ({x['pipeline_schedule']} is simulated whole: {x['microbatches']} micro-batches, which may take hours)"),
         file=sys.stderr, flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode == EXIT_USER_ERROR:
-        raise ConfigError(out.stderr.strip().splitlines()[-1].removeprefix("error: "))
-    if out.returncode != 0:
-        raise SystemExit(f"error: the estimator failed on rank {x['worst_rank']}:\n{out.stderr[-4000:]}")
-    simulated = json.loads(out.stdout.strip().splitlines()[-1])["ranks"][0]["peak_bytes"]
-    ratio = x["peak_bytes"] / simulated - 1
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    for line in proc.stderr:  # progress: one line per simulated rank
+        err.append(line)
+        print(f"verify: {line.rstrip()}", file=sys.stderr, flush=True)
+    stdout = proc.stdout.read()
+    proc.wait()
+    if proc.returncode == EXIT_USER_ERROR:
+        raise ConfigError("".join(err).strip().splitlines()[-1].removeprefix("error: "))
+    if proc.returncode != 0:
+        raise SystemExit(f"error: the estimator failed on layout 1:\n{''.join(err)[-4000:]}")
     low, high = r["cost_model_error"]
-    return {"rank": x["worst_rank"], "simulated_peak_bytes": simulated, "cost_model_bytes": x["peak_bytes"],
-            "cost_model_error": ratio, "within_stated_error": low <= ratio <= high,
-            "command": " ".join(cmd[1:])}
+    positions = []
+    for position, est in enumerate(json.loads(stdout.strip().splitlines()[-1])["ranks"]):
+        model, simulated = x["rank_bytes"][position], est["peak_bytes"]
+        positions.append({"position": position, "rank": est["rank"], "stages": est["stages"],
+                          "cost_model_bytes": model, "simulated_peak_bytes": simulated,
+                          "cost_model_error": model / simulated - 1,
+                          "within_stated_error": low <= model / simulated - 1 <= high})
+    usable = r["usable_gb"] * 1e9
+    worst = max(positions, key=lambda q: q["simulated_peak_bytes"])
+    return {"positions": positions, "rank": worst["rank"], "simulated_peak_bytes": worst["simulated_peak_bytes"],
+            "cost_model_bytes": worst["cost_model_bytes"], "cost_model_error": worst["cost_model_error"],
+            "largest_error": max((q["cost_model_error"] for q in positions), key=abs),
+            "within_stated_error": all(q["within_stated_error"] for q in positions),
+            "usable_bytes": usable, "fits": worst["simulated_peak_bytes"] <= usable,
+            "seconds": round(time.monotonic() - t0, 1), "command": " ".join(cmd[1:])}
 
 
 def format_verify(v: dict, r: dict) -> str:
     low, high = r["cost_model_error"]
-    return (f"verify (layout 1, rank {v['rank']}): simulated peak {gb(v['simulated_peak_bytes'])} GB "
-            f"(launch/estimate.py), cost model {gb(v['cost_model_bytes'])} GB: the cost model is "
-            f"{100 * v['cost_model_error']:+.1f}% of the simulation, "
-            + ("within" if v["within_stated_error"] else "OUTSIDE")
-            + f" its stated error ({100 * low:+.0f}% to {100 * high:+.0f}%, plan.cost_model_error)")
+    lines = [f"verify (layout 1, every pipeline position simulated by launch/estimate.py in {v['seconds']:.0f} s):",
+             "  position    rank  stages  cost model GB  simulated GB  cost model / simulated - 1",
+             *[f"  {q['position']:>8} {q['rank']:>7}  {','.join(map(str, q['stages'])):>6}  "
+               f"{gb(q['cost_model_bytes']):>12}  {gb(q['simulated_peak_bytes']):>12}  "
+               f"{100 * q['cost_model_error']:+.1f}%" + ("" if q["within_stated_error"] else "  OUTSIDE")
+               for q in v["positions"]],
+             f"  the cost model is within {100 * abs(v['largest_error']):.1f}% of the simulation at every position: "
+             + ("within" if v["within_stated_error"] else "OUTSIDE")
+             + f" its stated error ({100 * low:+.0f}% to {100 * high:+.0f}%, plan.cost_model_error)",
+             f"  the largest simulated peak, {gb(v['simulated_peak_bytes'])} GB (rank {v['rank']}), "
+             + (f"fits the {gb(v['usable_bytes'])} GB a rank may use" if v["fits"] else
+                f"is OVER the {gb(v['usable_bytes'])} GB a rank may use: layout 1 does not fit; verify the next "
+                f"one (paste its overrides, or --gpu-memory a little lower)")]
+    return "\n".join(lines)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -326,7 +357,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=None, metavar="S",
                     help="sequence length of the search (data.seq_len=S); default: the config's data.seq_len")
     ap.add_argument("--verify", action="store_true",
-                    help="run launch/estimate.py on the first proposal's worst rank and compare (minutes at scale)")
+                    help="simulate every pipeline position of the first proposal (launch/estimate.py) and "
+                         "compare (minutes at scale)")
     return ap
 
 
