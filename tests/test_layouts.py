@@ -247,3 +247,43 @@ def test_a_recipe_is_planned_stage_by_stage(capsys):
     assert got[1]["layouts"] == plan_tool.propose([*TINY, *recipe, "data.seq_len=128"], 2, 0.05, None)["layouts"]
     assert overrides_at([*TINY, *recipe], 9999) == ("first", [*TINY, *recipe])
     assert overrides_at([*TINY, *recipe], 1e4) == ("long", [*TINY, *recipe, "data.seq_len=128"])
+
+
+def test_verify_reports_each_position_against_the_cost_model(monkeypatch, capsys):
+    """--verify's report from a hand-made estimator answer (two positions of a 16-GPU layout): each
+    position's error, which are outside the stated error, the worst simulated rank, whether it fits the
+    usable memory, and the text, exactly."""
+    import io
+    import types
+
+    answer = {"world": 16, "ranks": [{"rank": 0, "stages": [0], "peak_bytes": 66_000_000_000},
+                                     {"rank": 8, "stages": [1], "peak_bytes": 74_000_000_000}]}
+    calls = []
+
+    def popen(cmd, **kw):
+        calls.append(cmd)
+        return types.SimpleNamespace(stdout=io.StringIO(json.dumps(answer) + "\n"),
+                                     stderr=io.StringIO("simulating ranks [0, 8] (2 at a time)\n"),
+                                     wait=lambda: 0, returncode=0)
+
+    monkeypatch.setattr(plan_tool.subprocess, "Popen", popen)
+    r = {"gpus": 16, "usable_gb": 72.0, "cost_model_error": [-0.10, 0.31],
+         "layouts": [{"overrides": ["parallel.pp=2"], "pipeline_schedule": "1f1b", "pp": 2, "microbatches": 4,
+                      "rank_bytes": [60_000_000_000, 50_000_000_000]}]}
+    v = plan_tool.verify(r, ["+exp=flash"], "cuda")
+    assert calls[0][1:] == [str(ROOT / "launch" / "estimate.py"), "+exp=flash", "parallel.pp=2", "--world", "16",
+                            "--device", "cuda", "--jobs", "2", "--json"]
+    assert [(q["rank"], q["cost_model_bytes"], round(q["cost_model_error"], 6), q["within_stated_error"])
+            for q in v["positions"]] == [(0, 60e9, -0.090909, True), (8, 50e9, -0.324324, False)]
+    assert (v["rank"], v["simulated_peak_bytes"], v["cost_model_bytes"]) == (8, 74e9, 50e9)
+    assert round(v["largest_error"], 6) == -0.324324 and not v["within_stated_error"] and not v["fits"]
+    assert "verify: simulating ranks [0, 8] (2 at a time)" in capsys.readouterr().err
+    text = plan_tool.format_verify(v, r).splitlines()
+    assert text[2].split() == ["0", "0", "0", "60.0", "66.0", "-9.1%"]
+    assert text[3].split() == ["1", "8", "1", "50.0", "74.0", "-32.4%", "OUTSIDE"]
+    assert text[4].endswith("within 32.4% of the simulation at every position: OUTSIDE its stated error "
+                            "(-10% to +31%, plan.cost_model_error)")
+    assert "74.0 GB (rank 8), is OVER the 72.0 GB a rank may use" in text[5]
+    answer["ranks"][1]["peak_bytes"] = 54_000_000_000  # now every position within, and the largest peak fits
+    v = plan_tool.verify(r, ["+exp=flash"], "cuda")
+    assert v["within_stated_error"] and v["fits"] and (v["rank"], round(v["largest_error"], 6)) == (0, -0.090909)
