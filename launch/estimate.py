@@ -16,6 +16,9 @@ rank the step's peak of live tensor bytes and its parts at that peak; `--json` p
 `python launch/estimate.py +exp=flash_2048gpu --tokens 3.4e13` is the 1M-token stage's layout.
 
 `--device cuda` (default) simulates the GPU step (bf16 autocast); `--device cpu` the CPU step (fp32).
+`--phases` also follows the live bytes phase by phase -- each micro-batch's forward and backward in the
+order the schedule runs them, then the optimizer -- with each phase's peak and its bytes at the end
+(`"phases"` per rank in the JSON): what a micro-batch in flight holds and each pass's transient.
 The figure is live tensor bytes: leave headroom for the allocator and the communication buffers.
 """
 
@@ -60,17 +63,17 @@ def default_ranks(overrides: list[str], world: int) -> list[int]:
     return [p * (world // shape.pp) for p in range(shape.pp)]
 
 
-def run_one(overrides: list[str], world: int, rank: int, device: str) -> dict:
+def run_one(overrides: list[str], world: int, rank: int, device: str, phases: bool = False) -> dict:
     """One rank's simulation, in this process."""
     from flashtrain.train.config import compose
     from flashtrain.train.estimate import estimate_rank
 
-    return estimate_rank(compose(overrides), world, rank, device).as_dict()
+    return estimate_rank(compose(overrides), world, rank, device, phases).as_dict()
 
 
-def run_in_subprocess(overrides: list[str], world: int, rank: int, device: str) -> dict:
+def run_in_subprocess(overrides: list[str], world: int, rank: int, device: str, phases: bool = False) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), *overrides, "--world", str(world), "--rank", str(rank),
-           "--device", device, "--json"]
+           "--device", device, "--json", *(["--phases"] if phases else [])]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode == EXIT_USER_ERROR:  # the rank's one-line error: the same for every rank
         raise ConfigError(out.stderr.strip().splitlines()[-1].removeprefix("error: "))
@@ -88,6 +91,11 @@ def human(report: dict) -> str:
                      f"{r['activations_bytes'] / GiB:8.2f} {r['temporaries_bytes'] / GiB:8.2f}")
     lines.append(f"max peak: {report['max_peak_bytes'] / GiB:.2f} GiB (parts are at the peak; live tensors only, "
                  f"leave headroom for the allocator and communication buffers)")
+    for r in report["ranks"]:
+        if r.get("phases"):
+            lines += ["", f"rank {r['rank']}, phase by phase (GiB of live tensors: the phase's peak, at its end)",
+                      *[f"  {q['phase']:<26} {q['peak_bytes'] / GiB:8.2f} {q['end_bytes'] / GiB:8.2f}"
+                        for q in r["phases"]]]
     return "\n".join(lines)
 
 
@@ -96,7 +104,7 @@ def main(argv: list[str]) -> None:
 
     parser = argparse.ArgumentParser(
         prog="launch/estimate.py", usage="python launch/estimate.py +exp=NAME [HYDRA OVERRIDES...] [--world N] "
-        "[--rank R] [--device cuda|cpu] [--jobs 2] [--tokens T] [--json]", description=__doc__,
+        "[--rank R] [--device cuda|cpu] [--jobs 2] [--tokens T] [--phases] [--json]", description=__doc__,
         epilog=overrides_help(), formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--world", type=int, default=None,
                         help="number of GPUs (processes) of the layout; default: the config's parallel.world (an "
@@ -108,6 +116,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--jobs", type=int, default=2,
                         help="ranks simulated at once, one process each (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also follow the live bytes phase by phase (each micro-batch's forward and backward, "
+                             "the optimizer): their peaks and where each ends")
     parser.add_argument("--tokens", type=float, default=None, metavar="T",
                         help="estimate the recipe's stage a run is in after T tokens (train.recipe, e.g. 3.4e13 for "
                              "exp=flash's 1M stage); default: the first stage, the config as composed")
@@ -125,14 +136,14 @@ def main(argv: list[str]) -> None:
         raise ConfigError(f"--rank {args.rank} is not a rank of --world {args.world}")
     t0 = time.time()
     if args.rank is not None:
-        ranks = [run_one(overrides, args.world, args.rank, args.device)]
+        ranks = [run_one(overrides, args.world, args.rank, args.device, args.phases)]
     else:
         todo = default_ranks(overrides, args.world)
         print(f"simulating ranks {todo} ({args.jobs} at a time)", file=sys.stderr, flush=True)
 
         def one(rank: int) -> dict:
             t = time.time()
-            r = run_in_subprocess(overrides, args.world, rank, args.device)
+            r = run_in_subprocess(overrides, args.world, rank, args.device, args.phases)
             print(f"rank {rank} (stages {r['stages']}): peak {r['peak_bytes'] / GiB:.2f} GiB, activations "
                   f"{r['activations_bytes'] / GiB:.2f} GiB ({time.time() - t:.0f} s)", file=sys.stderr, flush=True)
             return r

@@ -138,3 +138,34 @@ def test_the_shortened_step_has_the_peak_of_the_whole_accumulation(monkeypatch, 
         # of 128 tokens: 3 KiB each) are added by hand; without them the stages fall short by 6-9 KiB,
         # under the 0.1% above. The simulations differ by a few bytes of the schedule's bookkeeping.
         assert abs(short.peak_bytes - whole.peak_bytes) < 3 * 128 * 8 // 4, (short, whole)
+
+
+def test_the_step_phase_by_phase_follows_the_1f1b_schedule():
+    """`--phases` (estimate_rank(phases=True)) on stage 0 of pp=2 with 1F1B, 3 micro-batches simulated: the
+    phases in the schedule's order, each micro-batch's forward leaving more live bytes than it found (what it
+    keeps for its backward) and each backward fewer; the peak is the largest phase peak plus the round's
+    unsimulated inputs (3 int64 tensors of 64 tokens for the 2 micro-batches left out: 3 KiB); a layout
+    without a pipeline is refused in one line."""
+    import dataclasses
+
+    import flashtrain.train.estimate as estimate
+    from flashtrain.config.errors import ConfigError
+    from flashtrain.train.config import compose
+
+    cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, "parallel.pp=2", "data.seq_len=64"])
+    r = estimate.estimate_rank(cfg, 2, 0, "cuda", phases=True)
+    names = [q["phase"] for q in r.phases]
+    assert names == ["before the first forward", "forward 1", "forward 2", "backward 1", "forward 3", "backward 2",
+                     "backward 3", "optimizer"]
+    at = {q["phase"]: q for q in r.phases}
+    ends = [q["end_bytes"] for q in r.phases]
+    for i, q in enumerate(r.phases[1:-1], 1):
+        assert q["peak_bytes"] >= max(q["end_bytes"], ends[i - 1])
+        assert (q["end_bytes"] > ends[i - 1]) == q["phase"].startswith("forward"), q
+    assert at["forward 2"]["end_bytes"] - at["forward 1"]["end_bytes"] == pytest.approx(
+        at["forward 1"]["end_bytes"] - at["before the first forward"]["end_bytes"], rel=0.1)  # one micro-batch each
+    assert r.peak_bytes == max(q["peak_bytes"] for q in r.phases) + 2 * 3 * 64 * 8
+    assert "phases" not in dataclasses.replace(r, phases=None).as_dict() and r.as_dict()["phases"] == r.phases
+    with pytest.raises(ConfigError, match="--phases follows a pipeline stage's micro-batches: give a layout with "
+                                          "parallel.pp > 1"):
+        estimate.estimate_rank(compose(["+exp=flash_tiny", *FOUR_LAYERS]), 1, 0, "cuda", phases=True)

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, open_dict
 
+from flashtrain.config.errors import ConfigError
 from flashtrain.model.vision import set_vision_body_trainable
 from flashtrain.parallel.construct import model_template
 from flashtrain.train.balancing import global_loads, update_biases
@@ -65,9 +66,13 @@ class RankEstimate:
     activations_bytes: int
     temporaries_bytes: int
     buffers_bytes: int
+    phases: list[dict] | None = None  # `estimate_rank(phases=True)`: the step phase by phase (`_step_tracker`)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if out["phases"] is None:
+            del out["phases"]
+        return out
 
 
 class SyntheticBatches:
@@ -219,14 +224,21 @@ def _acyclic_multi_grad_hook(register):
     return register_multi_grad_hook
 
 
-def _step_tracker():
+def _step_tracker(phases: list[dict] | None = None):
     """torch's MemTracker reduced to what is read here, the whole rank's figures by kind and their peak:
     - a module may run once per micro-batch (MemTracker refuses a second top-level call of a module in
       one tracked region, as its per-module statistics would mix);
     - no per-module peaks (MemTracker walks every module it has seen on every operator, which makes a
       40-block step quadratic);
     - module inputs are watched without keeping their graphs alive (`_acyclic_multi_grad_hook`);
-    - a frozen module's parameters get no gradient hooks."""
+    - a frozen module's parameters get no gradient hooks.
+    With `phases` (a list; pipeline layouts), the live bytes are also followed phase by phase, in the order
+    the schedule runs them: `forward k` from the k-th forward of the rank's pipeline stage, `backward k` from
+    the k-th backward (recomputation included), and
+    `optimizer` (operators before the rank's model first runs: `before the first forward`); each entry
+    {"phase", "peak_bytes", "end_bytes"} (the largest live total in the phase and the
+    total at its last operator) -- what a micro-batch in flight holds, and the transients of its forward
+    and backward, which the partitioner's cost model prices (parallel/partition.py)."""
     import torch.distributed._tools.mod_tracker as mod_tracker
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
@@ -242,11 +254,40 @@ def _step_tracker():
             finally:
                 mod_tracker.register_multi_grad_hook = self._register_multi_grad_hook
 
+        _forwards = _backwards = 0
+        _phase: dict | None = None
+
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
+                if phases is not None:
+                    self._follow(snap[_TOTAL_KEY])
+
+        def _follow(self, total: int) -> None:
+            name = "optimizer" if self._in_opt else self._phase["phase"] if self._phase else "before the first forward"
+            if name != (self._phase or {}).get("phase"):
+                self._begin(name)
+            self._phase["peak_bytes"] = max(self._phase["peak_bytes"], total)
+            self._phase["end_bytes"] = total
+
+        def _begin(self, name: str) -> None:
+            self._phase = {"phase": name, "peak_bytes": 0, "end_bytes": 0}
+            phases.append(self._phase)
+
+        @staticmethod
+        def _top_level(module) -> bool:
+            """A pipeline stage of the rank (what runs once per micro-batch and pass)."""
+            from flashtrain.parallel.pipeline import StageModule
+
+            return isinstance(module, StageModule)
+
+        def _pre_bw_hook(self, module, args) -> None:
+            if phases is not None and self._top_level(module):
+                self._backwards += 1
+                self._begin(f"backward {self._backwards}")
+            super()._pre_bw_hook(module, args)
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
             # a frozen module (the DSpark stage's backbone) has no gradient to watch (nor can it be hooked)
@@ -258,6 +299,9 @@ def _step_tracker():
                 name = self._mod_tracker.get_known_fqn(module)
                 if set(self._mod_tracker.parents) - {name} == {"Global"}:
                     del self.memory_tracking[module]  # a new micro-batch: start this module's record afresh
+            if phases is not None and not self._mod_tracker.is_bw and not self._in_opt and self._top_level(module):
+                self._forwards += 1
+                self._begin(f"forward {self._forwards}")
             super()._pre_fw_hook(module, inputs)
 
     return StepMemTracker()
@@ -267,20 +311,25 @@ def _bytes(snapshot: dict, kind: str) -> int:
     return int(sum(v for k, v in snapshot.items() if str(getattr(k, "value", k)) == kind))
 
 
-def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cuda") -> RankEstimate:
-    """Simulate one steady-state training step of rank `rank` and measure its memory."""
+def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cuda", phases: bool = False
+                  ) -> RankEstimate:
+    """Simulate one steady-state training step of rank `rank` and measure its memory; with `phases`, also
+    phase by phase (`_step_tracker`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("estimate_rank needs a process without a process group (it creates a fake one)")
+    if phases and int(cfg.parallel.pp) == 1:
+        raise ConfigError("--phases follows a pipeline stage's micro-batches: give a layout with parallel.pp > 1")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         sim = SimulatedRank(cfg, world, rank, device_type, fake_mode)
         with fake_mode:
             sim.prime_optimizer_state()
-            tracker = _step_tracker()
+            followed: list[dict] | None = [] if phases else None
+            tracker = _step_tracker(followed)
             # ShardedAdamW (ZeRO-1) holds its state in an inner torch AdamW (None on a rank owning no chunk)
             optims = [getattr(o, "inner", o) for o in sim.optim.optimizers.values()]
             frozen = [sim.backbone] if sim.backbone is not None else []  # the DSpark stage's backbone
@@ -294,7 +343,8 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
                             params_bytes=_bytes(peak, "Parameter"), grads_bytes=_bytes(peak, "Gradient"),
                             optimizer_bytes=_bytes(peak, "Optstate"),
                             activations_bytes=_bytes(peak, "Activation") + unsimulated,
-                            temporaries_bytes=_bytes(peak, "Temp"), buffers_bytes=_bytes(peak, "Buffer"))
+                            temporaries_bytes=_bytes(peak, "Temp"), buffers_bytes=_bytes(peak, "Buffer"),
+                            phases=followed)
     finally:
         dist.destroy_process_group()
 
