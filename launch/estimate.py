@@ -18,7 +18,9 @@ rank the step's peak of live tensor bytes and its parts at that peak; `--json` p
 `--device cuda` (default) simulates the GPU step (bf16 autocast); `--device cpu` the CPU step (fp32).
 `--phases` also follows the live bytes phase by phase -- each micro-batch's forward and backward in the
 order the schedule runs them, then the optimizer -- with each phase's peak and its bytes at the end
-(`"phases"` per rank in the JSON): what a micro-batch in flight holds and each pass's transient.
+(`"phases"` per rank in the JSON): what a micro-batch in flight holds and each pass's transient; each
+forward phase also lists its blocks (`"blocks"`: live bytes at a block's start and end and its peak, so
+end - start is what the block leaves for its backward plus its output carry, at the layout's real shapes).
 The figure is live tensor bytes: leave headroom for the allocator and the communication buffers.
 """
 

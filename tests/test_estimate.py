@@ -165,6 +165,17 @@ def test_the_step_phase_by_phase_follows_the_1f1b_schedule():
     assert at["forward 2"]["end_bytes"] - at["forward 1"]["end_bytes"] == pytest.approx(
         at["forward 1"]["end_bytes"] - at["before the first forward"]["end_bytes"], rel=0.1)  # one micro-batch each
     assert r.peak_bytes == max(q["peak_bytes"] for q in r.phases) + 2 * 3 * 64 * 8
+    # each forward's record of the stage's one block (layer 0): the first micro-batch's block leaves what the
+    # block alone keeps (`probe_block`: its kept bytes, autocast's weight copies included) plus its output
+    # carry (layer 1's input carry); backward phases (recomputation included) have no block records
+    assert [[b["block"] for b in q.get("blocks", [])] for q in r.phases] == [
+        [], *[["StageModule.blocks.0"]] * 2, [], ["StageModule.blocks.0"], [], [], []]
+    for q in r.phases:
+        for b in q.get("blocks", []):
+            assert b["peak"] >= max(b["start"], b["end"]) and b["end"] > b["start"], b
+    probe = [estimate.probe_block(cfg, layer, cfg.train.recompute, "cuda") for layer in (0, 1)]
+    first = at["forward 1"]["blocks"][0]
+    assert first["end"] - first["start"] == pytest.approx(probe[0]["kept_bytes"] + probe[1]["carry_bytes"], rel=0.01)
     assert "phases" not in dataclasses.replace(r, phases=None).as_dict() and r.as_dict()["phases"] == r.phases
     with pytest.raises(ConfigError, match="--phases follows a pipeline stage's micro-batches: give a layout with "
                                           "parallel.pp > 1"):

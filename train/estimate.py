@@ -271,6 +271,8 @@ def _step_tracker(phases: list[dict] | None = None):
                 self._begin(name)
             self._phase["peak_bytes"] = max(self._phase["peak_bytes"], total)
             self._phase["end_bytes"] = total
+            if self._block is not None:
+                self._block["peak"] = max(self._block["peak"], total)
 
         def _begin(self, name: str) -> None:
             self._phase = {"phase": name, "peak_bytes": 0, "end_bytes": 0}
@@ -294,6 +296,35 @@ def _step_tracker(phases: list[dict] | None = None):
             trains = any(p.requires_grad for p in module.parameters())
             return super()._track_module_params_and_buffers(module, install_grad_hooks and trains)
 
+        _block: dict | None = None  # the block whose forward runs: {"block", "start", "peak"}
+
+        def _total(self) -> int:
+            return next(iter(self._curr_mem_snap.values()))[_TOTAL_KEY] if self._curr_mem_snap else 0
+
+        def _is_block(self, module) -> bool:
+            from flashtrain.model.transformer import Block
+
+            return phases is not None and self._phase is not None and not self._in_opt and isinstance(module, Block)
+
+        def _block_begin(self, module) -> None:
+            total = self._total()
+            self._block = {"block": self._mod_tracker.get_known_fqn(module), "start": total, "peak": total}
+
+        def _block_end(self) -> None:
+            """The block's record in its forward phase: live bytes at its start and end and its peak, so that
+            end - start is what its forward leaves (kept + output carry) and peak - end its transient. (A
+            block's backward has no record: its inputs and outputs are a `Carry`, which the module tracker's
+            gradient hooks do not see.)"""
+            if self._block is not None:
+                self._block["end"] = self._total()
+                self._phase.setdefault("blocks", []).append(self._block)
+                self._block = None
+
+        def _post_fw_hook(self, module, inputs, outputs) -> None:
+            super()._post_fw_hook(module, inputs, outputs)
+            if self._is_block(module) and not self._mod_tracker.is_bw:
+                self._block_end()
+
         def _pre_fw_hook(self, module, inputs):
             if not self._mod_tracker.is_bw and module in self.memory_tracking:
                 name = self._mod_tracker.get_known_fqn(module)
@@ -303,6 +334,8 @@ def _step_tracker(phases: list[dict] | None = None):
                 self._forwards += 1
                 self._begin(f"forward {self._forwards}")
             super()._pre_fw_hook(module, inputs)
+            if self._is_block(module) and not self._mod_tracker.is_bw:
+                self._block_begin(module)
 
     return StepMemTracker()
 
