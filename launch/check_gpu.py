@@ -17,7 +17,7 @@ it ends, so what finished survives a kill.
 Sections, in this order, each guarded (an error is recorded with its traceback's last line and the next
 section runs), each started only while the global time budget (`--budget-s`) lasts (a section left out is
 recorded as skipped) and, on a GPU, each given at most its share of the budget (`SHARES_S`: kernels 150 s,
-train 150 s, bench_small 120 s, bench_node 150 s, or what is left if less), so that one slow section does
+train 150 s, bench_small 120 s, bench_optim 60 s, bench_node 150 s, or what is left if less), so that one slow section does
 not starve the rest; the kernels and every subprocess are killed at the end of their share:
 
 1. `estimate` (started first, in the background, on 4 CPU threads: it needs no GPU): launch/estimate.py
@@ -36,12 +36,16 @@ not starve the rest; the kernels and every subprocess are killed at the end of t
    read 41K tokens).
 4. `bench_small`: launch/bench_model.py on flash_small (seq 512): reference, kernels and the kernels
    compiled per block (`--compile`), alternated; tokens/s, MFU, compile time.
-5. `bench_node`: launch/bench_model.py at flash_node's widths (dim 1280, 16 heads x 256, 40 layers, top-512
+5. `bench_optim`: launch/bench_optim.py on flash_small's parameters on the GPU (`--device cuda`: the Triton
+   Newton-Schulz and Sinkhorn kernels, torch's Muon and AdamW on the GPU too), 3 alternated rounds: our Muon
+   step against `torch.optim.Muon` (NS in bf16 on both sides) and the Sinkhorn-balanced step against AdamW,
+   the ratios and each side's step time (docs/kernels.md "The optimizer split's cost").
+6. `bench_node`: launch/bench_model.py at flash_node's widths (dim 1280, 16 heads x 256, 40 layers, top-512
    of 32 index heads x 64, 16K sequences, recompute full) with 32 of its 64 routed experts (4.95B
    parameters; the activated count, so the FLOPs per token, within 0.2% of flash_node's): the kernels eager
    and compiled, two models and their gradients, no optimizer state (`--no-optim`), which is what fits one
    H200 (141 GB); 16 experts if 32 fail.
-6. `estimator`: the estimate of section 1 against the training run's real peak (the largest
+7. `estimator`: the estimate of section 1 against the training run's real peak (the largest
    `memory_peak_bytes` of steps 3-20, when the optimizer state exists); it waits for the estimate at
    least 30 s past the budget.
 
@@ -80,8 +84,8 @@ FOUR_LAYERS = ["model.n_layers=4", "model.compress_ratios=[0,0,2,2]", "model.kv_
 FOUR_LAYERS_TINY = ["+exp=flash_tiny", *FOUR_LAYERS]  # the reduced form's model
 NODE_EXPERTS = (32, 16)  # bench_node: the flash_node-width configurations tried, largest first
 # on a GPU, the most each section may take of the budget (seconds); the estimator only collects
-SHARES_S = {"kernels": 150.0, "train": 150.0, "bench_small": 120.0, "bench_node": 150.0}
-SECTIONS = ("kernels", "train", "bench_small", "bench_node", "estimator")
+SHARES_S = {"kernels": 150.0, "train": 150.0, "bench_small": 120.0, "bench_optim": 60.0, "bench_node": 150.0}
+SECTIONS = ("kernels", "train", "bench_small", "bench_optim", "bench_node", "estimator")
 ESTIMATOR_GRACE_S = 30.0  # how long past the budget the estimator still waits for the background estimate
 
 
@@ -207,6 +211,17 @@ def bench(args: list[str], budget: Budget, env: dict) -> dict:
     return {k: res.get(k) for k in keep}
 
 
+OPTIM_KEYS = ("device", "threads", "rounds", "muon_time_ratio", "muon_bf16_time_ratio", "muon_step_s",
+              "muon_bf16_step_s", "torch_muon_step_s", "muon_bf16_gemm", "sinkhorn_time_ratio",
+              "sinkhorn_keep_grad_time_ratio", "sinkhorn_step_s", "adamw_step_s", "state_bytes_ratio", "comparisons")
+
+
+def bench_optim(plan: dict, budget: Budget) -> dict:
+    out = _run([sys.executable, str(ROOT / "launch" / "bench_optim.py"), *plan["optim"]], budget, plan["env"])
+    res = _last_json(out.stdout)
+    return {k: res.get(k) for k in OPTIM_KEYS}
+
+
 def bench_node(plan: dict, budget: Budget) -> dict:
     errors = []
     for experts in plan["node_experts"]:
@@ -257,6 +272,7 @@ def plan_for(cpu: bool, out_dir: Path) -> dict:
                           "train.profile.memory_steps=1", *common],
                 "estimate": [*tiny, "--device", "cpu"],
                 "small": [*tiny, "--seq", "64", "--rounds", "1", "--no-optim"], "node": None, "node_experts": (),
+                "optim": [*tiny, "--repeats", "1", "--only", "muon,sinkhorn"],
                 # the training run and the benchmark as on a CPU: the references (the interpreter only for the kernels)
                 "env": {"TRITON_INTERPRET": "0"}, "shares": None}
     return {"kernel_runs": [("flash_small", "float32"), ("flash", "bfloat16"), ("flash_node", "bfloat16"),
@@ -266,6 +282,7 @@ def plan_for(cpu: bool, out_dir: Path) -> dict:
                       "train.profile.memory_steps=[5,6]", *common],
             "estimate": ["+exp=flash_small", "--device", "cuda"],
             "small": ["+exp=flash_small", "--seq", "512", "--rounds", "3", "--compile"],
+            "optim": ["+exp=flash_small", "--device", "cuda", "--repeats", "3", "--only", "muon,sinkhorn"],
             "node": ["+exp=flash_node", "--seq", "16384", "--rounds", "2", "--no-optim", "--compile",
                      "--variants", "kernels"],
             "node_experts": NODE_EXPERTS, "env": {}, "shares": SHARES_S}
@@ -292,6 +309,9 @@ def summary(report: dict) -> str:
                          f"{res['tokens_per_s_median']:,.0f} tokens/s, process group {res['process_group']}, peak "
                          + (f"{peak / 2**30:.2f} GiB" if peak else "n/a")
                          + f", {len(res['memory_snapshots'])} snapshot(s)")
+        elif name == "bench_optim":
+            lines.append(f"{head}  Muon {res['muon_bf16_time_ratio']:.2f}x torch.optim.Muon (NS in bf16), "
+                         f"Sinkhorn-balanced {res['sinkhorn_time_ratio']:.2f}x AdamW ({res['device']})")
         elif name.startswith("bench"):
             parts = [f"{v}: {d['fwd_bwd_tokens_per_s']:,.0f} tokens/s"
                      + (f" (MFU {100 * d['mfu']:.1f}%)" if d.get("mfu") else "") for v, d in res["variants"].items()]
@@ -356,6 +376,7 @@ def main(argv: list[str]) -> int:
         if "estimator" in only else {"proc": None}
     sections = {"kernels": lambda: kernels(plan, budget, out_dir), "train": lambda: train(plan, budget, out_dir),
                 "bench_small": lambda: bench(plan["small"], budget, plan["env"]),
+                "bench_optim": lambda: bench_optim(plan, budget),
                 "bench_node": (lambda: bench_node(plan, budget)) if plan["node"] else None,
                 "estimator": lambda: estimator(started, report["sections"].get("train", {}).get("result"), budget)}
     for name, fn in sections.items():

@@ -24,9 +24,14 @@ def test_reduced_form_runs_every_section(tmp_path):
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     report = json.loads((tmp_path / "check_gpu.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["kernels", "train", "bench_small", "bench_node", "estimator"]
+    assert list(sections) == ["kernels", "train", "bench_small", "bench_optim", "bench_node", "estimator"]
     assert sections["bench_node"]["status"] == "skipped"  # the flash_node-width bench is for the GPU only
-    assert all(sections[s]["status"] == "ok" for s in ("kernels", "train", "bench_small", "estimator")), sections
+    assert all(sections[s]["status"] == "ok" for s in ("kernels", "train", "bench_small", "bench_optim",
+                                                       "estimator")), sections
+    optim = sections["bench_optim"]["result"]
+    assert optim["device"] == "cpu" and optim["rounds"] == 1 and optim["threads"] == 1
+    assert optim["muon_bf16_time_ratio"] == optim["comparisons"]["muon_bf16_vs_torch_muon"]["median"] > 0
+    assert optim["sinkhorn_time_ratio"] == optim["comparisons"]["sinkhorn_vs_adamw"]["median"] > 0
     kernels = sections["kernels"]["result"]["flash_tiny/float32"]["report"]
     assert set(kernels) == {"sparse_attention", "index_topk", "hc_mixes", "hc_collapse", "hc_expand", "experts",
                             "newton_schulz", "sinkhorn"}
@@ -43,6 +48,8 @@ def test_reduced_form_runs_every_section(tmp_path):
     assert est["estimate_peak_bytes"] > 0 and est["estimate_over_real"] is None
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.splitlines()[0].startswith("check_gpu on CPU") and "estimator" in summary
+    assert (f"Muon {optim['muon_bf16_time_ratio']:.2f}x torch.optim.Muon (NS in bf16), Sinkhorn-balanced "
+            f"{optim['sinkhorn_time_ratio']:.2f}x AdamW (cpu)") in summary
     assert summary.strip() in out.stdout
 
 

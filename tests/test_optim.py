@@ -106,6 +106,42 @@ def test_the_optimizer_runs_the_published_newton_schulz_constants():
             assert moved.abs().max() > 10 * 1e-5
 
 
+def literal_bf16_newton_schulz(G, coefficients, eps=1e-7):
+    """Newton-Schulz with bf16 GEMMs, literally: bf16 input, every product computed exactly (fp64) and stored
+    in bf16, as a bf16 GEMM with fp32 accumulation stores it."""
+    def bf16(x):
+        return x.to(torch.bfloat16).double()
+
+    X = G.to(torch.bfloat16)
+    tall = X.shape[-2] > X.shape[-1]
+    X = X.mT if tall else X
+    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + eps)).double()
+    for a, b, c in coefficients:
+        A = bf16(X @ X.mT)
+        B = bf16(b * A + c * A @ A)
+        X = bf16(a * X + B @ X)
+    return X.mT if tall else X
+
+
+@pytest.mark.parametrize("shape", [(3, 24, 40), (3, 40, 24)])
+def test_bf16_newton_schulz_from_fp32_gemms_has_bf16_numerics(shape):
+    """bf16 Newton-Schulz on a CPU without bf16 GEMMs runs fp32 GEMMs on bf16 values, rounding each product to
+    bf16: the numerics of bf16 GEMMs (torch.optim.Muon's precision), not fp32's. After 2 steps its entries
+    equal the literal bf16 iteration's but for a few percent (ties and fp32-accumulation boundaries, which
+    later steps spread); fp32 iterates (no rounding) agree on about a third of them."""
+    from flashtrain.train.optim.newton_schulz import newton_schulz_reference as ns
+
+    torch.manual_seed(7)
+    G = torch.randn(*shape)
+    want = literal_bf16_newton_schulz(G, PUBLISHED_NS[:2])
+    got = ns(G, PUBLISHED_NS[:2], dtype=torch.bfloat16, native=False)
+    assert got.dtype == torch.bfloat16 and got.shape == G.shape
+    same = (got.double() == want).double().mean().item()
+    assert same > 0.9 and ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2, same
+    fp32 = ns(G, PUBLISHED_NS[:2], dtype=torch.float32).bfloat16().double()
+    assert (fp32 == want).double().mean().item() < 0.6  # the comparison tells the precisions apart
+
+
 @pytest.mark.parametrize("shape", [(20, 12), (12, 20)])
 def test_muon_update_scale_uses_the_longer_side(shape):
     """Tall and wide: O = UV^T * 0.18 * sqrt(max(rows, cols)) (so its RMS is 0.18 for any aspect)."""
@@ -199,16 +235,21 @@ def literal_algorithm_1(W, G, M, lr, beta=0.95, K=11, tau=1e-3, eps=1e-20, gamma
     return W - gamma * lr * math.sqrt(W.shape[1]) * U, M
 
 
+@pytest.mark.parametrize("consume", [False, True])
 @pytest.mark.parametrize("m, n", [(200, 24), (24, 200), (50, 50)])
-def test_sinkhorn_update_matches_literal_algorithm(m, n):
+def test_sinkhorn_update_matches_literal_algorithm(m, n, consume):
     torch.manual_seed(0)
     W, G, M = torch.randn(m, n), torch.randn(m, n), torch.randn(m, n)
     masked = [3, 7]
     G[masked] *= 1e-6
     M[masked] *= 1e-6
     W_lit, M_lit = literal_algorithm_1(W, G, M, lr=0.1)
-    W2, M2 = W.clone(), M.clone()
-    sinkhorn_update_reference(W2, G, M2, 0.1, 0.95, 11, 1e-3, 1e-20, 0.18, chunk_elems=7 * n)  # several chunks
+    W2, M2, G2 = W.clone(), M.clone(), G.clone()
+    sinkhorn_update_reference(W2, G2, M2, 0.1, 0.95, 11, 1e-3, 1e-20, 0.18, chunk_elems=7 * n,  # several chunks
+                              consume_grad=consume)
+    # the gradient: as it came, or (consumed) G^ = beta M + (1 - beta) G of the new momentum
+    torch.testing.assert_close(G2, 0.95 * M_lit + 0.05 * G if consume else G, atol=0 if not consume else 1e-6,
+                               rtol=0 if not consume else 1e-5)
     step = W_lit - W
     assert ((W2 - W_lit).abs().max() / step.abs().max()).item() < 1e-5
     torch.testing.assert_close(M2, M_lit)
@@ -219,6 +260,88 @@ def test_sinkhorn_update_matches_literal_algorithm(m, n):
     keep[masked] = False
     torch.testing.assert_close(rms[keep], torch.ones(int(keep.sum())), atol=1e-5, rtol=0)
     assert (delta[masked] == 0).all()
+
+
+def _sinkhorn_vs_literal(W, G, M, K=11, chunk_rows=7, consume=False, lr=0.1):
+    """The reference update against the literal Algorithm 1 (its U materialised): the largest differences of W
+    and of the momentum, relative to the largest entry of the step and of the momentum."""
+    W_lit, M_lit = literal_algorithm_1(W.double(), G.double(), M.double(), lr=lr, K=K)
+    W2, M2 = W.clone(), M.clone()
+    sinkhorn_update_reference(W2, G.clone(), M2, lr, 0.95, K, 1e-3, 1e-20, 0.18, chunk_elems=chunk_rows * W.shape[1],
+                              consume_grad=consume)
+    step = (W_lit - W.double()).abs().max()
+    return ((W2.double() - W_lit).abs().max() / step).item(), ((M2.double() - M_lit).abs().max()
+                                                                / M_lit.abs().max()).item()
+
+
+@pytest.mark.parametrize("K", [1, 3, 5])
+def test_sinkhorn_few_normalisations_match_literal_algorithm(K):
+    """K = 1 (the first pass's row norms are row step 1; no column step) and K = 3, 5 (row step 1's column
+    statistic gathered in the first pass)."""
+    torch.manual_seed(3)
+    W, G, M = torch.randn(90, 20), torch.randn(90, 20), torch.randn(90, 20)
+    for consume in (False, True):
+        dw, dm = _sinkhorn_vs_literal(W, G, M, K=K, consume=consume)
+        assert dw < 1e-5 and dm < 1e-6, (K, consume, dw, dm)
+
+
+@pytest.mark.parametrize("first", ["small", "large"])
+def test_sinkhorn_running_row_mask_is_corrected_row_by_row(first):
+    """The first pass counts rows in row step 1's column statistic with the mask of the rows seen so far (tau
+    times their running mean): rows a later, larger mean masks must be taken back, rows an early large mean
+    left out must be added. Here whole chunks sit on the wrong side of the running threshold: the first 14
+    rows have norms ~1e-3 and the rest ~10 (first="small": counted at first, 1e-3 > tau x their own mean,
+    masked at the end, tau x mean = 1e-3 x ~9), or the first 14 rows ~1e4 and the rest ~3 (first="large":
+    the rows after them left out until the running mean falls below 3000, kept at the end, tau x mean = 1)."""
+    torch.manual_seed(4)
+    m, n = 140, 16
+    W, G, M = torch.randn(m, n), torch.randn(m, n), torch.randn(m, n)
+    head, tail = (1e-3 / 4, 10 / 4) if first == "small" else (1e4 / 4, 3 / 4)
+    G[:14] *= head
+    M[:14] *= head
+    G[14:] *= tail
+    M[14:] *= tail
+    rho = torch.lerp(G, M.lerp(G, 0.05), 0.95).norm(dim=1)
+    keep = rho > 1e-3 * rho.mean()
+    assert (keep[:14] == (first == "large")).all() and keep[14:].all()  # the case the test means
+    for consume in (False, True):
+        dw, dm = _sinkhorn_vs_literal(W, G, M, chunk_rows=7, consume=consume)
+        assert dw < 1e-5 and dm < 1e-6, (consume, dw, dm)
+
+
+def test_sinkhorn_zero_column_stays_zero_as_in_the_literal_algorithm():
+    """A feature column that is 0 in every row: Algorithm 1 leaves it 0 (0 / (0 + eps)); scales kept as
+    vectors must not grow it by 1/eps a column step into inf * 0 = nan."""
+    torch.manual_seed(5)
+    W, G, M = torch.randn(64, 16), torch.randn(64, 16), torch.randn(64, 16)
+    G[:, 3] = 0
+    M[:, 3] = 0
+    for consume in (False, True):
+        dw, dm = _sinkhorn_vs_literal(W, G, M, consume=consume)
+        assert dw < 1e-5 and dm < 1e-6, (consume, dw, dm)
+
+
+@pytest.mark.parametrize("case", ["tiny table", "faint column"])
+def test_sinkhorn_outside_the_squared_range_runs_on_scaled_values(case, monkeypatch):
+    """The gemv passes square the scales (r^2, c^2); far below fp32's normal range (a table of norms ~1e-16,
+    or a column ~1e-17 of the others, whose scale c_j then exceeds 1e15) the update runs on the scaled values
+    instead, as the literal algorithm does, and still matches it."""
+    from flashtrain.train.optim import sinkhorn
+
+    calls = []
+    scaled = sinkhorn._scaled_passes
+    monkeypatch.setattr(sinkhorn, "_scaled_passes", lambda *a: calls.append(1) or scaled(*a))
+    torch.manual_seed(6)
+    W, G, M = torch.randn(64, 16), torch.randn(64, 16), torch.randn(64, 16)
+    if case == "tiny table":
+        G, M = G * 1e-17, M * 1e-17
+    else:
+        G[:, 5] *= 1e-17
+        M[:, 5] *= 1e-17
+    for consume in (False, True):
+        dw, dm = _sinkhorn_vs_literal(W, G, M, consume=consume)
+        assert dw < 1e-5 and dm < 1e-6, (consume, dw, dm)
+    assert len(calls) == 2
 
 
 def test_sinkhorn_optimizer_momentum_over_two_steps_matches_hand_loop():
@@ -412,3 +535,86 @@ def test_distributed_muon_and_row_sharded_sinkhorn_match_single_rank():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert run.stdout.count("distributed Muon matches single-rank Muon on 304 matrices") == 2
     assert run.stdout.count("row-sharded Sinkhorn matches the whole table") == 2
+
+
+def test_bench_optim_states_threads_and_load_with_its_figures():
+    """launch/bench_optim.py's `run` (the function check_gpu.py would call with device="cuda") on flash_tiny's
+    tables, one round, on the CPU: the figures come with the thread count and the machine's load, and ratios
+    by wall-clock and CPU time."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launch"))
+    import bench_optim
+
+    threads = torch.get_num_threads()
+    try:
+        r = bench_optim.run(["+exp=flash_tiny"], rounds=1, threads=1, device="cpu", sections=("sinkhorn",))
+    finally:
+        torch.set_num_threads(threads)
+    assert r["threads"] == 1 and r["device"] == "cpu"
+    load = r["load"]["sinkhorn"]
+    assert load["cpus_usable"] >= 1 and len(load["loadavg_start"]) == 3
+    assert set(r["comparisons"]) == set(r["comparisons_cpu"]) == {"sinkhorn_vs_adamw", "sinkhorn_keep_grad_vs_adamw"}
+    assert r["sinkhorn_time_ratio"] > 0 and "muon_time_ratio" not in r
+    assert "tasks running" in bench_optim.table(r)
+
+
+def _bench_module(name: str):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launch"))
+    return __import__(name)
+
+
+def test_alternate_times_each_run_by_wall_clock_and_cpu_after_its_warm_up(monkeypatch):
+    """launch/bench_util.py `alternate` on fake clocks: run "a" costs 10 s wall and 1 s CPU a call, "b" 20 s and
+    2 s, and the warm-up round 100 s / 50 s each -- which must appear in neither list."""
+    bench_util = _bench_module("bench_util")
+    clock = {"wall": 0.0, "cpu": 0.0, "calls": 0}
+    monkeypatch.setattr(bench_util.time, "perf_counter", lambda: clock["wall"])
+    monkeypatch.setattr(bench_util.time, "process_time", lambda: clock["cpu"])
+
+    def run(wall, cpu):
+        def call():
+            warm = clock["calls"] < 2  # the first round calls each run once
+            clock["calls"] += 1
+            clock["wall"] += 100.0 if warm else wall
+            clock["cpu"] += 50.0 if warm else cpu
+        return call
+
+    cpu: dict = {}
+    times = bench_util.alternate({"a": run(10.0, 1.0), "b": run(20.0, 2.0)}, rounds=3, warmup=1,
+                                 sync=lambda: None, cpu_times=cpu)
+    assert times == {"a": [10.0] * 3, "b": [20.0] * 3}
+    assert cpu == {"a": [1.0] * 3, "b": [2.0] * 3}
+
+
+def test_bench_optim_ratios_put_ours_over_the_baseline_by_wall_clock_and_cpu(monkeypatch):
+    """bench_optim's Sinkhorn section on hand-set timings (alternate replaced): wall ratios sinkhorn / adamw =
+    0.5, 0.75, 1.0 per round, CPU ratios 0.25 each; keep-grad wall 2.0 each -> medians 0.75 / 0.25 / 2.0, and
+    the medians of the step times."""
+    bench_optim = _bench_module("bench_optim")
+    wall = {"sinkhorn": [1.0, 1.5, 2.0], "sinkhorn_keep_grad": [4.0, 4.0, 4.0], "adamw": [2.0, 2.0, 2.0]}
+    cpu_s = {"sinkhorn": [0.5, 0.5, 0.5], "sinkhorn_keep_grad": [1.0, 1.0, 1.0], "adamw": [2.0, 2.0, 2.0]}
+
+    def fake_alternate(runs, rounds, cpu_times=None, **kw):
+        assert set(runs) == set(wall) and rounds == 3
+        for step in runs.values():  # one real step each: the optimizers' state exists, as after the warm-up
+            step()
+        cpu_times.update({k: list(v) for k, v in cpu_s.items()})
+        return {k: list(v) for k, v in wall.items()}
+
+    monkeypatch.setattr(bench_optim, "alternate", fake_alternate)
+    threads = torch.get_num_threads()
+    try:
+        r = bench_optim.run(["+exp=flash_tiny"], rounds=3, threads=1, device="cpu", sections=("sinkhorn",))
+    finally:
+        torch.set_num_threads(threads)
+    assert r["comparisons"]["sinkhorn_vs_adamw"]["ratios"] == [0.5, 0.75, 1.0]
+    assert r["sinkhorn_time_ratio"] == 0.75 and r["sinkhorn_keep_grad_time_ratio"] == 2.0
+    assert r["comparisons_cpu"]["sinkhorn_vs_adamw"]["median"] == 0.25
+    assert r["comparisons_cpu"]["sinkhorn_keep_grad_vs_adamw"]["median"] == 0.5
+    assert (r["sinkhorn_step_s"], r["adamw_step_s"], r["sinkhorn_keep_grad_step_s"]) == (1.5, 2.0, 4.0)
+    assert r["cpu_times_s"] == {"sinkhorn": 0.5, "sinkhorn_keep_grad": 1.0, "adamw": 2.0}

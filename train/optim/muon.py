@@ -11,7 +11,9 @@ What counts as "a matrix" for NS:
   each orthogonalised and scaled by rms_scale * sqrt(max(d, in)).
 All matrices of one shape within a step are orthogonalised as one batch (in slices of at most
 `ns_batch_elems` elements, which bounds the Newton-Schulz temporaries). NS runs in fp32 on CPU and in
-bf16 on CUDA unless `ns_dtype` says otherwise.
+bf16 on CUDA unless `ns_dtype` says otherwise; bf16 on a CPU without bf16 GEMMs (AVX2: no AVX512-BF16 or
+AMX) runs fp32 GEMMs on bf16 values, each product rounded to bf16 -- bf16 GEMMs' numerics at fp32 GEMM
+speed (`ns_native=True`: torch's own bf16 GEMMs; newton_schulz.py).
 
 Data parallel (DESIGN.md "Parallelism"): ZeRO-1 is the one path that splits the Newton-Schulz work
 over the ranks. `zero_of(param)` returns the parameter's `parallel.zero.Ownership`: its matrices are
@@ -52,7 +54,7 @@ class Muon(GroupwiseOptimizer):
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, weight_decay: float = 0.1,
                  nesterov: bool = True, rms_scale: float = 0.18, ns_coefficients=V41_NS_SCHEDULE,
                  ns_eps: float = 1e-7, ns_dtype: torch.dtype | None = None, use_triton: bool | None = None,
-                 ns_batch_elems: int = 1 << 22, zero_of=None):
+                 ns_batch_elems: int = 1 << 22, zero_of=None, ns_native: bool | None = None):
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0:
             raise ValueError(f"Muon: invalid lr={lr}, momentum={momentum} or weight_decay={weight_decay}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
@@ -62,6 +64,7 @@ class Muon(GroupwiseOptimizer):
         self.ns_eps, self.ns_dtype, self.use_triton = ns_eps, ns_dtype, use_triton
         self.ns_batch_elems = ns_batch_elems
         self.zero_of = zero_of
+        self.ns_native = ns_native  # bf16 NS: native bf16 GEMMs or fp32 ones (None: as the hardware has them)
 
     def _step_group(self, group: dict) -> None:
         if self.zero_of is not None:
@@ -137,8 +140,8 @@ class Muon(GroupwiseOptimizer):
     def _ns(self, batch: torch.Tensor) -> torch.Tensor:
         rows, cols = batch.shape[1:]
         per_chunk = max(1, self.ns_batch_elems // (rows * cols))  # bounds the NS temporaries
-        return torch.cat([newton_schulz(part, self.ns_coefficients, self.ns_eps, self.ns_dtype, self.use_triton)
-                          for part in batch.split(per_chunk)])
+        return torch.cat([newton_schulz(part, self.ns_coefficients, self.ns_eps, self.ns_dtype, self.use_triton,
+                                        self.ns_native) for part in batch.split(per_chunk)])
 
     @staticmethod
     def _apply(updates, ortho, lr: float, wd: float) -> None:

@@ -31,14 +31,45 @@ def _prepare(G: torch.Tensor, eps: float, dtype: torch.dtype):
     return X.contiguous(), transposed
 
 
+def native_bf16_matmul(device: torch.device | str) -> bool:
+    """Whether bf16 GEMMs run on bf16 hardware here: CUDA, or a CPU with AVX512-BF16 or AMX. Elsewhere (AVX2)
+    torch's CPU bf16 GEMM is a slow fallback: 1.3-7 GFLOP/s on one core of the 2-core AVX2 machine of
+    docs/kernels.md against 47 GFLOP/s in fp32 at the Newton-Schulz shapes."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return True
+    return any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def _round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 (nearest even), kept in fp32: what a bf16 GEMM with fp32 accumulation stores."""
+    return x.bfloat16().float()
+
+
 def newton_schulz_reference(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: float = 1e-7,
-                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """G [..., m, n] -> approximately U V^T of each matrix, same shape, in `dtype`."""
+                            dtype: torch.dtype = torch.float32, native: bool | None = None) -> torch.Tensor:
+    """G [..., m, n] -> approximately U V^T of each matrix, same shape, in `dtype`.
+
+    Each step is three (batched) GEMMs, A = X X^T, B = c A A + b A, X <- B X + a X (the last two with
+    their sums fused, `baddbmm`). bf16 without bf16 hardware (`native_bf16_matmul`; `native` overrides):
+    the same bf16 numerics from fp32 GEMMs -- the operands are bf16 values (exact in fp32), the products
+    accumulate in fp32 and each result is rounded to bf16, as a bf16 GEMM with fp32 accumulation stores
+    it -- at fp32 GEMM speed."""
     X, transposed = _prepare(G, eps, dtype)
+    if native is None:
+        native = dtype != torch.bfloat16 or native_bf16_matmul(X.device)
+    shape = X.shape
+    X = X.reshape(-1, *shape[-2:])
+    if not native:
+        X = X.float()
     for a, b, c in coefficients:
-        A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+        A = torch.bmm(X, X.mT)
+        A = A if native else _round_bf16(A)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        B = B if native else _round_bf16(B)
+        X = torch.baddbmm(X, B, X, beta=a)
+        X = X if native else _round_bf16(X)
+    X = X.to(dtype).reshape(shape)
     return X.mT if transposed else X
 
 
@@ -135,10 +166,12 @@ def newton_schulz_triton(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: flo
 
 
 def newton_schulz(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: float = 1e-7,
-                  dtype: torch.dtype | None = None, triton: bool | None = None) -> torch.Tensor:
-    """Dispatch: Triton on CUDA (bf16 there unless `dtype` says otherwise), reference on CPU (fp32)."""
+                  dtype: torch.dtype | None = None, triton: bool | None = None,
+                  native: bool | None = None) -> torch.Tensor:
+    """Dispatch: Triton on CUDA (bf16 there unless `dtype` says otherwise), reference on CPU (fp32; bf16 from
+    fp32 GEMMs where the CPU has no bf16 GEMM, `newton_schulz_reference`)."""
     if dtype is None:
         dtype = torch.bfloat16 if G.is_cuda else torch.float32
     if use_triton(G, triton):
         return newton_schulz_triton(G, coefficients, eps, dtype)
-    return newton_schulz_reference(G, coefficients, eps, dtype)
+    return newton_schulz_reference(G, coefficients, eps, dtype, native)

@@ -13,7 +13,11 @@ t_j = sum_i r_i^2 G^_ij^2, giving c_j <- c_j / (c_j sqrt(t_j) + eps). Each row p
 on load from M and G) once for s and a second time, in the same pass, to accumulate t for the column
 step that follows -- so column steps are vector operations, and the last row pass applies the update
 to W in place. Passes over the m x n data: 1 (momentum + rho) + (K + 1) / 2 (row steps, the last one
-applying).
+applying) in the Triton kernels; (K + 1) / 2 on the reference path, whose first pass also gathers row step
+1's column statistic (row step 1's s is rho itself).
+
+A column whose statistic is 0 (its unmasked entries all 0) keeps scale 0: Algorithm 1 leaves it 0, while
+c_j / (0 + eps) would grow by 1/eps a column step to inf and turn the column into nan.
 
 Row-sharded tables (`row_group`: the process group over which a table's rows are split, each rank
 holding a slice): the row statistics are per row and stay local; the mean of rho and the column
@@ -23,7 +27,10 @@ updates its row block that way and the optimizer then broadcasts every block fro
 exchanges are the optimizer's own, over the groups it is given (train/optim/__init__.py).
 
 `sinkhorn_update_reference` is the plain-PyTorch path (rows in chunks, so its workspace is
-chunk x n, never m x n); `sinkhorn_update_triton` fuses each pass into one kernel.
+chunk x n, never m x n; its row and column statistics are matrix-vector products on the chunk's G^ o G^, and
+by default the optimizer lets it keep G^ in the gradient it consumes, so that a pass reads one m x n
+tensor, not two: docs/kernels.md "The optimizer split's cost"); `sinkhorn_update_triton` fuses each pass
+into one kernel.
 """
 
 from __future__ import annotations
@@ -58,40 +65,148 @@ def _check_steps(num_steps: int) -> None:
                          f"so an odd count >= 1 is needed (V4.1 uses 11)")
 
 
+# The squared path forms r_i^2 and c_j^2 (below); it runs while both stay far inside fp32's range: the unmasked
+# rows' norms >= this and the column scales <= its inverse. Otherwise the update runs again from the row mask
+# on with the scaled values themselves (`_scaled_passes`, which squares no scale, as the literal algorithm)
+_SQUARED_FLOOR = 1e-15
+
+
+def _column_step(c: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """c_j <- c_j / (||U_:j|| + eps), given the column norms ||U_:j|| = c_j sqrt(t_j). A column of norm 0 (its
+    unmasked entries all 0) gets scale 0, which leaves U's column 0 as Algorithm 1 does; c_j / eps instead
+    would grow by 1/eps a step to inf, and inf * 0 is nan."""
+    return torch.where(norm > 0, c / (norm + eps), 0.0)
+
+
+class _Rows:
+    """G^ by row chunks into one fp32 chunk buffer. Consuming (fp32 G and M): the first pass leaves G^ in G
+    itself, so later passes read one m x n tensor instead of two and recompute nothing."""
+
+    def __init__(self, G: torch.Tensor, M: torch.Tensor, beta: float, rows: int, consume: bool):
+        self.G, self.M, self.beta = G, M, beta
+        self.consume = consume and G.dtype == M.dtype == torch.float32
+        self.buf = torch.empty(rows, G.shape[1], dtype=torch.float32, device=G.device)
+
+    def momentum(self, a: int, b: int) -> torch.Tensor:
+        """M <- beta M + (1 - beta) G on rows a:b; returns S = G^ o G^ (in the buffer)."""
+        G, M = self.G[a:b], self.M[a:b]
+        M.lerp_(G.to(M.dtype), 1 - self.beta)
+        if self.consume:
+            return torch.mul(G.lerp_(M, self.beta), G, out=self.buf[:b - a])
+        return self.ghat(a, b).square_()
+
+    def ghat(self, a: int, b: int) -> torch.Tensor:  # G^ rows a:b, in the buffer
+        if self.consume:
+            return self.buf[:b - a].copy_(self.G[a:b])
+        G, M = self.G[a:b], self.M[a:b]
+        if G.dtype != torch.float32 or M.dtype != torch.float32:
+            G, M = G.float(), M.float()
+        return torch.lerp(G, M, self.beta, out=self.buf[:b - a])
+
+    def squares(self, a: int, b: int) -> torch.Tensor:  # G^ o G^
+        if self.consume:
+            return torch.mul(self.G[a:b], self.G[a:b], out=self.buf[:b - a])
+        return self.ghat(a, b).square_()
+
+    def scaled(self, a: int, b: int, c: torch.Tensor) -> torch.Tensor:  # G^ diag(c)
+        if self.consume:
+            return torch.mul(self.G[a:b], c, out=self.buf[:b - a])
+        return self.ghat(a, b).mul_(c)
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:  # G^ of some rows, a new tensor
+        if self.consume:
+            return self.G[idx]
+        return torch.lerp(self.G[idx].float(), self.M[idx].float(), self.beta)
+
+
 @torch.no_grad()
 def sinkhorn_update_reference(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor, lr: float, beta: float,
                               num_steps: int, tau: float, eps: float, gamma: float,
-                              chunk_elems: int = 1 << 18, row_group=None) -> None:
-    """In place: M <- momentum, W <- W - gamma lr sqrt(n) U (Algorithm 1)."""
+                              chunk_elems: int = 1 << 20, row_group=None, consume_grad: bool = False) -> None:
+    """In place: M <- momentum, W <- W - gamma lr sqrt(n) U (Algorithm 1). `consume_grad` (fp32 G and M): G is
+    left holding G^ (the first pass writes it there; the later passes read it instead of G and M).
+
+    Rows in chunks of `chunk_elems` elements, one fp32 chunk buffer reused by every pass. With S = G^ o G^
+    (element-wise), a row step's norms are a matrix-vector product, s_i^2 = (S c^2)_i, and the column
+    statistic that follows another one on the same chunk of S while it is in cache, t_j = ((r^2)^T S)_j
+    (BLAS gemv). The first pass (momentum, rho) also accumulates the statistic of row step 1, whose s is rho
+    itself (c = 1), with the row mask of the rows seen so far (tau times their running mean), then corrects
+    it row by row where the whole table's mask disagrees: K normalisations take 1 + (K - 1) / 2 passes."""
     _check_steps(num_steps)
     m, n = W.shape
-    rows = max(1, chunk_elems // max(n, 1))
-    chunks = [(r0, min(m, r0 + rows)) for r0 in range(0, m, rows)]
+    dev, f32 = W.device, torch.float32
+    rows = max(1, min(m, chunk_elems // max(n, 1)))
+    spans = [(a, min(m, a + rows)) for a in range(0, m, rows)]
+    data = _Rows(G, M, beta, rows, consume_grad)
+    rho = torch.empty(m, dtype=f32, device=dev)
+    seen = torch.empty(m, dtype=torch.bool, device=dev)  # the rows the running mask counted in t
+    x = torch.empty(m, dtype=f32, device=dev)  # per-row scratch: their weights in t, then s
+    t = torch.zeros(n, dtype=f32, device=dev)
+    total = torch.zeros((), dtype=f32, device=dev)
+    for a, b in spans:
+        S = data.momentum(a, b)
+        rc = torch.sum(S, 1, out=rho[a:b]).sqrt_()
+        if num_steps > 1:
+            total += rc.sum()
+            sc = torch.gt(rc, (total * (tau / b)).clamp_min_(_SQUARED_FLOOR), out=seen[a:b])
+            t.addmv_(S.T, torch.div(sc, torch.add(rc, eps, out=x[a:b]), out=x[a:b]).square_())
+    mean = _row_mean(rho, row_group)
+    keep = rho > tau * mean
+    r = keep.float()  # masked rows: r_i = 0 keeps them 0 forever
+    if num_steps > 1 and tau * float(mean) >= _SQUARED_FLOOR:
+        wrong = (keep != seen).nonzero().squeeze(1)
+        if wrong.numel():  # rows the running mask counted wrongly: add or take back their share of t
+            t.addmv_(data.gather(wrong).square_().T,
+                     (rho[wrong] + eps).reciprocal().square_().mul_(keep[wrong].float() * 2 - 1))
+        r.div_(r * rho + eps)  # row step 1: s = rho
+        c = _column_step(torch.ones(n, dtype=f32, device=dev), _sum_over_shards(t, row_group).sqrt(), eps)
+        if _squared_passes(W, data, spans, r, c, x, t, lr, num_steps, eps, gamma, row_group):
+            return
+        r = keep.float()  # a column scale left the squared path's range: again from the mask, scaled
+    _scaled_passes(W, data, spans, r, lr, num_steps, eps, gamma, row_group)
 
-    def ghat(r0, r1):
-        return G[r0:r1].float().lerp(M[r0:r1].float(), beta)
 
-    rho = torch.empty(m, dtype=torch.float32, device=W.device)
-    for r0, r1 in chunks:
-        M[r0:r1].lerp_(G[r0:r1].to(M.dtype), 1 - beta)
-        rho[r0:r1] = ghat(r0, r1).norm(dim=1)
-    r = (rho > tau * _row_mean(rho, row_group)).float()  # masked rows: r_i = 0 keeps them 0 forever
+def _squared_passes(W, data: _Rows, spans, r, c, s, t, lr, num_steps, eps, gamma, row_group) -> bool:
+    """Row steps 3..K after row step 1 and column step 2, one pass each, the last applying the update. False
+    (nothing applied) when a column scale leaves the squared path's range."""
+    scale = gamma * lr * math.sqrt(W.shape[1])
+    for step in range(3, num_steps + 1, 2):
+        if float(c.max()) > 1 / _SQUARED_FLOOR:
+            return False
+        if step == num_steps:
+            for a, b in spans:
+                u, rc = data.scaled(a, b, c), r[a:b]
+                rc.div_(torch.linalg.vector_norm(u, dim=1, out=s[a:b]).mul_(rc).add_(eps))
+                W[a:b].addcmul_(u, rc[:, None], value=-scale)
+            return True
+        c2 = c * c
+        t.zero_()
+        for a, b in spans:
+            S, rc, sc = data.squares(a, b), r[a:b], s[a:b]
+            rc.div_(torch.mv(S, c2, out=sc).sqrt_().mul_(rc).add_(eps))
+            t.addmv_(S.T, torch.mul(rc, rc, out=sc))
+        c = _column_step(c, c * _sum_over_shards(t, row_group).sqrt(), eps)
+    return True
+
+
+def _scaled_passes(W, data: _Rows, spans, r, lr, num_steps, eps, gamma, row_group) -> None:
+    """All K normalisations from the row mask on, a pass per row step, on the scaled values r_i G^_ij c_j
+    themselves (never r^2 or c^2): for tables whose norms lie far below fp32's normal range."""
+    n = W.shape[1]
     c = torch.ones(n, dtype=torch.float32, device=W.device)
     scale = gamma * lr * math.sqrt(n)
-    for step in range(1, num_steps + 1, 2):  # row steps; the column step after each is a vector op
+    for step in range(1, num_steps + 1, 2):
         last = step == num_steps
         t = torch.zeros(n, dtype=torch.float32, device=W.device)
-        for r0, r1 in chunks:
-            gh = ghat(r0, r1)
-            s = (gh * c).norm(dim=1)
-            r[r0:r1] = r[r0:r1] / (r[r0:r1] * s + eps)
+        for a, b in spans:
+            u, rc = data.scaled(a, b, c), r[a:b]
+            rc.div_(torch.linalg.vector_norm(u, dim=1).mul_(rc).add_(eps))
             if last:
-                W[r0:r1] -= (scale * (r[r0:r1, None] * gh * c)).to(W.dtype)
+                W[a:b].addcmul_(u, rc[:, None], value=-scale)
             else:
-                t += (r[r0:r1, None] * gh).square().sum(0)
+                t += u.mul_(rc[:, None]).square_().sum(0)  # ||U_:j||^2
         if not last:
-            t = _sum_over_shards(t, row_group)
-            c = c / (c * t.sqrt() + eps)
+            c = _column_step(c, _sum_over_shards(t, row_group).sqrt(), eps)
 
 
 if HAS_TRITON:
@@ -179,7 +294,7 @@ def sinkhorn_update_triton(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor, lr
                scale, LAST=last)
         if not last:
             _sum_over_shards(t, row_group)
-            c = c / (c * t.sqrt() + eps)
+            c = _column_step(c, c * t.sqrt(), eps)
 
 
 @torch.no_grad()
@@ -198,13 +313,13 @@ def sinkhorn_update_shapes(W: torch.Tensor, num_steps: int, row_group=None) -> N
 
 
 def sinkhorn_update(W, G, M, lr, beta, num_steps, tau, eps, gamma, triton: bool | None = None,
-                    chunk_elems: int = 1 << 18, row_group=None) -> None:
+                    chunk_elems: int = 1 << 20, row_group=None, consume_grad: bool = False) -> None:
     if use_triton(W, triton) and W.shape[0]:  # fake tensors: only while the compile gate records launches
         sinkhorn_update_triton(W, G, M, lr, beta, num_steps, tau, eps, gamma, row_group)
     elif is_fake(W):
         sinkhorn_update_shapes(W, num_steps, row_group)
     else:
-        sinkhorn_update_reference(W, G, M, lr, beta, num_steps, tau, eps, gamma, chunk_elems, row_group)
+        sinkhorn_update_reference(W, G, M, lr, beta, num_steps, tau, eps, gamma, chunk_elems, row_group, consume_grad)
 
 
 class SinkhornBalanced(GroupwiseOptimizer):
@@ -212,16 +327,20 @@ class SinkhornBalanced(GroupwiseOptimizer):
     `row_group_of(param)`: the process group a row-sharded table is split over (None: whole here).
     ZeRO-1 (`zero_of(param)` -> `parallel.zero.Ownership` of row blocks over the replica group): each
     rank updates its row block as a row shard of the table (momentum for those rows only, column
-    statistics all-reduced over the group), then every block is broadcast from its owner."""
+    statistics all-reduced over the group), then every block is broadcast from its owner.
+    `consume_grad` (default): the step may use `p.grad` as its workspace -- on the reference path (CPU) an fp32
+    gradient holds G^ afterwards, which saves re-reading G and M in every pass (docs/kernels.md "The optimizer
+    split's cost"); the Triton path leaves it as it was. The trainer reads no gradient after the step (the next
+    step zeroes them); `consume_grad=False` leaves every gradient as it came."""
 
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, num_steps: int = 11,
                  tau: float = 1e-3, eps: float = 1e-20, gamma: float = 0.18, use_triton: bool | None = None,
-                 chunk_elems: int = 1 << 18, row_group_of=None, zero_of=None):
+                 chunk_elems: int = 1 << 20, row_group_of=None, zero_of=None, consume_grad: bool = True):
         _check_steps(num_steps)
         if lr < 0 or not 0 <= momentum < 1:
             raise ValueError(f"SinkhornBalanced: invalid lr={lr} or momentum={momentum}")
         super().__init__(params, dict(lr=lr, momentum=momentum, num_steps=num_steps, tau=tau, eps=eps, gamma=gamma))
-        self.use_triton, self.chunk_elems = use_triton, chunk_elems
+        self.use_triton, self.chunk_elems, self.consume_grad = use_triton, chunk_elems, consume_grad
         self.row_group_of = row_group_of
         self.zero_of = zero_of
 
@@ -246,7 +365,7 @@ class SinkhornBalanced(GroupwiseOptimizer):
                 state["momentum_buffer"] = torch.zeros_like(W, memory_format=torch.contiguous_format)
             sinkhorn_update(W, G, state["momentum_buffer"], group["lr"], group["momentum"],
                             group["num_steps"], group["tau"], group["eps"], group["gamma"], self.use_triton,
-                            self.chunk_elems, row_group)
+                            self.chunk_elems, row_group, self.consume_grad)
             if own is not None and own.group is not None:
                 works += [dist.broadcast(p.view(-1)[q.start:q.end], group=own.group, group_src=q.owner,
                                          async_op=True) for q in own.pieces if q.numel]
