@@ -17,8 +17,8 @@ it ends, so what finished survives a kill.
 Sections, in this order, each guarded (an error is recorded with its traceback's last line and the next
 section runs), each started only while the global time budget (`--budget-s`) lasts (a section left out is
 recorded as skipped) and, on a GPU, each given at most its share of the budget (`SHARES_S`: kernels 150 s,
-train 150 s, bench_small 120 s, bench_optim 60 s, bench_node 150 s, or what is left if less), so that one slow section does
-not starve the rest; the kernels and every subprocess are killed at the end of their share:
+train 150 s, bench_small 120 s, bench_optim 60 s, bench_node 150 s, or what is left if less), so that one
+slow section does not starve the rest; the kernels and every subprocess are killed at the end of their share:
 
 1. `estimate` (started first, in the background, on 4 CPU threads: it needs no GPU): launch/estimate.py
    for the training run of section 3, one rank, device cuda.

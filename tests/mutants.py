@@ -241,8 +241,10 @@ MUTANTS = [
            '    X = X if native else _round_bf16(X)\n    X = X.to(dtype).reshape(shape)',
            ['tests/test_optim.py', '-k', 'bf16_newton']),
     Mutant('bench CPU times include the warm-up round (blind, issue 50)', 'launch/bench_util.py',
-           '            if r >= warmup:\n                times[name].append(dt)\n                if cpu_times is not None:\n                    cpu_times.setdefault(name, []).append(dc)',
-           '            if cpu_times is not None:\n                cpu_times.setdefault(name, []).append(dc)\n            if r >= warmup:\n                times[name].append(dt)',
+           '            if r >= warmup:\n                times[name].append(dt)\n'
+           '                if cpu_times is not None:\n                    cpu_times.setdefault(name, []).append(dc)',
+           '            if cpu_times is not None:\n                cpu_times.setdefault(name, []).append(dc)\n'
+           '            if r >= warmup:\n                times[name].append(dt)',
            ['tests/test_optim.py', '-k', 'alternate_times']),
     Mutant('bench CPU ratio baseline over ours (blind, issue 50)', 'launch/bench_optim.py',
            'result["comparisons_cpu"][key] = ratio_summary(cpu[a], cpu[b])',
