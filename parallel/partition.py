@@ -64,6 +64,7 @@ class PartitionCosts:
         return local * self.bytes_per_value * (2 + n_state / max(1, replicas))
 
 
+INDEX_SCORE_BYTES = 6  # the indexer's chunk scores under context parallelism, per score (block_activations)
 FP8_SAVED_BYTES = 1 + 4 / 32  # an FP8 Linear's saved input: an E4M3 code + an fp32 scale per 32 values
 
 
@@ -104,10 +105,17 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
     Engram table's dense gradient (in the activation dtype), whichever is largest (they do not overlap);
     recomputation adds the activations it rebuilds (what `none` keeps minus what the mode kept).
 
+    Expert parallelism (`costs.ep` > 1) under `selective`: the all-to-all's outputs, which the recomputation
+    policy keeps (4 D + act (D + 1) bytes per received (token, expert) pair, k per token: the fp32 MoE input as
+    sent, the expert outputs sent back, the routing weight; measured on exp=flash at ep=128 with
+    `launch/estimate.py --phases`, the per-block records).
+
     Context parallelism: `tokens` are this rank's, `seq_tokens` the whole sequences' (default: the
     same). The compressed entries (22 hd / m per token above) exist for the whole sequence on every rank,
-    and the indexer scores a chunk of queries against all of them: [chunk, index heads, S / m] fp32
-    (with its masked copy) per chunk in the forward and again in a recomputing backward."""
+    and the indexer scores a chunk of queries against all of them: [chunk, index heads, S / m] scores per
+    chunk in the forward and again in a recomputing backward, 6 bytes a score (measured: the forward
+    transient of a block in `launch/estimate.py --phases`, 12.9 GB for a ratio-1 layer of exp=flash at 64K,
+    cp=64, chunk 1024, 32 index heads; 6.4 GB at ratio 2)."""
     D, hc, k, I = cfg.dim, cfg.hc_mult, cfg.n_activated_experts, cfg.moe_inter_dim
     seq_tokens = seq_tokens or tokens
     H, hd, ns, R = cfg.n_heads, cfg.head_dim, cfg.n_shared_experts, cfg.hc_sinkhorn_iters
@@ -134,6 +142,10 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
         per_token = int(per_token * 0.85)
     if cfg.fp8.enabled:
         per_token -= int((act - FP8_SAVED_BYTES) * fp8_input_width(cfg, role))
+    # expert parallelism: selective recomputation keeps the all-to-all's outputs (model/recompute.py saves the
+    # exchange, so backward does not repeat it), per received (token, expert) pair -- k per token, balanced --
+    # the MoE input as sent (fp32: the norm's output), the expert outputs sent back and the routing weight
+    exchanged = k * (4 * D + act * (D + 1)) if costs.ep > 1 else 0
     none_kept = (tokens * per_token + compressed + (act * local_routed if costs.mixed_precision else 0)
                  + weight_copies)
     work = tokens * 28 * k * D + 8 * local_routed // 3
@@ -141,13 +153,13 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
         work = max(work, 17 * cfg.index_topk * hd * micro_batch * min(cfg.attn_chunk_size, tokens // micro_batch))
     if role.has_indexer and seq_tokens > tokens:  # long sequences split over ranks: the indexer's chunk scores
         chunk = min(cfg.attn_chunk_size, tokens // micro_batch)
-        work = max(work, 8 * chunk * cfg.index_n_heads * seq_tokens // role.compress_ratio)
+        work = max(work, INDEX_SCORE_BYTES * chunk * cfg.index_n_heads * seq_tokens // role.compress_ratio)
     if engram:  # the table's dense gradient, last in the block's backward
         work = max(work, act * engram_rows * cfg.engram_head_dim)
     if costs.recompute == "none":
         kept = none_kept
     elif costs.recompute == "selective":
-        kept = tokens * (selective + ids)
+        kept = tokens * (selective + ids + exchanged)
     else:
         kept = tokens * ids
     return {"carry": carry_bytes, "kept": kept, "work": work + none_kept - min(kept, none_kept)}

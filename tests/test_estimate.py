@@ -180,3 +180,33 @@ def test_the_step_phase_by_phase_follows_the_1f1b_schedule():
     with pytest.raises(ConfigError, match="--phases follows a pipeline stage's micro-batches: give a layout with "
                                           "parallel.pp > 1"):
         estimate.estimate_rank(compose(["+exp=flash_tiny", *FOUR_LAYERS]), 1, 0, "cuda", phases=True)
+
+
+@pytest.mark.slow
+def test_selective_recompute_keeps_the_expert_exchange_as_the_cost_model_prices_it():
+    """Under `train.recompute=selective` the expert all-to-all's outputs are kept (model/recompute.py saves
+    the exchange): the simulated step's per-block records (`--phases`) of flash_tiny at ep=2 and ep=1 differ by
+    exactly what the cost model adds for it -- per (token, expert) pair the fp32 MoE input as sent (4 D), the
+    bf16 expert outputs sent back (2 D) and the bf16 routing weight (2): 64 tokens x 2 picks x 386 bytes."""
+    import flashtrain.train.estimate as estimate
+    from flashtrain.parallel.partition import PartitionCosts, block_activations
+    from flashtrain.train.config import compose, model_config
+
+    def added(ep: int) -> int:
+        cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, "parallel.pp=2", "parallel.stage_layers=[1,3]",
+                       f"parallel.ep={ep}", "data.seq_len=64", "data.batch_size=1", "train.recompute=selective"])
+        r = estimate.estimate_rank(cfg, 4, 2, "cuda", phases=True)  # stage 1, where blocks 1-3 run
+        blocks = next(q for q in r.phases if q["phase"] == "forward 2")["blocks"]
+        return [b["end"] - b["start"] for b in blocks]
+
+    with_ep, without = added(2), added(1)
+    assert len(with_ep) == len(without) >= 2
+    m = model_config(compose(["+exp=flash_tiny", *FOUR_LAYERS]))
+    assert (m.dim, m.n_activated_experts) == (64, 2)
+    assert [a - b for a, b in zip(with_ep, without)] == [64 * 2 * (4 * 64 + 2 * 64 + 2)] * len(with_ep)
+    from flashtrain.model.layer_plan import layer_plan
+
+    for r in layer_plan(m):  # the cost model's term, the same for every role
+        kept = [block_activations(m, r, 0, 0, 0, 64, 1, PartitionCosts(recompute="selective", ep=ep))["kept"]
+                for ep in (2, 1)]
+        assert kept[0] - kept[1] == 64 * 2 * 386, r

@@ -258,3 +258,45 @@ def test_state_shares_under_zero1_and_engram_sharding():
     plain = PartitionCosts(bytes_per_value=4, ep=8, dp=64)
     assert plain.param_state_bytes(ParamKind.ENGRAM_TABLE, 6400, 1) == 6400 * 4 * 3
     assert plain.param_state_bytes(ParamKind.ROUTED_EXPERT, 6400, 1) == 800 * 4 * 3
+
+
+def test_the_indexer_chunk_scores_under_context_parallelism_cost_six_bytes_a_score():
+    """A rank holding 64 of a sequence's 2^20 positions: the indexer of a Full layer (ratio 2) scores a chunk
+    of its queries against all 2^19 compressed entries, 6 bytes a score (measured: launch/estimate.py
+    --phases, a block's forward transient at exp=flash, docs/parallelism.md); without recomputation that is the
+    block's transient work, by hand: 6 x chunk x index heads x 2^19. A Reuse layer has no indexer: not priced."""
+    from flashtrain.model.layer_plan import Role, layer_plan
+    from flashtrain.parallel.partition import block_activations
+    from flashtrain.train.config import compose, model_config
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from layer_plans import FOUR_LAYERS
+
+    m = model_config(compose(["+exp=flash_tiny", *FOUR_LAYERS]))
+    full = next(r for r in layer_plan(m) if r.role is Role.FULL)
+    chunk = min(m.attn_chunk_size, 64)
+    costs = PartitionCosts(recompute="none")
+    work = block_activations(m, full, 0, 0, 0, 64, 1, costs, seq_tokens=1 << 20)["work"]
+    assert full.compress_ratio == 2 and work == 6 * chunk * m.index_n_heads * (1 << 20) // 2
+    reuse = next(r for r in layer_plan(m) if r.role is Role.REUSE)
+    assert block_activations(m, reuse, 0, 0, 0, 64, 1, costs, seq_tokens=1 << 20)["work"] < work // 100
+
+
+def test_the_expert_exchange_is_priced_under_selective_recomputation_only():
+    """The all-to-all's outputs that selective recomputation keeps (per (token, expert) pair 4 D + 2 (D + 1)
+    bytes under bf16 autocast): 64 tokens x 2 picks x 386 bytes more at ep=2 than at ep=1 for every role of
+    flash_tiny; `full` keeps each block's input only, whatever the expert layout."""
+    from flashtrain.model.layer_plan import layer_plan
+    from flashtrain.parallel.partition import block_activations
+    from flashtrain.train.config import compose, model_config
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from layer_plans import FOUR_LAYERS
+
+    m = model_config(compose(["+exp=flash_tiny", *FOUR_LAYERS]))
+    assert (m.dim, m.n_activated_experts) == (64, 2)
+    for role in layer_plan(m):
+        def kept(mode, ep):
+            return block_activations(m, role, 0, 0, 0, 64, 1, PartitionCosts(recompute=mode, ep=ep))["kept"]
+        assert kept("selective", 2) - kept("selective", 1) == 64 * 2 * (4 * 64 + 2 * 65), role
+        assert kept("full", 2) == kept("full", 1), role

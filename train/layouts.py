@@ -66,7 +66,7 @@ class PlanConfig:
     show: int = 5
     recompute: list = field(default_factory=lambda: list(RECOMPUTE_MODES))
     schedules: list = field(default_factory=lambda: list(SCHEDULES))
-    cost_model_error: list = field(default_factory=lambda: [-0.10, 0.12])
+    cost_model_error: list = field(default_factory=lambda: [-0.10, 0.08])
     gpu_tflops: float = 400.0
     gpus_per_node: int = 8
     intra_node_gb_s: float = 400.0
@@ -83,7 +83,7 @@ class PlanConfig:
             raise ConfigError(f"plan.schedules={self.schedules}: a non-empty list of {', '.join(SCHEDULES)}")
         if len(self.cost_model_error) != 2 or not self.cost_model_error[0] <= 0 <= self.cost_model_error[1]:
             raise ConfigError(f"plan.cost_model_error={self.cost_model_error}: [below, above] as fractions, e.g. "
-                              f"[-0.10, 0.12]")
+                              f"[-0.10, 0.08]")
         if min(self.gpu_tflops, self.gpus_per_node, self.intra_node_gb_s, self.inter_node_gb_s) <= 0:
             raise ConfigError("plan.gpu_tflops, plan.gpus_per_node, plan.intra_node_gb_s and plan.inter_node_gb_s "
                               "must be positive")
