@@ -50,6 +50,11 @@ HOST_READS = {
         "torch.optim.AdamW's step counters live on the CPU (capturable=False, fused=False)",
     ("aten._local_scalar_dense.default", "data/loader.py:collate"): "the loader's batches, built on the host",
     ("aten.bincount.default", "data/loader.py:collate"): "the loader's batches, built on the host",
+    **{(op, f"train/optim/sinkhorn.py:{fn}"): "the Sinkhorn reference's squared path on a table held on the host "
+       "(its mean, the rows to correct, its range checks); off the host it reads nothing back (_decides_on_host)"
+       for op, fn in (("aten._local_scalar_dense.default", "sinkhorn_update_reference"),
+                      ("aten.nonzero.default", "sinkhorn_update_reference"),
+                      ("aten._local_scalar_dense.default", "_squared_passes"))},
 }
 # per layout, each rank's device synchronisations in the counted step (2 micro-batches, one image sample):
 # pp=1: read-back 1 + stop flag 1 + merge_images 2

@@ -1,6 +1,7 @@
 """Optimizers (V41_SPEC §7) against independent references: SVD, literal Algorithm 1, hand-rolled
 momentum loops; routing of every flash_tiny parameter; state_dict round trips."""
 
+import collections
 import io
 import math
 import re
@@ -283,6 +284,32 @@ def test_sinkhorn_few_normalisations_match_literal_algorithm(K):
     for consume in (False, True):
         dw, dm = _sinkhorn_vs_literal(W, G, M, K=K, consume=consume)
         assert dw < 1e-5 and dm < 1e-6, (K, consume, dw, dm)
+
+
+def test_sinkhorn_reference_off_the_host_reads_nothing_back(monkeypatch):
+    """On an accelerator (`_decides_on_host` False) the reference reads no value back -- no row corrections
+    picked by `nonzero`, no range checks by `float` -- and runs the literal passes, still Algorithm 1; on the
+    host the squared path reads its decisions (one `float` per column-step range check, the mean, the rows to
+    correct)."""
+    from host_syncs import HostSyncs
+
+    from flashtrain.train.optim import sinkhorn
+
+    torch.manual_seed(8)
+    W, G, M = torch.randn(60, 12), torch.randn(60, 12), torch.randn(60, 12)
+
+    def events():
+        with HostSyncs() as s:
+            sinkhorn_update_reference(W.clone(), G.clone(), M.clone(), 0.1, 0.95, 5, 1e-3, 1e-20, 0.18, 7 * 12)
+        return collections.Counter(s.events)
+
+    # K = 5: the mean, the rows to correct, the range check before row steps 3 and 5
+    assert events() == {"aten._local_scalar_dense.default": 3, "aten.nonzero.default": 1}
+    monkeypatch.setattr(sinkhorn, "_decides_on_host", lambda W: False)
+    assert events() == {}
+    for consume in (False, True):
+        dw, dm = _sinkhorn_vs_literal(W, G, M, K=5, consume=consume)
+        assert dw < 1e-5 and dm < 1e-6, (consume, dw, dm)
 
 
 @pytest.mark.parametrize("first", ["small", "large"])

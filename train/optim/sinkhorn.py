@@ -131,10 +131,12 @@ def sinkhorn_update_reference(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor,
     statistic that follows another one on the same chunk of S while it is in cache, t_j = ((r^2)^T S)_j
     (BLAS gemv). The first pass (momentum, rho) also accumulates the statistic of row step 1, whose s is rho
     itself (c = 1), with the row mask of the rows seen so far (tau times their running mean), then corrects
-    it row by row where the whole table's mask disagrees: K normalisations take 1 + (K - 1) / 2 passes."""
+    it row by row where the whole table's mask disagrees: K normalisations take 1 + (K - 1) / 2 passes. Off the
+    host (`_decides_on_host`) it runs the literal passes on scaled values instead, 1 + (K + 1) / 2 of them."""
     _check_steps(num_steps)
     m, n = W.shape
     dev, f32 = W.device, torch.float32
+    squared = num_steps > 1 and _decides_on_host(W)
     rows = max(1, min(m, chunk_elems // max(n, 1)))
     spans = [(a, min(m, a + rows)) for a in range(0, m, rows)]
     data = _Rows(G, M, beta, rows, consume_grad)
@@ -146,14 +148,14 @@ def sinkhorn_update_reference(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor,
     for a, b in spans:
         S = data.momentum(a, b)
         rc = torch.sum(S, 1, out=rho[a:b]).sqrt_()
-        if num_steps > 1:
+        if squared:
             total += rc.sum()
             sc = torch.gt(rc, (total * (tau / b)).clamp_min_(_SQUARED_FLOOR), out=seen[a:b])
             t.addmv_(S.T, torch.div(sc, torch.add(rc, eps, out=x[a:b]), out=x[a:b]).square_())
     mean = _row_mean(rho, row_group)
     keep = rho > tau * mean
     r = keep.float()  # masked rows: r_i = 0 keeps them 0 forever
-    if num_steps > 1 and tau * float(mean) >= _SQUARED_FLOOR:
+    if squared and tau * float(mean) >= _SQUARED_FLOOR:
         wrong = (keep != seen).nonzero().squeeze(1)
         if wrong.numel():  # rows the running mask counted wrongly: add or take back their share of t
             t.addmv_(data.gather(wrong).square_().T,
@@ -164,6 +166,14 @@ def sinkhorn_update_reference(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor,
             return
         r = keep.float()  # a column scale left the squared path's range: again from the mask, scaled
     _scaled_passes(W, data, spans, r, lr, num_steps, eps, gamma, row_group)
+
+
+def _decides_on_host(W: torch.Tensor) -> bool:
+    """The squared path picks its rows to correct and its range by reading values (`nonzero`, `float`): free
+    where the table lives on the host, a device synchronisation each elsewhere. On an accelerator (where the
+    Triton path is the norm) the reference runs the literal passes, which read nothing back
+    (tests/test_host_syncs.py)."""
+    return W.device.type == "cpu"
 
 
 def _squared_passes(W, data: _Rows, spans, r, c, s, t, lr, num_steps, eps, gamma, row_group) -> bool:
