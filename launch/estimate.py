@@ -20,7 +20,9 @@ rank the step's peak of live tensor bytes and its parts at that peak; `--json` p
 order the schedule runs them, then the optimizer -- with each phase's peak and its bytes at the end
 (`"phases"` per rank in the JSON): what a micro-batch in flight holds and each pass's transient; each
 forward phase also lists its blocks (`"blocks"`: live bytes at a block's start and end and its peak, so
-end - start is what the block leaves for its backward plus its output carry, at the layout's real shapes).
+end - start is what the block leaves for its backward plus its output carry, at the layout's real shapes);
+under recomputation each backward phase lists them too, each from its rebuild to the next block's rebuild
+(peak - start: what the block's rebuild and backward add at their highest).
 The figure is live tensor bytes: leave headroom for the allocator and the communication buffers.
 """
 

@@ -182,6 +182,33 @@ def test_the_step_phase_by_phase_follows_the_1f1b_schedule():
         estimate.estimate_rank(compose(["+exp=flash_tiny", *FOUR_LAYERS]), 1, 0, "cuda", phases=True)
 
 
+def test_under_recomputation_each_backward_lists_its_blocks_rebuilds():
+    """Full recomputation, stage 1 of pp=2 (blocks 0-2 of the stage: layers 1-3), 2 micro-batches: each backward
+    phase lists the stage's blocks in reverse, each record from its rebuild's first module to the next block's
+    rebuild (start = the previous record's end) and the last to the phase's end; the phase's peak is a block's,
+    as the blocks' rebuilds and backwards are everything a backward phase runs before the optimizer."""
+    import flashtrain.train.estimate as estimate
+    from flashtrain.train.config import compose
+
+    cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, "parallel.pp=2", "parallel.stage_layers=[1,3]",
+                   "data.seq_len=64", "train.recompute=full"])
+    r = estimate.estimate_rank(cfg, 2, 1, "cuda", phases=True)
+    backward = [q for q in r.phases if q["phase"].startswith("backward")]
+    assert [q["phase"] for q in backward] == ["backward 1", "backward 2"]
+    for q in backward:
+        blocks = q["blocks"]
+        assert [b["block"] for b in blocks] == [f"StageModule.blocks.{i}" for i in (2, 1, 0)]
+        assert [b["start"] for b in blocks[1:]] == [b["end"] for b in blocks[:-1]]
+        assert blocks[-1]["end"] == q["end_bytes"]
+        assert max(b["peak"] for b in blocks) == q["peak_bytes"]
+        for b in blocks:
+            assert b["peak"] > max(b["start"], b["end"]), b
+    # each block's rebuild and backward add the same bytes in both micro-batches (the same shapes), whatever
+    # the earlier blocks of the phase reached
+    added = [[b["peak"] - b["start"] for b in q["blocks"]] for q in backward]
+    assert added[0] == added[1], added
+
+
 @pytest.mark.slow
 def test_selective_recompute_keeps_the_expert_exchange_as_the_cost_model_prices_it():
     """Under `train.recompute=selective` the expert all-to-all's outputs are kept (model/recompute.py saves

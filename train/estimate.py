@@ -38,6 +38,7 @@ communication library's buffers are not counted (keep headroom: the figure is li
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -224,6 +225,9 @@ def _acyclic_multi_grad_hook(register):
     return register_multi_grad_hook
 
 
+_BLOCK_OF = re.compile(r"^(.*\.blocks\.\d+)\.")  # a module inside a block: the block's name
+
+
 def _step_tracker(phases: list[dict] | None = None):
     """torch's MemTracker reduced to what is read here, the whole rank's figures by kind and their peak:
     - a module may run once per micro-batch (MemTracker refuses a second top-level call of a module in
@@ -275,6 +279,8 @@ def _step_tracker(phases: list[dict] | None = None):
                 self._block["peak"] = max(self._block["peak"], total)
 
         def _begin(self, name: str) -> None:
+            if self._block is not None:  # a block's backward runs to the end of its phase
+                self._block_end(self._phase["end_bytes"])
             self._phase = {"phase": name, "peak_bytes": 0, "end_bytes": 0}
             phases.append(self._phase)
 
@@ -296,7 +302,7 @@ def _step_tracker(phases: list[dict] | None = None):
             trains = any(p.requires_grad for p in module.parameters())
             return super()._track_module_params_and_buffers(module, install_grad_hooks and trains)
 
-        _block: dict | None = None  # the block whose forward runs: {"block", "start", "peak"}
+        _block: dict | None = None  # the block whose forward or backward runs: {"block", "start", "peak"}
 
         def _total(self) -> int:
             return next(iter(self._curr_mem_snap.values()))[_TOTAL_KEY] if self._curr_mem_snap else 0
@@ -310,13 +316,15 @@ def _step_tracker(phases: list[dict] | None = None):
             total = self._total()
             self._block = {"block": self._mod_tracker.get_known_fqn(module), "start": total, "peak": total}
 
-        def _block_end(self) -> None:
-            """The block's record in its forward phase: live bytes at its start and end and its peak, so that
-            end - start is what its forward leaves (kept + output carry) and peak - end its transient. (A
-            block's backward has no record: its inputs and outputs are a `Carry`, which the module tracker's
-            gradient hooks do not see.)"""
+        def _block_end(self, end: int | None = None) -> None:
+            """The block's record in its phase: live bytes at its start and end and its peak. In a forward phase
+            end - start is what its forward leaves (kept + output carry) and peak - end its transient. In a
+            backward phase a record runs from the block's rebuild (its forward run again under recomputation)
+            to the next block's rebuild or the phase's end: peak - start is what its rebuild and backward add
+            at their highest. (Backward records need recomputation: a block's backward alone takes and returns
+            a `Carry`, which the module tracker's gradient hooks do not see.)"""
             if self._block is not None:
-                self._block["end"] = self._total()
+                self._block["end"] = self._total() if end is None else end
                 self._phase.setdefault("blocks", []).append(self._block)
                 self._block = None
 
@@ -336,6 +344,17 @@ def _step_tracker(phases: list[dict] | None = None):
             super()._pre_fw_hook(module, inputs)
             if self._is_block(module) and not self._mod_tracker.is_bw:
                 self._block_begin(module)
+            elif self._mod_tracker.is_bw and phases is not None and self._phase is not None:
+                self._rebuild(module)
+
+        def _rebuild(self, module) -> None:
+            """A block's rebuild under recomputation runs its inner forward (the checkpointed function), not
+            the Block module: its first module opens the block's backward record, ending the previous one."""
+            name = _BLOCK_OF.match(self._mod_tracker.get_known_fqn(module) or "")
+            if name and (self._block is None or self._block["block"] != name[1]):
+                self._block_end()
+                total = self._total()
+                self._block = {"block": name[1], "start": total, "peak": total}
 
     return StepMemTracker()
 
