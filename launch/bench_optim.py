@@ -218,14 +218,15 @@ def run(overrides: list[str], rounds: int, threads: int = 1, device: str = "cpu"
                        "muon_bf16_gemm": "bf16" if native_bf16_matmul(dev) else "fp32 GEMMs on bf16 values"})
 
     if "sinkhorn" in sections:
-        sk = SinkhornBalanced(_fresh(sink, dev), lr=1e-3)
-        keep = SinkhornBalanced(_fresh(sink, dev), lr=1e-3, consume_grad=False)
+        chunk = ocfg.sinkhorn.chunk_elems  # the trainer's (optim.sinkhorn.chunk_elems)
+        sk = SinkhornBalanced(_fresh(sink, dev), lr=1e-3, chunk_elems=chunk)
+        keep = SinkhornBalanced(_fresh(sink, dev), lr=1e-3, chunk_elems=chunk, consume_grad=False)
         aw = torch.optim.AdamW(_fresh(sink, dev), lr=1e-3, betas=(0.9, 0.95), eps=1e-20)
         times, cpu = timed("sinkhorn", {"sinkhorn": sk.step, "sinkhorn_keep_grad": keep.step, "adamw": aw.step})
         result["sinkhorn_time_ratio"] = compare("sinkhorn_vs_adamw", times, cpu, "sinkhorn", "adamw")["median"]
         result["sinkhorn_keep_grad_time_ratio"] = compare("sinkhorn_keep_grad_vs_adamw", times, cpu,
                                                           "sinkhorn_keep_grad", "adamw")["median"]
-        result.update({"sinkhorn_params": sum(p.numel() for p in sink),
+        result.update({"sinkhorn_params": sum(p.numel() for p in sink), "sinkhorn_chunk_elems": chunk,
                        "sinkhorn_step_s": statistics.median(times["sinkhorn"]),
                        "sinkhorn_keep_grad_step_s": statistics.median(times["sinkhorn_keep_grad"]),
                        "adamw_step_s": statistics.median(times["adamw"]),
@@ -272,7 +273,8 @@ def table(result: dict) -> str:
             row("  ours, NS in bf16 on torch's bf16 GEMMs", result["muon_bf16_native_step_s"],
                 result["torch_muon_step_s"], "muon_bf16_native_vs_torch_muon")
     if "sinkhorn_step_s" in result:
-        lines.append(f"Sinkhorn-balanced tables ({result['sinkhorn_params']:,} parameters), "
+        lines.append(f"Sinkhorn-balanced tables ({result['sinkhorn_params']:,} parameters, chunks of "
+                     f"{result['sinkhorn_chunk_elems']:,} values), "
                      f"{format_load(result['load']['sinkhorn'])}")
         row("  SinkhornBalanced vs AdamW step (s)", result["sinkhorn_step_s"], result["adamw_step_s"],
             "sinkhorn_vs_adamw")

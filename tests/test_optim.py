@@ -585,6 +585,12 @@ def test_bench_optim_states_threads_and_load_with_its_figures():
     assert set(r["comparisons"]) == set(r["comparisons_cpu"]) == {"sinkhorn_vs_adamw", "sinkhorn_keep_grad_vs_adamw"}
     assert r["sinkhorn_time_ratio"] > 0 and "muon_time_ratio" not in r
     assert "tasks running" in bench_optim.table(r)
+    # the trainer's chunk (conf/optim/v41.yaml optim.sinkhorn.chunk_elems), not the class default
+    r2 = bench_optim.run(["+exp=flash_tiny", "optim.sinkhorn.chunk_elems=4096"], rounds=1, threads=1, device="cpu",
+                         sections=("sinkhorn",))
+    torch.set_num_threads(threads)
+    assert r["sinkhorn_chunk_elems"] == 262144 and r2["sinkhorn_chunk_elems"] == 4096
+    assert f"({r2['sinkhorn_params']:,} parameters, chunks of 4,096 values)" in bench_optim.table(r2)
 
 
 def _bench_module(name: str):

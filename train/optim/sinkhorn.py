@@ -122,7 +122,7 @@ class _Rows:
 @torch.no_grad()
 def sinkhorn_update_reference(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor, lr: float, beta: float,
                               num_steps: int, tau: float, eps: float, gamma: float,
-                              chunk_elems: int = 1 << 20, row_group=None, consume_grad: bool = False) -> None:
+                              chunk_elems: int = 1 << 18, row_group=None, consume_grad: bool = False) -> None:
     """In place: M <- momentum, W <- W - gamma lr sqrt(n) U (Algorithm 1). `consume_grad` (fp32 G and M): G is
     left holding G^ (the first pass writes it there; the later passes read it instead of G and M).
 
@@ -323,7 +323,7 @@ def sinkhorn_update_shapes(W: torch.Tensor, num_steps: int, row_group=None) -> N
 
 
 def sinkhorn_update(W, G, M, lr, beta, num_steps, tau, eps, gamma, triton: bool | None = None,
-                    chunk_elems: int = 1 << 20, row_group=None, consume_grad: bool = False) -> None:
+                    chunk_elems: int = 1 << 18, row_group=None, consume_grad: bool = False) -> None:
     if use_triton(W, triton) and W.shape[0]:  # fake tensors: only while the compile gate records launches
         sinkhorn_update_triton(W, G, M, lr, beta, num_steps, tau, eps, gamma, row_group)
     elif is_fake(W):
@@ -345,7 +345,7 @@ class SinkhornBalanced(GroupwiseOptimizer):
 
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, num_steps: int = 11,
                  tau: float = 1e-3, eps: float = 1e-20, gamma: float = 0.18, use_triton: bool | None = None,
-                 chunk_elems: int = 1 << 20, row_group_of=None, zero_of=None, consume_grad: bool = True):
+                 chunk_elems: int = 1 << 18, row_group_of=None, zero_of=None, consume_grad: bool = True):
         _check_steps(num_steps)
         if lr < 0 or not 0 <= momentum < 1:
             raise ValueError(f"SinkhornBalanced: invalid lr={lr} or momentum={momentum}")
