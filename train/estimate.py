@@ -312,9 +312,9 @@ def _step_tracker(phases: list[dict] | None = None):
 
             return phases is not None and self._phase is not None and not self._in_opt and isinstance(module, Block)
 
-        def _block_begin(self, module) -> None:
+        def _block_begin(self, name: str) -> None:
             total = self._total()
-            self._block = {"block": self._mod_tracker.get_known_fqn(module), "start": total, "peak": total}
+            self._block = {"block": name, "start": total, "peak": total}
 
         def _block_end(self, end: int | None = None) -> None:
             """The block's record in its phase: live bytes at its start and end and its peak. In a forward phase
@@ -343,7 +343,7 @@ def _step_tracker(phases: list[dict] | None = None):
                 self._begin(f"forward {self._forwards}")
             super()._pre_fw_hook(module, inputs)
             if self._is_block(module) and not self._mod_tracker.is_bw:
-                self._block_begin(module)
+                self._block_begin(self._mod_tracker.get_known_fqn(module))
             elif self._mod_tracker.is_bw and phases is not None and self._phase is not None:
                 self._rebuild(module)
 
@@ -353,8 +353,7 @@ def _step_tracker(phases: list[dict] | None = None):
             name = _BLOCK_OF.match(self._mod_tracker.get_known_fqn(module) or "")
             if name and (self._block is None or self._block["block"] != name[1]):
                 self._block_end()
-                total = self._total()
-                self._block = {"block": name[1], "start": total, "peak": total}
+                self._block_begin(name[1])
 
     return StepMemTracker()
 
