@@ -280,13 +280,15 @@ def verify(r: dict, overrides: list[str], device: str, jobs: int = 2) -> dict:
     position hold equal shares), `jobs` simulations side by side: each position's simulated peak against
     its cost-model figure, and whether the simulated peaks fit the GPU less `plan.headroom`. The
     estimator's per-rank lines are passed on as they come (prefixed `verify:`)."""
+    from flashtrain.train.estimate import shortened_round
+
     x = r["layouts"][0]
     cmd = [sys.executable, str(ROOT / "launch" / "estimate.py"), *overrides, *x["overrides"], "--world",
            str(r["gpus"]), "--device", device, "--jobs", str(jobs), "--json"]
+    whole = x["pp"] > 1 and shortened_round(x["pp"], x["pipeline_schedule"], x["microbatches"], 0) > 2 * x["pp"]
     print(f"verify: launch/estimate.py on every pipeline position of layout 1, {jobs} at a time ..." + (
-        "" if x["pipeline_schedule"] == "1f1b" or x["pp"] == 1 else
-        f" ({x['pipeline_schedule']} is simulated whole: {x['microbatches']} micro-batches, which may take hours)"),
-        file=sys.stderr, flush=True)
+        f" ({x['pipeline_schedule']} is simulated whole: {x['microbatches']} micro-batches, which may take hours)"
+        if whole else ""), file=sys.stderr, flush=True)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err: list[str] = []

@@ -47,6 +47,23 @@ SCHEDULES: dict[str, tuple[int, str]] = {
 }
 
 
+def splits_backward(schedule: str, pp: int) -> bool:
+    """Whether the schedule runs a micro-batch's backward in two passes, input gradients then weight gradients
+    (torch.distributed.pipelining's zero-bubble split: the V-shaped schedules)."""
+    return pp > 1 and SCHEDULES[schedule][1] == "v"
+
+
+def check_recompute_with_schedule(schedule: str, pp: int, recompute: str) -> None:
+    """Selective recomputation (torch's selective checkpointing, model/recompute.py) allows one backward through
+    a recomputed region, and a split backward makes two: torch raises in the first weight pass. Refused here,
+    before anything is built."""
+    if recompute == "selective" and splits_backward(schedule, pp):
+        raise ConfigError(f"train.recompute=selective with parallel.pipeline_schedule={schedule}: {schedule} runs each "
+                          f"backward in two passes (input, then weight gradients) and selective recomputation "
+                          f"allows one; use train.recompute=none or full, or parallel.pipeline_schedule=1f1b or "
+                          f"interleaved_1f1b")
+
+
 @dataclass
 class ParallelConfig:
     world: int | None = None

@@ -106,20 +106,24 @@ def test_step_tracker_keeps_no_graph_alive():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, pp, rank, simulated", [(1, 1, 0, 2), (2, 2, 0, 3), (2, 2, 1, 2)])
-def test_the_shortened_step_has_the_peak_of_the_whole_accumulation(monkeypatch, world, pp, rank, simulated):
+@pytest.mark.parametrize("world, pp, rank, schedule, whole, simulated", [
+    (1, 1, 0, "1f1b", 5, 2), (2, 2, 0, "1f1b", 5, 3), (2, 2, 1, "1f1b", 5, 2), (2, 2, 1, "dualpipev", 6, 4),
+    (2, 2, 0, "interleaved_1f1b", 6, 4)])
+def test_the_shortened_step_has_the_peak_of_the_whole_accumulation(monkeypatch, world, pp, rank, schedule, whole,
+                                                                    simulated):
     """The estimator simulates only as many micro-batches as the peak needs (2 without a pipeline; with
-    1F1B pp + 1 on stage 0, pp on the last): its peak against simulating the whole accumulation (5
-    micro-batches, one round), and the micro-batch counts by hand. Within 0.1%: a few bytes per
-    micro-batch (the schedule's per-micro-batch losses, 3 KiB here without a pipeline) are bookkeeping
-    that the shortened step does not repeat; one micro-batch too few would leave out the gradients or a
-    micro-batch's activations (> 10% here). Five micro-batches: more than any shortened step keeps, few
-    enough to simulate quickly."""
+    1F1B pp + 1 on stage 0, pp on the last; 2 pp with DualPipeV, and with interleaved 1F1B when pp divides the
+    round; `test_which_steps_the_estimator_shortens` has the other cases): its
+    peak against simulating the whole accumulation (`whole` micro-batches, one round), and the micro-batch
+    counts by hand. Within 0.1%: a few bytes per micro-batch (the schedule's per-micro-batch losses, 3 KiB
+    here without a pipeline) are bookkeeping that the shortened step does not repeat; one micro-batch too
+    few would leave out the gradients or a micro-batch's activations (> 10% here). `whole`: more than any
+    shortened step keeps, few enough to simulate quickly."""
     import flashtrain.train.estimate as estimate
     from flashtrain.train.config import compose
 
-    cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, f"parallel.pp={pp}", "train.global_batch_tokens=640",
-                   "data.batch_size=1"])
+    cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, f"parallel.pp={pp}", f"train.global_batch_tokens={128 * whole}",
+                   "data.batch_size=1", f"parallel.pipeline_schedule={schedule}"])
     counts = []
     original = estimate.SimulatedRank.run_step
 
@@ -130,14 +134,38 @@ def test_the_shortened_step_has_the_peak_of_the_whole_accumulation(monkeypatch, 
     monkeypatch.setattr(estimate.SimulatedRank, "run_step", counted)
     short = estimate.estimate_rank(cfg, world, rank, "cpu")
     monkeypatch.setattr(estimate, "_peak_preserving_microbatches", lambda *a: {})
-    whole = estimate.estimate_rank(cfg, world, rank, "cpu")
-    assert counts == [simulated, 5]
-    assert short.peak_bytes == pytest.approx(whole.peak_bytes, rel=1e-3), (short, whole)
+    full = estimate.estimate_rank(cfg, world, rank, "cpu")
+    assert counts == [simulated, whole]
+    assert short.peak_bytes == pytest.approx(full.peak_bytes, rel=1e-3), (short, full)
     if pp > 1:
         # A pipeline round's inputs for the micro-batches the shortened step leaves out (3 int64 tensors
         # of 128 tokens: 3 KiB each) are added by hand; without them the stages fall short by 6-9 KiB,
         # under the 0.1% above. The simulations differ by a few bytes of the schedule's bookkeeping.
-        assert abs(short.peak_bytes - whole.peak_bytes) < 3 * 128 * 8 // 4, (short, whole)
+        assert abs(short.peak_bytes - full.peak_bytes) < 3 * 128 * 8 // 4, (short, full)
+
+
+@pytest.mark.parametrize("pp, schedule, accumulation, round_microbatches, rank, expected", [
+    (1, "1f1b", 7, 7, 0, (2, 1)), (1, "1f1b", 1, 1, 0, (1, 1)),
+    (4, "1f1b", 64, 64, 0, (5, 5)), (4, "1f1b", 64, 64, 3, (4, 4)), (4, "1f1b", 3, 3, 0, None),
+    (4, "1f1b", 64, 16, 0, None),  # several rounds: in full
+    (4, "dualpipev", 256, 256, 2, (8, 8)), (4, "zbv", 12, 12, 0, (8, 8)), (4, "dualpipev", 8, 8, 3, None),
+    (4, "interleaved_1f1b", 16, 16, 1, (8, 8)), (4, "interleaved_1f1b", 6, 6, 0, None),
+    (4, "interleaved_1f1b", 10, 10, 0, None),  # rounds of 5 (10 // 4 = 2 rounds): a longer warm-up than 2 x 4
+])
+def test_which_steps_the_estimator_shortens(pp, schedule, accumulation, round_microbatches, rank, expected):
+    """The micro-batch counts `_peak_preserving_microbatches` simulates, by hand from its docstring's rules:
+    (accumulation, round_microbatches), or None where the step is simulated in full (nothing to shorten)."""
+    from types import SimpleNamespace
+
+    from flashtrain.train.config import BatchPlan
+    from flashtrain.train.estimate import _peak_preserving_microbatches
+
+    plan = BatchPlan(SimpleNamespace(pp=pp), accumulation, 1, accumulation, round_microbatches)
+    got = _peak_preserving_microbatches(plan, schedule, rank)
+    if expected is None:
+        assert got == {}
+    else:
+        assert (got["accumulation"], got["round_microbatches"]) == expected
 
 
 def test_the_step_phase_by_phase_follows_the_1f1b_schedule():

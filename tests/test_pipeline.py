@@ -10,6 +10,7 @@ from flashtrain.model import Transformer
 from flashtrain.model.aux import StepStats
 from flashtrain.parallel.config import ParallelConfig
 from flashtrain.parallel.pipeline import boundary_specs, live_shared_fields, prune_to_stages, stage_ids, stage_ranges
+from layer_plans import FOUR_LAYERS
 
 
 def test_live_fields_follow_the_role_table(tiny_cfg):
@@ -123,3 +124,23 @@ def test_the_former_schedule_key_still_works_with_a_deprecation_message():
     with pytest.warns(DeprecationWarning):
         parsed = typed_config(ParallelConfig, OmegaConf.to_container(conf.parallel), "parallel")
     assert parsed.pipeline_schedule == "dualpipev"
+
+
+def test_why_a_split_backward_refuses_selective_recomputation(monkeypatch):
+    """The refusal of parallel.config.check_recompute_with_schedule is torch's own limit, not a guess: ZBV's
+    step with the check taken out raises in its first weight pass (the estimator runs the real step on fake
+    tensors), where interleaved 1F1B (one backward pass) runs."""
+    import flashtrain.train.build as build
+    from flashtrain.train.config import compose
+    from flashtrain.train.estimate import estimate_rank
+
+    def cfg(schedule):
+        return compose(["+exp=flash_tiny", *FOUR_LAYERS, "parallel.pp=2", "train.global_batch_tokens=512",
+                        "data.batch_size=1", f"parallel.pipeline_schedule={schedule}", "train.recompute=selective"])
+
+    with pytest.raises(ConfigError, match="selective"):
+        estimate_rank(cfg("zbv"), 2, 0, "cpu")
+    assert estimate_rank(cfg("interleaved_1f1b"), 2, 0, "cpu").peak_bytes > 0
+    monkeypatch.setattr(build, "check_recompute_with_schedule", lambda *a: None)
+    with pytest.raises(RuntimeError, match="backward once on any region computed under selective"):
+        estimate_rank(cfg("zbv"), 2, 0, "cpu")

@@ -494,6 +494,17 @@ def test_bad_pipeline_and_context_layouts_are_refused_before_anything_is_built()
         plan(2, "parallel.pp=2", "parallel.pipeline_schedule=zbv", "parallel.stage_layers=[4,4]")
     with pytest.raises(ConfigError, match="parallel.cp=3 does not divide the 1 ranks"):
         plan(1, "parallel.cp=3", "train.max_steps=1")
+    # a split backward (the V-shaped schedules) with selective recomputation, which torch raises on in the first
+    # weight pass (tests/test_pipeline.py); full recomputation, or selective with a one-pass schedule, is a layout
+    one = ["data.batch_size=1"]  # 4 micro-batches: as many as the 4 stages need
+    for schedule in ("zbv", "dualpipev"):
+        with pytest.raises(ConfigError, match=f"^train.recompute=selective with parallel.pipeline_schedule={schedule}: "
+                                              f".*use train.recompute=none or full"):
+            plan(2, "parallel.pp=2", f"parallel.pipeline_schedule={schedule}", "train.recompute=selective", *one)
+        assert plan(2, "parallel.pp=2", f"parallel.pipeline_schedule={schedule}", "train.recompute=full",
+                    *one).dims.pp == 2
+    assert plan(2, "parallel.pp=2", "parallel.pipeline_schedule=interleaved_1f1b", "train.recompute=selective", *one)
+    assert plan(1, "parallel.pipeline_schedule=dualpipev", "train.recompute=selective").dims.pp == 1  # no pipeline
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ from flashtrain.data.tokenizer import load_tokenizer, token_byte_counts
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 from flashtrain.model.recompute import validate_recompute
-from flashtrain.parallel.config import ParallelConfig
+from flashtrain.parallel.config import ParallelConfig, check_recompute_with_schedule
 from flashtrain.parallel.construct import build_rank_model
 from flashtrain.parallel.context import ContextComm
 from flashtrain.parallel.dims import ParallelDims
@@ -116,6 +116,7 @@ def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: Pa
                           f"{parallel.pipeline_schedule}) summing to {n_layers}")
     plan = plan_batches(train, seq_len, micro_batch, dims, parallel)
     validate_recompute(train.recompute)
+    check_recompute_with_schedule(parallel.pipeline_schedule, parallel.pp, train.recompute)
     if compile_enabled(train.compile, "cuda" if torch.cuda.is_available() else "cpu", train.compile_default):
         check_backend(train.compile_backend)
     if train.loss_tile_tokens <= 0:

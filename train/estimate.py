@@ -15,7 +15,8 @@ its stages and expert shard, materialised), the batch is text of the configured 
 The measured step is a steady-state one: the optimizer state exists before it starts (created by one
 optimizer step on zero gradients, as the first real step creates it), as in every step after the first.
 It runs as many micro-batches as the peak needs (`_peak_preserving_microbatches`: 2 without a pipeline,
-pp + 1 on stage 0 and pp elsewhere with 1F1B; later micro-batches repeat the same state), not the whole
+pp + 1 on stage 0 and pp elsewhere with 1F1B, 2 pp with the V-shaped and (pp dividing the round) interleaved
+schedules; later micro-batches repeat the same state), not the whole
 accumulation; the one thing that grows with the micro-batches left out, a pipeline round's inputs
 concatenated on the device (tokens, token types, labels), is added by its size. The step's batches
 come from the loader, in host memory on a GPU: they are read before the tracking starts.
@@ -106,17 +107,31 @@ def _peak_preserving_microbatches(layout: BatchPlan, schedule: str, pp_rank: int
     activations build up), and every later one repeats it. With 1F1B, stage s warms up with
     min(pp - s, M) forwards (its peak in flight) and micro-batch pp - s + 1 runs after the first
     backward (gradients held), so pp - s + 1 micro-batches show stage s's peak; the schedule needs at
-    least pp: min(M, max(pp, pp - s + 1)). The pipeline stages hold receive buffers only for
-    micro-batches in use (parallel/lean_stage.py), so nothing else scales with M. Other schedules are
-    simulated in full."""
-    pp = layout.dims.pp
+    least pp: min(M, max(pp, pp - s + 1)). The V-shaped schedules (`zbv`, `dualpipev`) warm up by counts
+    of pp and the rank alone (torch.distributed.pipelining's action lists) and need 2 pp micro-batches,
+    in which every rank already runs a steady-state forward-backward pair: min(M, 2 pp). Interleaved 1F1B
+    runs M in rounds of M / max(1, M // pp) micro-batches, whose warm-up grows with the round: when pp
+    divides M the rounds are of pp, and two of them (min(M, 2 pp)) show the peak; other M are simulated in
+    full, as are steps of several rounds. The pipeline stages hold receive buffers only for micro-batches
+    in use (parallel/lean_stage.py), so nothing else scales with M (the round's inputs, added by
+    `SimulatedRank.unsimulated_round_input_bytes`)."""
+    pp, m = layout.dims.pp, layout.round_microbatches
     if pp == 1:
-        m = min(layout.accumulation, 2)
-        return {"accumulation": m, "round_microbatches": 1}
-    if schedule == "1f1b" and layout.rounds == 1:
-        m = min(layout.round_microbatches, max(pp, pp - pp_rank + 1))
-        return {"accumulation": m, "round_microbatches": m}
-    return {}
+        return {"accumulation": min(layout.accumulation, 2), "round_microbatches": 1}
+    if layout.rounds != 1:
+        return {}
+    m = shortened_round(pp, schedule, m, pp_rank)
+    return {"accumulation": m, "round_microbatches": m} if m < layout.round_microbatches else {}
+
+
+def shortened_round(pp: int, schedule: str, round_microbatches: int, pp_rank: int) -> int:
+    """The micro-batches of a one-round pipeline step that show its peak (`_peak_preserving_microbatches`)."""
+    m = round_microbatches
+    if schedule == "1f1b":
+        return min(m, max(pp, pp - pp_rank + 1))
+    if schedule in ("zbv", "dualpipev") or (schedule == "interleaved_1f1b" and m % pp == 0):
+        return min(m, 2 * pp)
+    return m
 
 
 def _static_stages(stages, has_backward, p2p_done) -> None:

@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.config.typed import typed_config
-from flashtrain.parallel.config import SCHEDULES, ParallelConfig
+from flashtrain.parallel.config import SCHEDULES, ParallelConfig, splits_backward
 from flashtrain.parallel.partition import UnitInventory, _stage_cost, in_flight_microbatches, partition
 from flashtrain.parallel.pipeline import stage_ids
 from flashtrain.parallel.step_time import Hardware, StepTime, step_time
@@ -340,6 +340,8 @@ class LayoutSearch:
         for pp in divisors(world):
             for recompute in self.plan.recompute:
                 for schedule in (self.plan.schedules if pp > 1 else ["1f1b"]):
+                    if recompute == "selective" and splits_backward(schedule, pp):
+                        continue  # refused (parallel.config.check_recompute_with_schedule): not a layout
                     yield pp, recompute, schedule, divisors(world // pp)
 
     def expert_degrees(self, world: int, pp: int) -> list[int]:
