@@ -65,9 +65,9 @@ def build_report(overrides: list[str], device: str = "cuda", world: int | None =
     from flashtrain.model import Transformer
     from flashtrain.model.inspect import inspect_model
     from flashtrain.parallel.config import ParallelConfig
-    from flashtrain.parallel.partition import in_flight_microbatches, partition_report
+    from flashtrain.parallel.partition import in_flight_microbatches, in_flight_states, partition_report, rank_costs
     from flashtrain.parallel.pipeline import stage_ids
-    from flashtrain.train.config import compose, model_config, optim_config, schedule
+    from flashtrain.train.config import compose, global_sequences, model_config, optim_config, schedule
     from flashtrain.train.optim.routing import route_parameters, routing_summary
     from flashtrain.train.stages import plan_stages, stage_units
 
@@ -89,16 +89,22 @@ def build_report(overrides: list[str], device: str = "cuda", world: int | None =
         dp = max(1, world // (parallel.pp * parallel.cp)) if world else 1
         units = stage_units(model, cfg, ocfg, parallel, seq_len, int(conf.data.batch_size),
                             str(conf.train.recompute), device == "cuda", dp * parallel.cp, parallel.cp)
-        flight = in_flight_microbatches(parallel.pp, parallel.pipeline_schedule)
-        report["pipeline"] = partition_report(units, plan_stages(units, parallel), flight)
+        # micro-batches per round (one round unless parallel.microbatches says otherwise): interleaved 1F1B's
+        # in-flight counts depend on it
+        m = parallel.microbatches or max(1, global_sequences(float(conf.train.global_batch_tokens), seq_len)
+                                         // (dp * int(conf.data.batch_size)))
+        flight = in_flight_microbatches(parallel.pp, parallel.pipeline_schedule, m)
+        bounds = plan_stages(units, parallel, m)
+        report["pipeline"] = partition_report(units, bounds, flight)
         report["pipeline"]["dp"] = dp
         report["pipeline"]["cp"] = parallel.cp
         report["pipeline"].update(pp=parallel.pp, schedule=parallel.pipeline_schedule, n_stages=parallel.n_stages,
                                   stages_of_rank=[stage_ids(parallel, r) for r in range(parallel.pp)])
         if parallel.stages_per_rank > 1:  # what a rank holds: the sum of its stages
-            st = report["pipeline"]["stages"]
-            ranks = [{k: sum(st[i][k] for i in ids) for k in ("bytes", "flops_per_token")}
-                     for ids in report["pipeline"]["stages_of_rank"]]
+            st, of_rank = report["pipeline"]["stages"], report["pipeline"]["stages_of_rank"]
+            costs = rank_costs(units, bounds, of_rank, in_flight_states(parallel.pp, parallel.pipeline_schedule, m))
+            ranks = [{"bytes": b, "flops_per_token": sum(st[i]["flops_per_token"] for i in ids)}
+                     for b, ids in zip(costs, of_rank)]
             report["pipeline"]["ranks"] = ranks
             for k, name in (("bytes", "rank_imbalance_bytes"), ("flops_per_token", "rank_imbalance_compute")):
                 report["pipeline"][name] = max(r[k] for r in ranks) / (sum(r[k] for r in ranks) / len(ranks))

@@ -33,6 +33,7 @@ Works on the meta device (shapes only).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -319,19 +320,82 @@ def bounds_from_counts(counts: list[int]) -> list[tuple[int, int]]:
     return bounds
 
 
-def in_flight_microbatches(pp: int, schedule: str = "1f1b") -> list[int]:
-    """Micro-batches whose activations each stage holds at its peak, from the warm-up of the
-    torch.distributed.pipelining schedules (an estimate for the partitioner):
-    - 1F1B: stage s of P holds P - s;
-    - interleaved 1F1B (2 looped stages per rank, rank r = s mod P): the rank runs P + 2 (P - 1 - r)
-      forwards before its first backward, shared by its two stages;
-    - ZBV / DualPipeV (rank r holds stage r and 2P - 1 - r): 2P - 1 - r forwards of its first stage and
-      P of its second before the first backward."""
-    if schedule == "1f1b":
+def in_flight_microbatches(pp: int, schedule: str = "1f1b", microbatches: int | None = None) -> list[int]:
+    """Micro-batches whose activations each stage holds at its peak: 1F1B's stage s of P holds P - s (its
+    warm-up); with two stages per rank, the most a stage holds at any point of its rank's schedule
+    (`in_flight_states`) -- a bound for the partitioner's per-stage table; a rank's memory is priced by
+    `rank_costs` at the points where its two stages hold the most together."""
+    if schedule == "1f1b" or pp == 1:
         return [pp - s for s in range(pp)]
-    if schedule == "interleaved_1f1b":
-        return [-(-(pp + 2 * (pp - 1 - s % pp)) // 2) for s in range(2 * pp)]
-    return [2 * pp - 1 - s if s < pp else pp for s in range(2 * pp)]
+    out = [0] * (2 * pp)
+    for rank, points in enumerate(in_flight_states(pp, schedule, microbatches)):
+        for k, stage in enumerate(sorted({rank, _second_stage(pp, schedule, rank)})):
+            out[stage] = max(point[k] for point in points)
+    return out
+
+
+def _second_stage(pp: int, schedule: str, rank: int) -> int:
+    return rank + pp if schedule == "interleaved_1f1b" else 2 * pp - 1 - rank  # looped, or V-shaped
+
+
+@functools.lru_cache(maxsize=64)
+def in_flight_states(pp: int, schedule: str = "1f1b", microbatches: int | None = None) -> list[list[tuple[int, ...]]]:
+    """Per pipeline rank, the micro-batches in flight on each of its stages (in increasing stage order) at the
+    points of its schedule where no other point holds as many or more on every stage: its activations peak
+    at one of them. 1F1B: [(P - r,)]. Two stages per rank: torch.distributed.pipelining's own order of the
+    rank's actions (`_schedule_actions`), a forward adding a micro-batch to its stage and a backward (full, or
+    the input half of a split one) taking one away; `microbatches` per round (default 2 P), which sets
+    interleaved 1F1B's warm-up (rounds of M / max(1, M // P)). E.g. interleaved 1F1B, P = 4, rank 3 (stages 3
+    and 7): 4 forwards of stage 3, then stage 7's forwards and backwards alternate while stage 3's go on:
+    (5, 0) and (4, 1)."""
+    if schedule == "1f1b" or pp == 1:
+        return [[(pp - r,)] for r in range(pp)]
+    m = microbatches or 2 * pp
+    out = []
+    for rank in range(pp):
+        stages = sorted({rank, _second_stage(pp, schedule, rank)})
+        count, points = dict.fromkeys(stages, 0), set()
+        for action in _schedule_actions(pp, schedule, m, rank):
+            for a in action.sub_actions or (action,):
+                kind = a.computation_type.name
+                if kind == "FORWARD":
+                    count[a.stage_index] += 1
+                elif kind in ("FULL_BACKWARD", "BACKWARD_INPUT"):
+                    count[a.stage_index] -= 1
+                points.add(tuple(count[st] for st in stages))
+        out.append(sorted(p for p in points if not any(q != p and all(x >= y for x, y in zip(q, p)) for q in points)))
+    return out
+
+
+def _schedule_actions(pp: int, schedule: str, microbatches: int, rank: int) -> list:
+    """The actions of pipeline rank `rank` in the order torch.distributed.pipelining runs them: the schedule
+    class's own `_calculate_single_rank_operations` (private) on an instance given only the attributes it
+    reads -- the schedule is not built, which needs its stages and process group."""
+    from torch.distributed.pipelining import schedules
+
+    cls = {"interleaved_1f1b": schedules.ScheduleInterleaved1F1B, "zbv": schedules.ScheduleZBVZeroBubble,
+           "dualpipev": schedules.ScheduleDualPipeV}[schedule]
+    sched = cls.__new__(cls)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, 2, microbatches
+    sched.num_stages = 2 * pp
+    sched.microbatches_per_round = microbatches // max(1, microbatches // pp)
+    return [a for a in sched._calculate_single_rank_operations(rank) if a is not None]
+
+
+def rank_costs(units: list[dict], bounds: list[tuple[int, int]], stages_of_rank: list[list[int]],
+               states: list[list[tuple[int, ...]]]) -> list[float]:
+    """Each pipeline rank's cost-model peak: the state of its stages, the activations its stages hold together
+    at the schedule's worst point (`in_flight_states`: micro-batches in flight per stage x what one holds), and
+    the largest backward working set of its blocks, once -- a rank runs one backward at a time. With one stage
+    per rank, `_stage_cost`."""
+    out = []
+    for stages, points in zip(stages_of_rank, states):
+        blocks = [u for s in stages for u in units[bounds[s][0]:bounds[s][1]]]
+        held = [sum(_held(u, i == bounds[s][0]) for i, u in enumerate(units[bounds[s][0]:bounds[s][1]], bounds[s][0]))
+                for s in stages]
+        acts = max(sum(c * h for c, h in zip(point, held)) for point in points)
+        out.append(sum(u["state_bytes"] for u in blocks) + acts + max(u["work_bytes"] for u in blocks))
+    return out
 
 
 def _held(unit: dict, first: bool) -> float:
@@ -380,7 +444,8 @@ def _cost_table(units: list[dict], pp: int, in_flight: list[int]) -> dict:
 
 def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
               in_flight: list[int] | None = None, memory_slack: float = 0.0, budget: float | None = None,
-              stages_of_rank: list[list[int]] | None = None) -> list[tuple[int, int]]:
+              stages_of_rank: list[list[int]] | None = None,
+              states: list[list[tuple[int, ...]]] | None = None) -> list[tuple[int, int]]:
     """Contiguous [start, end) unit ranges for `pp` stages (virtual stages included), or the ranges
     given by `stage_layers` (layer counts per stage). Lexicographic, each an exact dynamic programme:
     1. the smallest possible largest stage memory M (state + activations, `_stage_cost`);
@@ -397,8 +462,9 @@ def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
     2. among those, the most even memory.
     A rank holding several stages (`stages_of_rank`, e.g. V-shaped ZBV / DualPipeV) runs them all: from
     that split, boundaries then move one block at a time while the largest per-rank compute (the sum of a
-    rank's stages) falls and every rank's memory (the sum of its stages') fits (a local search, not
-    exact). No split that fits: a ConfigError naming the smallest largest stage memory possible."""
+    rank's stages) falls and every rank's memory (`rank_costs` at the schedule's in-flight `states`) fits (a
+    local search, not exact). No split that fits: a ConfigError naming the smallest largest stage memory
+    possible."""
     n = len(units)
     in_flight = in_flight or in_flight_microbatches(pp)
     if not 1 <= pp <= n:
@@ -451,16 +517,18 @@ def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,
         j = i
     bounds = bounds[::-1]
     if budget is not None and stages_of_rank and any(len(r) > 1 for r in stages_of_rank):
-        bounds = _balance_ranks(bounds, stages_of_rank, lambda s, i, j: cost[s + 1, i, j],
+        if states is None:
+            raise ValueError("partition: ranks of several stages need the schedule's in-flight states")
+        bounds = _balance_ranks(bounds, stages_of_rank, lambda b: rank_costs(units, b, stages_of_rank, states),
                                 lambda i, j: prefix[j] - prefix[i], budget * tol)
     return bounds
 
 
-def _balance_ranks(bounds, stages_of_rank, stage_cost, stage_compute, budget):
+def _balance_ranks(bounds, stages_of_rank, rank_memory, stage_compute, budget):
     """Local search over stage boundaries: lower the largest per-rank compute (then the sum of squared
-    rank computes) while every rank's memory stays within `budget`."""
+    rank computes) while every rank's memory (`rank_memory(bounds)`, per rank) stays within `budget`."""
     def score(b):
-        mem = [sum(stage_cost(s, *b[s]) for s in r) for r in stages_of_rank]
+        mem = rank_memory(b)
         comp = [sum(stage_compute(*b[s]) for s in r) for r in stages_of_rank]
         ok = max(mem) <= budget
         return (not ok, max(comp), sum(c * c for c in comp)) if ok else (True, max(mem), 0.0)

@@ -69,20 +69,20 @@ def test_step_time_by_hand():
 def trainer_rank_bytes(overrides: list[str], world: int) -> list[int]:
     """Per pipeline position, the cost-model bytes of the partition the trainer builds for `overrides` on
     `world` processes, through train/build.py's functions (which also check that the layout builds)."""
-    from flashtrain.parallel.partition import in_flight_microbatches, partition_report
+    from flashtrain.parallel.partition import in_flight_states, rank_costs
     from flashtrain.parallel.pipeline import stage_ids
     from flashtrain.train.build import read_configs, run_plan
     from flashtrain.train.config import compose
     from flashtrain.train.stages import plan_stages, stage_units
 
     c = read_configs(compose(overrides))
-    dims = run_plan(c, world).dims
+    plan = run_plan(c, world)
+    dims = plan.dims
     units = stage_units(_template(json.dumps(asdict(c.model))), c.model, c.optim, c.parallel, c.data.seq_len,
                         c.data.batch_size, c.train.recompute, True, dims.dp_cp, dims.cp)
-    bounds = plan_stages(units, c.parallel) if dims.pp > 1 else [(0, len(units))]
-    flight = in_flight_microbatches(dims.pp, c.parallel.pipeline_schedule)
-    stages = partition_report(units, bounds, flight)["stages"]
-    return [sum(stages[s]["bytes"] for s in stage_ids(c.parallel, r)) for r in range(dims.pp)]
+    bounds = plan_stages(units, c.parallel, plan.round_microbatches) if dims.pp > 1 else [(0, len(units))]
+    states = in_flight_states(dims.pp, c.parallel.pipeline_schedule, plan.round_microbatches)
+    return [int(b) for b in rank_costs(units, bounds, [stage_ids(c.parallel, r) for r in range(dims.pp)], states)]
 
 
 @functools.lru_cache(maxsize=4)

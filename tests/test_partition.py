@@ -12,7 +12,8 @@ import torch
 import warm_launch
 
 from flashtrain.config.errors import ConfigError
-from flashtrain.parallel.partition import PartitionCosts, _stage_cost, in_flight_microbatches, partition, unit_costs
+from flashtrain.parallel.partition import (PartitionCosts, _stage_cost, in_flight_microbatches, in_flight_states,
+                                          partition, rank_costs, unit_costs)
 
 pytestmark = pytest.mark.xdist_group("partition")  # its module-scoped reference runs are shared
 
@@ -107,16 +108,18 @@ def test_memory_budget_balances_the_sum_of_a_ranks_two_stages():
     units = [{"state_bytes": 10, "activation_bytes": 0, "work_bytes": 0, "flops_per_token": f}
              for f in (1, 1, 1, 1, 1, 1, 1, 9)]
     ranks = [[0, 3], [1, 2]]
-    flight = [1, 1, 1, 1]
+    flight, states = [1, 1, 1, 1], [[(1, 1)], [(1, 1)]]
     per_stage = partition(units, 4, in_flight=flight, budget=1000)
-    paired = partition(units, 4, in_flight=flight, budget=1000, stages_of_rank=ranks)
+    paired = partition(units, 4, in_flight=flight, budget=1000, stages_of_rank=ranks, states=states)
 
     def rank_compute(bounds):
         return max(sum(sum(u["flops_per_token"] for u in units[slice(*bounds[s])]) for s in r) for r in ranks)
 
     assert rank_compute(paired) < rank_compute(per_stage)
     assert rank_compute(paired) == 10  # rank 0 holds the first unit and the 9: stages [1] and [9] at best
-    assert all(sum(_stage_cost(units, *paired[s], 1) for s in r) <= 1000 for r in ranks)
+    assert all(b <= 1000 for b in rank_costs(units, paired, ranks, states))
+    with pytest.raises(ValueError, match="in-flight states"):
+        partition(units, 4, in_flight=flight, budget=1000, stages_of_rank=ranks)
 
 
 def test_stage_cost_is_state_plus_in_flight_activations_plus_the_largest_backward():
@@ -126,11 +129,46 @@ def test_stage_cost_is_state_plus_in_flight_activations_plus_the_largest_backwar
     assert _stage_cost(units, 0, 1, 4) == 100 + 4 * 10 + 7
 
 
-def test_in_flight_counts_from_the_schedules_warm_up():
-    assert in_flight_microbatches(4) == [4, 3, 2, 1]
-    # V-shaped, pp=2: rank 0 runs 3 forwards of stage 0 and 2 of stage 3 before its first backward
-    assert in_flight_microbatches(2, "dualpipev") == [3, 2, 2, 2]
-    assert in_flight_microbatches(2, "interleaved_1f1b") == [2, 1, 2, 1]
+def test_a_ranks_cost_holds_its_stages_at_the_schedules_worst_point_and_one_backward():
+    """`rank_costs` by hand: rank 0 holds stages 0 (units 0-1) and 3 (unit 4), rank 1 stages 1 and 2; what a
+    micro-batch holds in a stage is its first unit's activations plus, for the next units, their activations
+    less the carry they receive plus the carry the previous unit wrote (`_held`)."""
+    def unit(state, act, work, carry=0, new=0):
+        return {"state_bytes": state, "activation_bytes": act, "work_bytes": work, "carry_bytes": carry,
+                "new_carry_bytes": new}
+
+    units = [unit(100, 10, 7), unit(50, 20, 30, carry=5, new=2), unit(10, 3, 1), unit(20, 4, 2), unit(1, 40, 9)]
+    bounds, ranks = [(0, 2), (2, 3), (3, 4), (4, 5)], [[0, 3], [1, 2]]
+    held0 = 10 + (20 - 5 + 2)  # stage 0's second unit: its own activations less the carry, plus what unit 0 wrote
+    states = [[(3, 2), (4, 1)], [(2, 1), (3, 0)]]
+    assert rank_costs(units, bounds, ranks, states) == [
+        151 + max(3 * held0 + 2 * 40, 4 * held0 + 40) + 30,  # one backward working set: the rank's largest
+        30 + max(2 * 3 + 4, 3 * 3) + 2]
+    # one stage per rank: the stage's cost
+    one = [[(2,)], [(1,)]]
+    assert rank_costs(units, [(0, 2), (2, 5)], [[0], [1]], one) == [_stage_cost(units, 0, 2, 2),
+                                                                    _stage_cost(units, 2, 5, 1)]
+
+
+def test_in_flight_counts_follow_the_schedules_own_order():
+    """From torch.distributed.pipelining's action lists (pp=2, 4 micro-batches), by hand:
+    - interleaved 1F1B, rank 0 (stages 0, 2): 4 warm-up forwards, 2 per stage ((2, 2)), then forward / backward
+      pairs -- forwards to stage 0 twice, backwards from stage 2 twice: (3, 2), (3, 1), (4, 1), (4, 0) --, then
+      forwards to stage 2, backwards from stage 0; rank 1 (stages 1, 3): 2 warm-up forwards of stage 1, then
+      pairs on stage 3 ((2, 1)), then on stage 1 ((3, 0));
+    - DualPipeV, rank 0 (stages 0, 3): 2 forwards of stage 0, a forward of each ((3, 1)), stage 3's input
+      backward and forward, then overlapped pairs: forward on stage 0 (4, 1) before stage 3's backward;
+      rank 1 (stages 1, 2): two forwards of each ((2, 2)), then forward 1 (3, 2) before a backward.
+    Per stage, the most it holds at any point; 1F1B's stage s of P holds P - s."""
+    assert in_flight_states(2, "interleaved_1f1b") == [[(3, 2), (4, 1)], [(2, 1), (3, 0)]]
+    assert in_flight_microbatches(2, "interleaved_1f1b") == [4, 3, 2, 1]
+    assert in_flight_states(2, "dualpipev") == [[(4, 1)], [(3, 2)]]
+    assert in_flight_microbatches(2, "dualpipev") == [4, 3, 2, 1]
+    assert in_flight_states(2, "dualpipev", 64) == in_flight_states(2, "dualpipev")  # the steady state repeats
+    assert in_flight_microbatches(4) == [4, 3, 2, 1] and in_flight_states(3) == [[(3,)], [(2,)], [(1,)]]
+    # interleaved 1F1B at P = 4 with 10 micro-batches runs rounds of 5: a longer warm-up than with 8
+    assert max(map(sum, in_flight_states(4, "interleaved_1f1b", 10)[0])) == 12
+    assert max(map(sum, in_flight_states(4, "interleaved_1f1b", 8)[0])) == 11
 
 
 def test_pinned_stage_layers_and_validation():

@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from flashtrain.config.errors import ConfigError
 from flashtrain.config.typed import typed_config
 from flashtrain.parallel.config import SCHEDULES, ParallelConfig, splits_backward
-from flashtrain.parallel.partition import UnitInventory, _stage_cost, in_flight_microbatches, partition
+from flashtrain.parallel.partition import UnitInventory, in_flight_microbatches, in_flight_states, partition, rank_costs
 from flashtrain.parallel.pipeline import stage_ids
 from flashtrain.parallel.step_time import Hardware, StepTime, step_time
 from flashtrain.train.config import global_sequences, model_config, optim_config
@@ -281,15 +281,16 @@ class LayoutSearch:
     def _partition(self, layout: Layout, world: int, budget: float | None) -> bool:
         par = ParallelConfig(pp=layout.pp, ep=layout.ep, cp=layout.cp, pipeline_schedule=layout.schedule)
         units = self.units(world, layout.pp, layout.cp, layout.ep, layout.recompute)
-        flight = in_flight_microbatches(layout.pp, layout.schedule)
+        flight = in_flight_microbatches(layout.pp, layout.schedule, layout.microbatches)
+        states = in_flight_states(layout.pp, layout.schedule, layout.microbatches)
         ranks = [stage_ids(par, r) for r in range(layout.pp)]
         try:
-            bounds = partition(units, par.n_stages, None, flight, 0.0, budget, ranks)
+            bounds = partition(units, par.n_stages, None, flight, 0.0, budget, ranks, states)
         except ConfigError:  # no split fits the budget
             return False
         layout.stage_layers = [b - a for a, b in bounds]
         layout.stages_of_rank = ranks
-        layout.rank_bytes = [int(sum(_stage_cost(units, *bounds[s], flight[s]) for s in r)) for r in ranks]
+        layout.rank_bytes = [int(b) for b in rank_costs(units, bounds, ranks, states)]
         layout.rank_state = [sum(u["state_bytes"] for s in r for u in units[bounds[s][0]:bounds[s][1]])
                              for r in ranks]
         layout.rank_flops = [sum(u["flops_per_token"] for s in r for u in units[bounds[s][0]:bounds[s][1]])

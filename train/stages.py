@@ -12,7 +12,8 @@ from torch import nn
 
 from flashtrain.model.config import ModelConfig
 from flashtrain.parallel.config import ParallelConfig
-from flashtrain.parallel.partition import PartitionCosts, in_flight_microbatches, partition, unit_costs
+from flashtrain.parallel.partition import (PartitionCosts, in_flight_microbatches, in_flight_states, partition,
+                                          unit_costs)
 from flashtrain.train.optim.config import OptimConfig
 from flashtrain.train.optim.routing import route_parameters
 
@@ -43,11 +44,14 @@ def partition_costs(model_cfg: ModelConfig, optim_cfg: OptimConfig, parallel: Pa
                           zero=optim_cfg.zero, engram_shard=parallel.shard_engram(model_cfg, dp))
 
 
-def plan_stages(units: list[dict], parallel: ParallelConfig) -> list[tuple[int, int]]:
-    """[start, end) blocks of the parallel.n_stages stages."""
+def plan_stages(units: list[dict], parallel: ParallelConfig, microbatches: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) blocks of the parallel.n_stages stages; `microbatches`: per pipeline round (what sets the
+    micro-batches in flight of interleaved 1F1B; default 2 pp)."""
     from flashtrain.parallel.pipeline import stage_ids
 
     budget = None if parallel.gpu_memory_gb is None else parallel.gpu_memory_gb * 1e9
+    schedule = parallel.pipeline_schedule
     return partition(units, parallel.n_stages, parallel.stage_layers,
-                     in_flight_microbatches(parallel.pp, parallel.pipeline_schedule), parallel.partition_memory_slack,
-                     budget, [stage_ids(parallel, r) for r in range(parallel.pp)])
+                     in_flight_microbatches(parallel.pp, schedule, microbatches), parallel.partition_memory_slack,
+                     budget, [stage_ids(parallel, r) for r in range(parallel.pp)],
+                     in_flight_states(parallel.pp, schedule, microbatches))
