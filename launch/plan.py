@@ -87,12 +87,12 @@ def build_report(overrides: list[str], device: str = "cuda", world: int | None =
                                                              cfg.window_size)
     if parallel.pp > 1:
         dp = max(1, world // (parallel.pp * parallel.cp)) if world else 1
-        units = stage_units(model, cfg, ocfg, parallel, seq_len, int(conf.data.batch_size),
-                            str(conf.train.recompute), device == "cuda", dp * parallel.cp, parallel.cp)
         # micro-batches per round (one round unless parallel.microbatches says otherwise): interleaved 1F1B's
-        # in-flight counts depend on it
+        # in-flight counts depend on it, and the device holds the round's inputs
         m = parallel.microbatches or max(1, global_sequences(float(conf.train.global_batch_tokens), seq_len)
                                          // (dp * int(conf.data.batch_size)))
+        units = stage_units(model, cfg, ocfg, parallel, seq_len, int(conf.data.batch_size),
+                            str(conf.train.recompute), device == "cuda", dp * parallel.cp, parallel.cp, m)
         flight = in_flight_microbatches(parallel.pp, parallel.pipeline_schedule, m)
         bounds = plan_stages(units, parallel, m)
         report["pipeline"] = partition_report(units, bounds, flight)

@@ -16,8 +16,11 @@ Cost model (fast and analytic; launch/estimate.py simulates the real step and is
 - activations, per block and micro-batch (`block_activations`): the input `carry` (the boundary tensors),
   what the forward keeps for backward (`kept`, depending on `train.recompute`) and the transient
   `work` of its backward (recomputation included). A stage holding F micro-batches in flight
-  (`in_flight_microbatches`, from the schedule's warm-up) peaks at
-  state + F x sum(carry + kept) + max(work) -- blocks run their backward one at a time.
+  (`in_flight_microbatches`: 1F1B's warm-up, or the most torch's own action order ever leaves on it) peaks at
+  state + F x sum(carry + kept) + max(work) + what it holds once (`_stage_fixed`: its last input gradients,
+  the shared KV / index keys' gradients its backward accumulates, the pipeline round's inputs) -- blocks run
+  their backward one at a time. A rank of two stages (interleaved, V-shaped) is priced at the point of its
+  schedule where its stages hold the most together, with one backward working set (`rank_costs`);
   The per-token terms are the tensors the reference implementation keeps (bf16 autocast), term by term
   (residual streams, Sinkhorn iterates, attention, routed and shared experts, indexer, Engram);
   `tests/test_partition.py` checks them against the estimator's per-block measurement
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from flashtrain.config.errors import ConfigError
+from flashtrain.model.carry import SHARED_NAMES, shared_reads, shared_writes
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.layer_plan import LayerRole, Role
 from flashtrain.model.param_kinds import ParamKind, parameter_kinds
@@ -54,6 +58,7 @@ class PartitionCosts:
     dp: int = 1  # data-parallel ranks per stage
     zero: bool = False  # ZeRO-1: optimizer state / its replica group (dp, or dp / ep for routed experts)
     engram_shard: bool = False  # Engram tables (and their gradient and state) row-sharded over dp
+    round_microbatches: int = 0  # pipeline: micro-batches per round, whose inputs the device holds (0: no pipeline)
 
     def param_state_bytes(self, kind: ParamKind, numel: int, n_state: int) -> float:
         """Parameter + gradient + `n_state` optimizer values of one parameter of `kind` (its local share)."""
@@ -79,7 +84,7 @@ def _engram_cols(cfg: ModelConfig) -> int:
 
 def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, engram_rows: int, carry_bytes: int,
                       tokens: int, micro_batch: int, costs: PartitionCosts, seq_tokens: int | None = None,
-                      weight_copies: int = 0) -> dict:
+                      weight_copies: int = 0, shared_grads: int = 0) -> dict:
     """Per micro-batch of `tokens` tokens: the block's input `carry` (bytes), what its forward `kept`
     for backward under `costs.recompute`, and the transient `work` of its backward. Per token, the
     tensors of the reference implementation under bf16 autocast (fp32 master data), term by term:
@@ -112,11 +117,18 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
     `launch/estimate.py --phases`, the per-block records).
 
     Context parallelism: `tokens` are this rank's, `seq_tokens` the whole sequences' (default: the
-    same). The compressed entries (22 hd / m per token above) exist for the whole sequence on every rank,
-    and the indexer scores a chunk of queries against all of them: [chunk, index heads, S / m] scores per
-    chunk in the forward and again in a recomputing backward, 6 bytes a score (measured: the forward
-    transient of a block in `launch/estimate.py --phases`, 12.9 GB for a ratio-1 layer of exp=flash at 64K,
-    cp=64, chunk 1024, 32 index heads; 6.4 GB at ratio 2)."""
+    same). The compressed entries (22 hd / m per token above) are this rank's positions' (the gathered whole
+    is the carry's shared KV), and the indexer scores a chunk of queries against all of them: [chunk, index
+    heads, S / m] scores per chunk in the forward and again in a recomputing backward, 6 bytes a score
+    (measured: the forward transient of a block in `launch/estimate.py --phases`, 12.9 GB for a ratio-1 layer
+    of exp=flash at 64K, cp=64, chunk 1024, 32 index heads; 6.4 GB at ratio 2). The scores are a transient of
+    the indexer's (re)computation, before the rest of the block is rebuilt: the work is the larger of the two,
+    not their sum (a ratio-1 Reindex layer at 1M / cp=512 under full recomputation adds 6.93 GB in its
+    backward: the 6.44 GB of scores and 0.5 GB).
+
+    `shared_grads`: the bytes of the differentiable shared fields (compressed KV, index keys) the block reads
+    from its carry or writes -- their gradients arrive whole in its backward (at 1M / cp=512 a Reuse layer's
+    backward adds 6.84 GB, the whole sequence's KV gradient, 2.15 GB, included)."""
     D, hc, k, I = cfg.dim, cfg.hc_mult, cfg.n_activated_experts, cfg.moe_inter_dim
     seq_tokens = seq_tokens or tokens
     H, hd, ns, R = cfg.n_heads, cfg.head_dim, cfg.n_shared_experts, cfg.hc_sinkhorn_iters
@@ -132,7 +144,9 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
     compressed = 0
     if role.has_indexer:
         per_token += 6 * D + 18 * cfg.index_topk + 2 * cfg.index_n_heads * cfg.index_head_dim
-        compressed = seq_tokens * (22 * hd // role.compress_ratio)
+        # one rank: the whole sequence's; under context parallelism its own positions' (the gathered whole
+        # is the carry's shared KV)
+        compressed = tokens * (22 * hd // role.compress_ratio)
         selective += act * cfg.index_n_heads * cfg.index_head_dim + 4 * cfg.index_n_heads
         if role.role is Role.FULL:  # the compressor's projections
             selective += act * 2 * hd
@@ -152,9 +166,10 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
     work = tokens * 28 * k * D + 8 * local_routed // 3
     if role.compress_ratio:
         work = max(work, 17 * cfg.index_topk * hd * micro_batch * min(cfg.attn_chunk_size, tokens // micro_batch))
+    scores = 0
     if role.has_indexer and seq_tokens > tokens:  # long sequences split over ranks: the indexer's chunk scores
         chunk = min(cfg.attn_chunk_size, tokens // micro_batch)
-        work = max(work, INDEX_SCORE_BYTES * chunk * cfg.index_n_heads * seq_tokens // role.compress_ratio)
+        scores = INDEX_SCORE_BYTES * chunk * cfg.index_n_heads * seq_tokens // role.compress_ratio
     if engram:  # the table's dense gradient, last in the block's backward
         work = max(work, act * engram_rows * cfg.engram_head_dim)
     if costs.recompute == "none":
@@ -163,7 +178,10 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
         kept = tokens * (selective + ids + exchanged)
     else:
         kept = tokens * ids
-    return {"carry": carry_bytes, "kept": kept, "work": work + none_kept - min(kept, none_kept)}
+    # the chunk scores are a transient of the indexer's (re)computation, before the rest of the block is rebuilt;
+    # the gradients of the shared fields the block reads (`shared_grads`, their size) arrive in its backward
+    work = max(work + none_kept - min(kept, none_kept) + shared_grads, scores)
+    return {"carry": carry_bytes, "kept": kept, "work": work}
 
 
 def fp8_input_width(cfg: ModelConfig, role: LayerRole) -> int:
@@ -254,7 +272,8 @@ class UnitInventory:
                 "rows": 0 if block.engram is None else block.engram.embed.weight.shape[0],
                 "state": [(kinds[prefix + n], p.numel(), self.N_STATE[optimizer_of[prefix + n]])
                           for n, p in block.named_parameters()],
-                "written": live_shared_fields(model.plan, role.id), "copies": weight_copies(block, cfg)})
+                "written": live_shared_fields(model.plan, role.id), "copies": weight_copies(block, cfg),
+                "reads": shared_reads(role), "writes": shared_writes(role)})
         self.outside = [(n, kinds[n], p.numel(), self.N_STATE[optimizer_of[n]]) for n, p in model.named_parameters()
                         if not n.startswith("layers.")]
         self._specs: dict = {}
@@ -274,6 +293,8 @@ class UnitInventory:
         units = []
         local_len = local_len or seq_len
         tokens = local_len * micro_batch
+        # a pipeline step holds its round's inputs on the device (tokens, token types, labels: int64)
+        round_inputs = 3 * 8 * seq_len * micro_batch * costs.round_microbatches
         for blk in self.blocks:
             role = blk["role"]
             selected = cfg.index_topk if role.compress_ratio else 0
@@ -292,8 +313,15 @@ class UnitInventory:
             if rows and costs.engram_shard and costs.dp > 1:  # the local row block's dense gradient only
                 rows = -(-rows // costs.dp)
             cached, per_microbatch = copy_bytes(blk["copies"], costs)
+            # the differentiable shared fields (compressed KV, index keys) the block reads from its carry or writes:
+            # their gradients arrive whole in its backward
+            shared = [s for s in specs if s.differentiable and s.name in SHARED_NAMES]
+            read = sum(_nbytes(s) for s in shared if s.name in blk["reads"])
+            if blk["writes"] and role.id + 1 < len(self.blocks):
+                after = self._boundary(role.id + 1, micro_batch, seq_len, local_len)
+                read += sum(_nbytes(s) for s in after if s.differentiable and s.name in blk["writes"])
             acts = block_activations(cfg, role, blk["routed"], rows, carry, tokens, micro_batch, costs,
-                                     seq_len * micro_batch, per_microbatch)
+                                     seq_len * micro_batch, per_microbatch, read)
             # this rank's share of the block's state (experts, ZeRO-1, Engram rows) + autocast's bf16 copies of
             # the dense weights, once per step
             state = int(sum(costs.param_state_bytes(kind, numel, n_state) for kind, numel, n_state in blk["state"]))
@@ -301,7 +329,9 @@ class UnitInventory:
             units.append({"name": f"layers.{role.id}", "state_bytes": state, "carry_bytes": acts["carry"],
                           "new_carry_bytes": new_carry, "kept_bytes": acts["kept"], "work_bytes": acts["work"],
                           "activation_bytes": acts["carry"] + acts["kept"], "flops_per_token": flops,
-                          "attention_flops_per_token": attention})
+                          "attention_flops_per_token": attention,
+                          "input_grad_bytes": sum(_nbytes(s) for s in specs if s.differentiable),
+                          "shared_grad_bytes": sum(_nbytes(s) for s in shared), "round_input_bytes": round_inputs})
         first, last = units[0], units[-1]
         for n, kind, numel, n_state in self.outside:
             unit = last if n.startswith(("head.", "norm.")) else first
@@ -394,7 +424,11 @@ def rank_costs(units: list[dict], bounds: list[tuple[int, int]], stages_of_rank:
         held = [sum(_held(u, i == bounds[s][0]) for i, u in enumerate(units[bounds[s][0]:bounds[s][1]], bounds[s][0]))
                 for s in stages]
         acts = max(sum(c * h for c, h in zip(point, held)) for point in points)
-        out.append(sum(u["state_bytes"] for u in blocks) + acts + max(u["work_bytes"] for u in blocks))
+        # each stage's input gradients; the accumulating shared-field gradients and the round's inputs once
+        fixed = sum(units[bounds[s][0]].get("input_grad_bytes", 0) for s in stages if bounds[s][0] > 0)
+        fixed += max(u.get("shared_grad_bytes", 0) for u in blocks)
+        fixed += units[bounds[stages[0]][0]].get("round_input_bytes", 0)
+        out.append(sum(u["state_bytes"] for u in blocks) + acts + max(u["work_bytes"] for u in blocks) + fixed)
     return out
 
 
@@ -408,9 +442,20 @@ def _held(unit: dict, first: bool) -> float:
     return unit["activation_bytes"] - unit["carry_bytes"] + unit["new_carry_bytes"]
 
 
+def _stage_fixed(units: list[dict], a: int, b: int) -> int:
+    """What the stage of blocks [a, b) holds once, whatever its micro-batches in flight: the gradients of its
+    inputs (the differentiable carry: the residual and the shared KV / index keys), which the stage keeps from
+    one backward to the next (torch's stage holds its last input gradients until the next backward replaces
+    them), the shared fields' gradients its running backward accumulates (the largest set of shared fields
+    in its blocks' carries), and the pipeline round's inputs on the device."""
+    inputs = units[a].get("input_grad_bytes", 0) if a > 0 else 0
+    shared = max(u.get("shared_grad_bytes", 0) for u in units[a:b])
+    return inputs + shared + units[a].get("round_input_bytes", 0)
+
+
 def _stage_activations(units: list[dict], a: int, b: int, in_flight: int) -> float:
     held = sum(_held(u, i == a) for i, u in enumerate(units[a:b], a))
-    return in_flight * held + max(u["work_bytes"] for u in units[a:b])
+    return in_flight * held + max(u["work_bytes"] for u in units[a:b]) + _stage_fixed(units, a, b)
 
 
 def _stage_cost(units: list[dict], a: int, b: int, in_flight: int) -> float:
@@ -425,21 +470,25 @@ def _cost_table(units: list[dict], pp: int, in_flight: list[int]) -> dict:
     keys = [(s, i, j) for s in range(1, pp + 1) for j in range(s, n - (pp - s) + 1) for i in range(s - 1, j)]
     first = [_held(u, True) for u in units]
     rest = [_held(u, False) for u in units]
-    if not all(type(v) is int for u, f, r in zip(units, first, rest)
-               for v in (u["state_bytes"], u["work_bytes"], f, r)):
+    shared = [u.get("shared_grad_bytes", 0) for u in units]
+    inputs = [u.get("input_grad_bytes", 0) if i > 0 else 0 for i, u in enumerate(units)]
+    rounds = [u.get("round_input_bytes", 0) for u in units]
+    if not all(type(v) is int for u, f, r, x, y, z in zip(units, first, rest, shared, inputs, rounds)
+               for v in (u["state_bytes"], u["work_bytes"], f, r, x, y, z)):
         return {(s, i, j): _stage_cost(units, i, j, in_flight[s - 1]) for s, i, j in keys}
     state, held = [0], [0]
     for u, r in zip(units, rest):
         state.append(state[-1] + u["state_bytes"])
         held.append(held[-1] + r)
-    work = {}
+    work, fixed = {}, {}
     for i in range(n):
-        top = 0
+        top = most = 0
         for j in range(i + 1, n + 1):
-            top = max(top, units[j - 1]["work_bytes"]) if j > i + 1 else units[i]["work_bytes"]
-            work[i, j] = top
-    return {(s, i, j): state[j] - state[i] + (in_flight[s - 1] * (first[i] + held[j] - held[i + 1]) + work[i, j])
-            for s, i, j in keys}
+            top = max(top, units[j - 1]["work_bytes"])
+            most = max(most, shared[j - 1])
+            work[i, j], fixed[i, j] = top, inputs[i] + most + rounds[i]
+    return {(s, i, j): state[j] - state[i] + (in_flight[s - 1] * (first[i] + held[j] - held[i + 1]) + work[i, j]
+                                              + fixed[i, j]) for s, i, j in keys}
 
 
 def partition(units: list[dict], pp: int, stage_layers: list[int] | None = None,

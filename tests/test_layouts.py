@@ -79,7 +79,7 @@ def trainer_rank_bytes(overrides: list[str], world: int) -> list[int]:
     plan = run_plan(c, world)
     dims = plan.dims
     units = stage_units(_template(json.dumps(asdict(c.model))), c.model, c.optim, c.parallel, c.data.seq_len,
-                        c.data.batch_size, c.train.recompute, True, dims.dp_cp, dims.cp)
+                        c.data.batch_size, c.train.recompute, True, dims.dp_cp, dims.cp, plan.round_microbatches)
     bounds = plan_stages(units, c.parallel, plan.round_microbatches) if dims.pp > 1 else [(0, len(units))]
     states = in_flight_states(dims.pp, c.parallel.pipeline_schedule, plan.round_microbatches)
     return [int(b) for b in rank_costs(units, bounds, [stage_ids(c.parallel, r) for r in range(dims.pp)], states)]

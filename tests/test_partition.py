@@ -12,8 +12,16 @@ import torch
 import warm_launch
 
 from flashtrain.config.errors import ConfigError
-from flashtrain.parallel.partition import (PartitionCosts, _stage_cost, in_flight_microbatches, in_flight_states,
-                                          partition, rank_costs, unit_costs)
+from flashtrain.parallel.config import ParallelConfig
+from flashtrain.parallel.partition import (
+    PartitionCosts,
+    _stage_cost,
+    in_flight_microbatches,
+    in_flight_states,
+    partition,
+    rank_costs,
+    unit_costs,
+)
 
 pytestmark = pytest.mark.xdist_group("partition")  # its module-scoped reference runs are shared
 
@@ -338,3 +346,16 @@ def test_the_expert_exchange_is_priced_under_selective_recomputation_only():
             return block_activations(m, role, 0, 0, 0, 64, 1, PartitionCosts(recompute=mode, ep=ep))["kept"]
         assert kept("selective", 2) - kept("selective", 1) == 64 * 2 * (4 * 64 + 2 * 65), role
         assert kept("full", 2) == kept("full", 1), role
+
+
+def test_the_trainers_partition_uses_the_rounds_in_flight_counts():
+    """`plan_stages` prices a stage by the micro-batches its round keeps in flight: interleaved 1F1B at pp=2 with
+    a round of 2 runs every forward of rank 0 before a backward -- (2, 2) in flight, and (2, 1) on rank 1 --, so
+    12 equal blocks (1 byte kept each) split 3 / 3 / 3 / 3 (largest stage 2 x 3); with the default round of 4
+    (in flight 4, 3, 2, 1), 1 / 2 / 3 / 6."""
+    from flashtrain.train.stages import plan_stages
+
+    units = [{"state_bytes": 0, "activation_bytes": 1, "work_bytes": 0, "flops_per_token": 1} for _ in range(12)]
+    parallel = ParallelConfig(pp=2, pipeline_schedule="interleaved_1f1b")
+    assert plan_stages(units, parallel, 2) == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    assert plan_stages(units, parallel) == [(0, 1), (1, 3), (3, 6), (6, 12)]

@@ -3,6 +3,7 @@ refusal; the multi-process parity runs are in tests/test_pipeline_dist.py."""
 
 import pytest
 import torch
+from layer_plans import FOUR_LAYERS
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.config.typed import typed_config
@@ -10,7 +11,6 @@ from flashtrain.model import Transformer
 from flashtrain.model.aux import StepStats
 from flashtrain.parallel.config import ParallelConfig
 from flashtrain.parallel.pipeline import boundary_specs, live_shared_fields, prune_to_stages, stage_ids, stage_ranges
-from layer_plans import FOUR_LAYERS
 
 
 def test_live_fields_follow_the_role_table(tiny_cfg):

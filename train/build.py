@@ -185,7 +185,7 @@ def build_rank(c: RunConfigs, plan: BatchPlan, dims: ParallelDims, device: torch
     model, stages, bounds = template, None, None
     if dims.pp > 1:  # the cost-balanced partition (train/stages.py, as launch/plan.py shows)
         units = stage_units(model, c.model, c.optim, c.parallel, c.data.seq_len, c.data.batch_size, c.train.recompute,
-                            mixed_precision, dims.dp_cp, dims.cp)
+                            mixed_precision, dims.dp_cp, dims.cp, plan.round_inputs)
         bounds = plan_stages(units, c.parallel, plan.round_microbatches)
         stages = local_stage_ranges(c.parallel, bounds, dims.pp_rank)
     engram_group = dims.dp_cp_group if dims.engram_shard else None

@@ -95,6 +95,14 @@ class BatchPlan:
     micro_batch: int  # data.batch_size: sequences per micro-batch
     accumulation: int  # micro-batches per optimizer step on each dp rank
     round_microbatches: int = 1  # pipeline: micro-batches per schedule step
+    # the micro-batches whose inputs a round holds on the device (None: round_microbatches; the estimator's
+    # shortened step runs fewer and prices the whole round's)
+    input_microbatches: int | None = None
+
+    @property
+    def round_inputs(self) -> int:
+        """Micro-batches whose inputs (tokens, token types, labels) a pipeline round holds on the device."""
+        return self.round_microbatches if self.input_microbatches is None else self.input_microbatches
 
     @property
     def dp(self) -> int:

@@ -189,7 +189,7 @@ def build_dspark_rank(c, plan, dims, device: torch.device, backbone_template: Tr
     stages, pipe = None, None
     if dims.pp > 1:  # the backbone's blocks in the pre-training partition, the drafter on the last stage
         units = stage_units(backbone_template, c.model, c.optim, c.parallel, c.data.seq_len, c.data.batch_size,
-                            c.train.recompute, mixed_precision, dims.dp_cp, dims.cp)
+                            c.train.recompute, mixed_precision, dims.dp_cp, dims.cp, plan.round_inputs)
         stages = local_stage_ranges(c.parallel, plan_stages(units, c.parallel, plan.round_microbatches), dims.pp_rank)
         pipe = ForwardPipeline(c.model, stages[0], dims, c.data.batch_size, c.data.seq_len)
     backbone = load_backbone(c, dims, device, backbone_template, c.train.backbone, tensor_mode, mixed_precision,

@@ -161,7 +161,8 @@ class SimulatedRank:
         self.dims = build_dims(c, plan, rank, self.device.type)
         # the batch plan simulated (fewer micro-batches, the same peak)
         self.layout = replace(plan, **_peak_preserving_microbatches(plan, c.parallel.pipeline_schedule,
-                                                                    self.dims.pp_rank))
+                                                                    self.dims.pp_rank),
+                              input_microbatches=plan.round_microbatches)
         self.mixed_precision = device_type == "cuda"
         m = c.model
         self.dspark = c.train.stage == "dspark"  # the DSpark stage (train/dspark.py): drafter trained, backbone frozen

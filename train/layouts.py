@@ -235,10 +235,12 @@ class LayoutSearch:
         return round_sig(self.budget / 1e9)
 
     def units(self, world: int, pp: int, cp: int, ep: int, recompute: str) -> list[dict]:
-        key = (world // pp, cp, ep, recompute)
+        key = (world // pp, cp, ep, recompute, pp > 1)
         if key not in self._units:
             par = replace(self.parallel, pp=pp, cp=cp, ep=ep)
-            costs = partition_costs(self.model_cfg, self.optim_cfg, par, recompute, True, world // pp)
+            dp = world // (pp * cp)  # one round of one sequence per micro-batch (the module docstring)
+            costs = partition_costs(self.model_cfg, self.optim_cfg, par, recompute, True, world // pp,
+                                    self.global_sequences // dp)
             self._units[key] = self.inventory.costs(self.seq_len, 1, costs, -(-self.seq_len // cp))
         return self._units[key]
 

@@ -12,20 +12,26 @@ from torch import nn
 
 from flashtrain.model.config import ModelConfig
 from flashtrain.parallel.config import ParallelConfig
-from flashtrain.parallel.partition import (PartitionCosts, in_flight_microbatches, in_flight_states, partition,
-                                          unit_costs)
+from flashtrain.parallel.partition import (
+    PartitionCosts,
+    in_flight_microbatches,
+    in_flight_states,
+    partition,
+    unit_costs,
+)
 from flashtrain.train.optim.config import OptimConfig
 from flashtrain.train.optim.routing import route_parameters
 
 
 def stage_units(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig, parallel: ParallelConfig,
                 seq_len: int, micro_batch: int, recompute: str, mixed_precision: bool, dp: int,
-                cp: int = 1) -> list[dict]:
+                cp: int = 1, round_microbatches: int = 0) -> list[dict]:
     """The partitioner's per-block costs for this run (`model` may live on the meta device). `dp`: the
     ranks holding the same parameters (dp x cp); under context parallelism a rank's activations are those
     of its seq_len / cp positions, plus the whole sequence's compressed entries and the indexer's scores
-    against them (parallel/partition.py `block_activations`)."""
-    costs = partition_costs(model_cfg, optim_cfg, parallel, recompute, mixed_precision, dp)
+    against them (parallel/partition.py `block_activations`). `round_microbatches`: a pipeline round's
+    micro-batches (their inputs stay on the device for the round; 0 without a pipeline)."""
+    costs = partition_costs(model_cfg, optim_cfg, parallel, recompute, mixed_precision, dp, round_microbatches)
     return unit_costs(model, model_cfg, optimizers_of(model, model_cfg, optim_cfg), seq_len, micro_batch, costs,
                       -(-seq_len // cp))
 
@@ -36,12 +42,13 @@ def optimizers_of(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConf
 
 
 def partition_costs(model_cfg: ModelConfig, optim_cfg: OptimConfig, parallel: ParallelConfig, recompute: str,
-                    mixed_precision: bool, dp: int) -> PartitionCosts:
+                    mixed_precision: bool, dp: int, round_microbatches: int = 0) -> PartitionCosts:
     """How a run shares its state (`dp`: the ranks holding the same parameters, dp x cp) and what it keeps
     for backward: the cost model's settings, for the trainer's partition and the layout search
     (train/layouts.py) alike."""
     return PartitionCosts(recompute=recompute, mixed_precision=mixed_precision, ep=parallel.ep, dp=dp,
-                          zero=optim_cfg.zero, engram_shard=parallel.shard_engram(model_cfg, dp))
+                          zero=optim_cfg.zero, engram_shard=parallel.shard_engram(model_cfg, dp),
+                          round_microbatches=round_microbatches if parallel.pp > 1 else 0)
 
 
 def plan_stages(units: list[dict], parallel: ParallelConfig, microbatches: int | None = None) -> list[tuple[int, int]]:
