@@ -1720,6 +1720,10 @@ MUTANTS = [
            'parallel.partition_memory_slack,',
            '                     in_flight_microbatches(parallel.pp, schedule), parallel.partition_memory_slack,',
            ['tests/test_partition.py', '-k', 'rounds_in_flight']),
+    Mutant('the layout search proposes full recomputation with a split backward', 'train/layouts.py',
+           '                    if recompute != "none" and splits_backward(schedule, pp):',
+           '                    if recompute == "selective" and splits_backward(schedule, pp):',
+           ['tests/test_layouts.py', '-k', 'split_backward']),
 ]
 
 

@@ -144,6 +144,26 @@ def test_the_shortened_step_has_the_peak_of_the_whole_accumulation(monkeypatch, 
         assert abs(short.peak_bytes - full.peak_bytes) < 3 * 128 * 8 // 4, (short, full)
 
 
+def test_the_shortened_step_is_partitioned_as_the_whole_round(monkeypatch):
+    """The estimator's rank runs 3 of stage 0's 5 micro-batches, but the partition it builds prices the whole
+    round's inputs, as the trainer's does (`BatchPlan.round_inputs`): the same stages whatever the shortening."""
+    import flashtrain.train.estimate as estimate
+    from flashtrain.train.config import compose
+
+    plans = []
+    original = estimate.build_rank
+
+    def build(c, plan, *args, **kwargs):
+        plans.append(plan)
+        return original(c, plan, *args, **kwargs)
+
+    monkeypatch.setattr(estimate, "build_rank", build)
+    cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, "parallel.pp=2", "train.global_batch_tokens=640",
+                   "data.batch_size=1"])
+    estimate.estimate_rank(cfg, 2, 0, "cpu")
+    assert [(p.round_microbatches, p.round_inputs) for p in plans] == [(3, 5)]
+
+
 @pytest.mark.parametrize("pp, schedule, accumulation, round_microbatches, rank, expected", [
     (1, "1f1b", 7, 7, 0, (2, 1)), (1, "1f1b", 1, 1, 0, (1, 1)),
     (4, "1f1b", 64, 64, 0, (5, 5)), (4, "1f1b", 64, 64, 3, (4, 4)), (4, "1f1b", 3, 3, 0, None),

@@ -287,3 +287,20 @@ def test_verify_reports_each_position_against_the_cost_model(monkeypatch, capsys
     answer["ranks"][1]["peak_bytes"] = 54_000_000_000  # now every position within, and the largest peak fits
     v = plan_tool.verify(r, ["+exp=flash"], "cuda")
     assert v["within_stated_error"] and v["fits"] and (v["rank"], round(v["largest_error"], 6)) == (0, -0.090909)
+
+
+def test_the_search_leaves_out_recomputation_with_a_split_backward():
+    """ZBV and DualPipeV split each backward in two passes: selective recomputation is refused with them (torch
+    raises) and full recomputation is left unpriced, so the search proposes them without recomputation only;
+    the one-pass schedules keep every mode, and without a pipeline the V-shaped names never arise."""
+    from flashtrain.train.config import compose
+    from flashtrain.train.layouts import LayoutSearch
+
+    groups = {(pp, recompute, schedule) for pp, recompute, schedule, _ in
+              LayoutSearch(compose(["+exp=flash_tiny"]), 80).groups(4)}
+    for pp in (2, 4):
+        for schedule in ("zbv", "dualpipev"):
+            assert {r for p, r, s in groups if (p, s) == (pp, schedule)} == {"none"}
+        for schedule in ("1f1b", "interleaved_1f1b"):
+            assert {r for p, r, s in groups if (p, s) == (pp, schedule)} == {"none", "selective", "full"}
+    assert {s for p, _, s in groups if p == 1} == {"1f1b"}

@@ -156,6 +156,26 @@ def test_a_ranks_cost_holds_its_stages_at_the_schedules_worst_point_and_one_back
     one = [[(2,)], [(1,)]]
     assert rank_costs(units, [(0, 2), (2, 5)], [[0], [1]], one) == [_stage_cost(units, 0, 2, 2),
                                                                     _stage_cost(units, 2, 5, 1)]
+    # what each stage holds once: its input gradients (not stage 0's), the largest shared-field gradients of the
+    # rank's blocks and the round's inputs, once a rank
+    for i, u in enumerate(units):
+        u.update(input_grad_bytes=1000 * (i + 1), shared_grad_bytes=[0, 0, 300, 200, 500][i], round_input_bytes=7)
+    assert rank_costs(units, bounds, ranks, states) == [
+        151 + max(3 * held0 + 2 * 40, 4 * held0 + 40) + 30 + 5000 + 500 + 7,
+        30 + max(2 * 3 + 4, 3 * 3) + 2 + 3000 + 4000 + 300 + 7]
+    assert rank_costs(units, [(0, 2), (2, 5)], [[0], [1]], one) == [_stage_cost(units, 0, 2, 2),
+                                                                    _stage_cost(units, 2, 5, 1)]
+    assert _stage_cost(units, 2, 5, 1) == 31 + 3 + 4 - 0 + 40 + 9 + 3000 + 500 + 7
+
+
+def test_the_rounds_inputs_are_priced_with_a_pipeline_only():
+    from flashtrain.train.config import compose, model_config, optim_config
+    from flashtrain.train.stages import partition_costs
+
+    cfg = compose(["+exp=flash_tiny"])
+    m, o = model_config(cfg), optim_config(cfg)
+    assert partition_costs(m, o, ParallelConfig(pp=2), "none", True, 1, 8).round_microbatches == 8
+    assert partition_costs(m, o, ParallelConfig(pp=1), "none", True, 1, 8).round_microbatches == 0
 
 
 def test_in_flight_counts_follow_the_schedules_own_order():
@@ -359,3 +379,80 @@ def test_the_trainers_partition_uses_the_rounds_in_flight_counts():
     parallel = ParallelConfig(pp=2, pipeline_schedule="interleaved_1f1b")
     assert plan_stages(units, parallel, 2) == [(0, 3), (3, 6), (6, 9), (9, 12)]
     assert plan_stages(units, parallel) == [(0, 1), (1, 3), (3, 6), (6, 12)]
+
+
+def test_under_recomputation_the_indexer_scores_are_a_transient_beside_the_rebuild_not_on_top():
+    """A Full layer (ratio 2) of a rank holding 64 of 2^20 positions, full recomputation: its backward work is
+    the larger of the rebuilt block with the shared fields' gradients (`shared_grads`) and the indexer's chunk
+    scores (6 x chunk x index heads x 2^19), by hand from the rebuild alone (the same block on one rank's 64
+    positions: the compressed entries are the rank's own under context parallelism)."""
+    from flashtrain.model.layer_plan import Role, layer_plan
+    from flashtrain.parallel.partition import block_activations
+    from flashtrain.train.config import compose, model_config
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from layer_plans import FOUR_LAYERS
+
+    m = model_config(compose(["+exp=flash_tiny", *FOUR_LAYERS]))
+    full = next(r for r in layer_plan(m) if r.role is Role.FULL)
+    costs = PartitionCosts(recompute="full")
+    rebuild = block_activations(m, full, 0, 0, 0, 64, 1, costs)["work"]
+    scores = 6 * min(m.attn_chunk_size, 64) * m.index_n_heads * (1 << 20) // 2
+    assert rebuild < scores // 10
+    for grads in (0, 1000, 2 * scores):
+        got = block_activations(m, full, 0, 0, 0, 64, 1, costs, seq_tokens=1 << 20, shared_grads=grads)["work"]
+        assert got == max(rebuild + grads, scores), grads
+
+
+def test_unit_costs_price_the_gradients_a_stage_holds_and_the_rounds_inputs():
+    """flash_tiny's four-layer plan (Full ratio-2 layer 2 writes the compressed KV and the top-k that Reuse layer
+    3 reads) at 256 positions split over cp=4 (64 a rank), 6 micro-batches a round, by hand from the shapes:
+    block 3's input gradients are its differentiable carry (residual [64, hc, D] and mix [64, hc] fp32, the
+    whole sequence's KV [128, head_dim] fp32; the top-k indices have none), its shared ones the KV's; the
+    round's inputs are 3 int64 per position of the round (tokens, token types, labels). A stage holds
+    its input gradients (not the first stage), the largest shared set of its blocks and the round's inputs
+    once (`_stage_fixed`, in `_stage_cost` and the prefix-sum table alike)."""
+    from flashtrain.parallel.partition import _cost_table, _stage_fixed, unit_costs
+    from flashtrain.parallel.pipeline import live_shared_fields
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from layer_plans import FOUR_LAYERS
+
+    cfg, m, model, optimizer_of = _template(FOUR_LAYERS)
+    units = unit_costs(model, m, optimizer_of, 256, 1, PartitionCosts(recompute="full", round_microbatches=6), 64)
+    assert set(live_shared_fields(model.plan, 3)) == {"kv", "topk"}
+    shared = 4 * 128 * m.head_dim
+    residual = 4 * 64 * m.hc_mult * (m.dim + 1)
+    assert units[3]["shared_grad_bytes"] == shared and units[3]["input_grad_bytes"] == residual + shared
+    assert units[1]["shared_grad_bytes"] == 0 and units[1]["input_grad_bytes"] == residual
+    assert all(u["round_input_bytes"] == 3 * 8 * 256 * 6 for u in units)
+    assert _stage_fixed(units, 0, 4) == shared + 3 * 8 * 256 * 6  # the first stage: no input gradients
+    assert _stage_fixed(units, 1, 3) == residual + 3 * 8 * 256 * 6  # layers 1-2: no shared field in their carry
+    assert _stage_fixed(units, 2, 4) == residual + shared + 3 * 8 * 256 * 6  # layer 3 reads the KV layer 2 writes
+    table = _cost_table(units, 2, [2, 1])
+    assert all(v == _stage_cost(units, i, j, [2, 1][s - 1]) for (s, i, j), v in table.items())
+    assert unit_costs(model, m, optimizer_of, 256, 1, PartitionCosts(recompute="full"), 64)[0]["round_input_bytes"] == 0
+
+
+def test_a_block_that_writes_a_shared_field_gets_its_gradient_in_its_backward():
+    """Full layer 2 of the four-layer plan writes the compressed KV that layer 3 reads: under context parallelism
+    its backward receives that field's gradient whole (4 x 128 positions x head_dim fp32 at 256 positions,
+    ratio 2), and block 3, which reads it, too; `block_activations` with those bytes by hand is the unit's
+    work."""
+    from flashtrain.parallel.partition import UnitInventory, _nbytes, block_activations, copy_bytes
+    from flashtrain.parallel.pipeline import boundary_specs
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from layer_plans import FOUR_LAYERS
+
+    cfg, m, model, optimizer_of = _template(FOUR_LAYERS)
+    costs = PartitionCosts(recompute="full")
+    inventory = UnitInventory(model, m, optimizer_of)
+    units = inventory.costs(256, 1, costs, 64)
+    kv = 4 * 128 * m.head_dim
+    for i in (2, 3):
+        blk = inventory.blocks[i]
+        carry = sum(_nbytes(s) for s in boundary_specs(m, model.plan, i, 1, 256, 64))
+        want = block_activations(m, blk["role"], blk["routed"], blk["rows"], carry, 64, 1, costs, 256,
+                                 copy_bytes(blk["copies"], costs)[1], kv)["work"]
+        assert units[i]["work_bytes"] == want, i
