@@ -20,7 +20,7 @@ Cost model (fast and analytic; launch/estimate.py simulates the real step and is
   state + F x sum(carry + kept) + max(work) + what it holds once (`_stage_fixed`: its last input gradients,
   the shared KV / index keys' gradients its backward accumulates, the pipeline round's inputs) -- blocks run
   their backward one at a time. A rank of two stages (interleaved, V-shaped) is priced at the point of its
-  schedule where its stages hold the most together, with one backward working set (`rank_costs`);
+  schedule where its stages hold the most together, with one backward working set (`rank_costs`).
   The per-token terms are the tensors the reference implementation keeps (bf16 autocast), term by term
   (residual streams, Sinkhorn iterates, attention, routed and shared experts, indexer, Engram);
   `tests/test_partition.py` checks them against the estimator's per-block measurement
