@@ -304,3 +304,18 @@ def test_the_search_leaves_out_recomputation_with_a_split_backward():
         for schedule in ("1f1b", "interleaved_1f1b"):
             assert {r for p, r, s in groups if (p, s) == (pp, schedule)} == {"none", "selective", "full"}
     assert {s for p, _, s in groups if p == 1} == {"1f1b"}
+
+
+def test_the_smallest_memory_fits_after_the_budget_is_rounded_down():
+    """A layout needing 60.001 GB of cost model: 60.001 / 0.9 / 0.9 = 74.075 GB, rounded up to 74.1 GB, whose
+    budget 74.1 x 0.9 x 0.9 = 60.021 rounds down (3 digits) to 60.0 GB -- short of 60.001; the next step up,
+    74.2 GB, leaves 60.1."""
+    from types import SimpleNamespace
+
+    from flashtrain.train.layouts import PlanConfig, SearchResult, budget_bytes
+
+    plan = PlanConfig()
+    assert (plan.headroom, plan.cost_model_error[0]) == (0.1, -0.1)
+    result = SearchResult(2, 80, 0, 512, 2, fitting=[SimpleNamespace(peak_bytes=60_001_000_000)])
+    assert budget_bytes(74.1, plan) == 60.0e9
+    assert result.smallest_memory_gb(plan) == 74.2 and budget_bytes(74.2, plan) == 60.1e9
