@@ -359,13 +359,17 @@ def in_flight_microbatches(pp: int, schedule: str = "1f1b", microbatches: int | 
         return [pp - s for s in range(pp)]
     out = [0] * (2 * pp)
     for rank, points in enumerate(in_flight_states(pp, schedule, microbatches)):
-        for k, stage in enumerate(sorted({rank, _second_stage(pp, schedule, rank)})):
+        for k, stage in enumerate(_rank_stages(pp, schedule, rank)):
             out[stage] = max(point[k] for point in points)
     return out
 
 
-def _second_stage(pp: int, schedule: str, rank: int) -> int:
-    return rank + pp if schedule == "interleaved_1f1b" else 2 * pp - 1 - rank  # looped, or V-shaped
+def _rank_stages(pp: int, schedule: str, rank: int) -> list[int]:
+    """The stages pipeline rank `rank` holds, in increasing order (parallel/pipeline.py `stage_ids`)."""
+    from flashtrain.parallel.config import ParallelConfig
+    from flashtrain.parallel.pipeline import stage_ids
+
+    return stage_ids(ParallelConfig(pp=pp, pipeline_schedule=schedule), rank)
 
 
 @functools.lru_cache(maxsize=64)
@@ -383,7 +387,7 @@ def in_flight_states(pp: int, schedule: str = "1f1b", microbatches: int | None =
     m = microbatches or 2 * pp
     out = []
     for rank in range(pp):
-        stages = sorted({rank, _second_stage(pp, schedule, rank)})
+        stages = _rank_stages(pp, schedule, rank)
         count, points = dict.fromkeys(stages, 0), set()
         for action in _schedule_actions(pp, schedule, m, rank):
             for a in action.sub_actions or (action,):
