@@ -156,7 +156,6 @@ class SimulatedRank:
         self.cfg = c = read_configs(cfg)
         self.schedule, self.step = c.schedule, 0
         plan = run_plan(c, world)
-        self.full_accumulation, self.full_round_microbatches = plan.accumulation, plan.round_microbatches
         self.rank, self.device = rank, torch.device("cpu")
         self.dims = build_dims(c, plan, rank, self.device.type)
         # the batch plan simulated (fewer micro-batches, the same peak)
@@ -212,7 +211,7 @@ class SimulatedRank:
         device for the whole round: the bytes of the round's micro-batches the shortened step leaves out."""
         if self.pipe is None:
             return 0
-        skipped = self.full_round_microbatches - self.layout.round_microbatches
+        skipped = self.layout.round_inputs - self.layout.round_microbatches
         return skipped * sum(batch[k].numel() * batch[k].element_size() for k in ("tokens", "token_types", "labels"))
 
     def stages(self) -> list[int]:
