@@ -221,6 +221,34 @@ def test_stacked_experts_are_independent_matrices():
         torch.testing.assert_close(p[e].detach(), q.detach(), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_slices_cut_across_parameters_and_each_matrix_moves_once(nesterov):
+    """Newton-Schulz slices of `ns_batch_elems` values that cut across parameters (matrices of one shape laid
+    end to end: [3, 6, 10] | [2, 6, 10] | [6, 10] in slices of 2 matrices), a second shape whose slice needs a
+    larger workspace than the first's, two steps, with and without Nesterov: every matrix moves by the
+    hand-rolled step with its own polar factor (SVD), weight decay applied once."""
+    torch.manual_seed(5)
+    shapes = [(2, 4, 5), (4, 5), (3, 6, 10), (2, 6, 10), (6, 10)]
+    W0 = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(2)]
+    params = [torch.nn.Parameter(w.clone()) for w in W0]
+    opt = _muon(params, nesterov=nesterov, ns_batch_elems=120)
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = g.clone()
+        opt.step()
+    assert opt._ghat_workspace.numel() == 120  # 3 matrices of 4 x 5, then 2 of 6 x 10
+    for i, shape in enumerate(shapes):
+        W, M = W0[i].reshape(-1, *shape[-2:]).clone(), torch.zeros(shape).reshape(-1, *shape[-2:])
+        for step in grads:
+            g = step[i].reshape(M.shape)
+            M = 0.9 * M + 0.1 * g
+            Gh = 0.9 * M + 0.1 * g if nesterov else M
+            U, _, Vh = torch.linalg.svd(Gh, full_matrices=False)
+            W = W * (1 - 0.02 * 0.1) - 0.02 * (U @ Vh) * 0.18 * math.sqrt(max(shape[-2:]))
+        torch.testing.assert_close(params[i].detach(), W.reshape(shape), atol=5e-4, rtol=0)
+
+
 def literal_algorithm_1(W, G, M, lr, beta=0.95, K=11, tau=1e-3, eps=1e-20, gamma=0.18):
     """V41_SPEC §7 Algorithm 1, transcribed with a materialised U."""
     M = beta * M + (1 - beta) * G

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +51,25 @@ def _as_matrices(t: torch.Tensor, num_heads: int | None) -> torch.Tensor:
     raise ValueError(f"Muon takes 2-D matrices or stacked [E, out, in] experts, got shape {tuple(t.shape)}")
 
 
+class _Entry(NamedTuple):
+    """One parameter (or ZeRO piece) as matrices [k, rows, cols]: views of the weight, its gradient and its
+    momentum."""
+    weight: torch.Tensor
+    grad: torch.Tensor
+    momentum: torch.Tensor
+
+
+def _overlaps(sizes: list[int], start: int, count: int):
+    """For matrices laid end to end (entry i holds sizes[i] of them) and the slice of `count` matrices from
+    `start`: (i, rows of entry i, rows of the slice) for every entry the slice overlaps, as slices."""
+    end, at = start + count, 0
+    for i, n in enumerate(sizes):
+        lo, hi = max(at, start), min(at + n, end)
+        if lo < hi:
+            yield i, slice(lo - at, hi - at), slice(lo - start, hi - start)
+        at += n
+
+
 class Muon(GroupwiseOptimizer):
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, weight_decay: float = 0.1,
                  nesterov: bool = True, rms_scale: float = 0.18, ns_coefficients=V41_NS_SCHEDULE,
@@ -61,50 +81,73 @@ class Muon(GroupwiseOptimizer):
                         rms_scale=rms_scale, num_heads=None)
         super().__init__(params, defaults)
         self.ns_coefficients = tuple(tuple(c) for c in ns_coefficients)
+        if not self.ns_coefficients:
+            raise ValueError("Muon: ns_coefficients is empty; give at least one Newton-Schulz step (a, b, c)")
         self.ns_eps, self.ns_dtype, self.use_triton = ns_eps, ns_dtype, use_triton
         self.ns_batch_elems = ns_batch_elems
         self.zero_of = zero_of
         self.ns_native = ns_native  # bf16 NS: native bf16 GEMMs or fp32 ones (None: as the hardware has them)
+        self._ghat_workspace: torch.Tensor | None = None
 
     def _step_group(self, group: dict) -> None:
         if self.zero_of is not None:
             return self._step_group_zero(group)
-        beta, heads = group["momentum"], group["num_heads"]
-        updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, G^ as matrices)
+        heads = group["num_heads"]
+        entries = []
         for p in group["params"]:
             if p.grad is None:
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - beta)
-            ghat = p.grad.lerp(buf, beta) if group["nesterov"] else buf
-            updates.append((p, _as_matrices(ghat, heads)))
-        if not updates:
-            return
-        self._apply(updates, self._orthogonalized(updates, group["rms_scale"]), group["lr"], group["weight_decay"])
+            entries.append(_Entry(*(_as_matrices(t, heads) for t in (p, p.grad, state["momentum_buffer"]))))
+        self._update(entries, group)
 
-    def _orthogonalized(self, updates, rms_scale: float) -> list[torch.Tensor]:
-        """Scaled NS of every update's matrices: all matrices of one shape as one batch."""
-        by_shape: dict[tuple, list[int]] = defaultdict(list)
-        for i, (_, mats) in enumerate(updates):
-            by_shape[tuple(mats.shape[1:])].append(i)
-        ortho: list[torch.Tensor | None] = [None] * len(updates)
-        for (rows, cols), idx in by_shape.items():
-            out = self._ns(torch.cat([updates[i][1] for i in idx]))
-            out = out * (rms_scale * math.sqrt(max(rows, cols)))
-            for i, part in zip(idx, out.split([updates[i][1].shape[0] for i in idx])):
-                ortho[i] = part
-        return ortho
+    def _update(self, entries: list[_Entry], group: dict) -> None:
+        """Momentum, then per matrix shape, in slices of at most `ns_batch_elems` values (which bounds the
+        Newton-Schulz temporaries): G^ of the slice's matrices written into one reused workspace, their
+        Newton-Schulz (the scale folded into its last step), each orthogonalised matrix applied to its weight."""
+        beta, lr, wd, nesterov = group["momentum"], group["lr"], group["weight_decay"], group["nesterov"]
+        by_shape: dict[tuple, list[_Entry]] = defaultdict(list)
+        for e in entries:
+            e.momentum.lerp_(e.grad, 1 - beta)
+            by_shape[tuple(e.weight.shape[1:])].append(e)
+        for (rows, cols), same in by_shape.items():
+            total = sum(e.weight.shape[0] for e in same)
+            per_slice = min(total, max(1, self.ns_batch_elems // (rows * cols)))
+            work = self._workspace(per_slice * rows * cols, same[0].grad)
+            scale = group["rms_scale"] * math.sqrt(max(rows, cols))
+            for start in range(0, total, per_slice):
+                ghat = work[:min(per_slice, total - start) * rows * cols].view(-1, rows, cols)
+                pieces = list(_overlaps([e.weight.shape[0] for e in same], start, ghat.shape[0]))
+                for i, src, dst in pieces:  # G^ written straight into the workspace: no copy, no concatenation
+                    e = same[i]
+                    torch.lerp(e.grad[src], e.momentum[src], beta, out=ghat[dst]) if nesterov else \
+                        ghat[dst].copy_(e.momentum[src])
+                ortho = newton_schulz(ghat, self.ns_coefficients, self.ns_eps, self.ns_dtype, self.use_triton,
+                                      self.ns_native, scale=scale)
+                for i, src, dst in pieces:
+                    w = same[i].weight[src]
+                    if wd:
+                        w.mul_(1 - lr * wd)
+                    w.add_(ortho[dst], alpha=-lr)
+
+    def _workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A flat buffer of at least `numel` values of `like`'s dtype and device, kept between steps (at most
+        `ns_batch_elems` values: one Newton-Schulz slice of G^), so each step writes G^ to memory it touched
+        before instead of fresh pages."""
+        buf = self._ghat_workspace
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._ghat_workspace = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf
 
     def _step_group_zero(self, group: dict) -> None:
         """ZeRO-1: momentum, Newton-Schulz and the update for the pieces this rank owns; then each piece
         is broadcast from its owner."""
         import torch.distributed as dist
 
-        beta, heads = group["momentum"], group["num_heads"]
-        updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (piece of the flat param, G^ as matrices)
+        heads = group["num_heads"]
+        entries = []  # the pieces of the flat parameters this rank owns, as matrices
         live = [p for p in group["params"] if p.grad is not None]
         for p in live:
             own = self.zero_of(p)
@@ -117,14 +160,11 @@ class Muon(GroupwiseOptimizer):
             buf, at = state["momentum_buffer"], 0
             rows, cols = _as_matrices(p, heads).shape[1:]
             for piece in mine:
-                g = p.grad.view(-1)[piece.start:piece.end]
-                m = buf[at:at + piece.numel]
+                entries.append(_Entry(*(t.view(-1, rows, cols) for t in (
+                    p.view(-1)[piece.start:piece.end], p.grad.view(-1)[piece.start:piece.end],
+                    buf[at:at + piece.numel]))))
                 at += piece.numel
-                m.lerp_(g, 1 - beta)
-                ghat = g.lerp(m, beta) if group["nesterov"] else m
-                updates.append((p.view(-1)[piece.start:piece.end], ghat.view(-1, rows, cols)))
-        ortho = self._orthogonalized(updates, group["rms_scale"])  # the owned pieces only
-        self._apply(updates, ortho, group["lr"], group["weight_decay"])
+        self._update(entries, group)
         works = []
         for p in live:
             own = self.zero_of(p)
@@ -136,16 +176,3 @@ class Muon(GroupwiseOptimizer):
                                                 group_src=piece.owner, async_op=True))
         for w in works:
             w.wait()
-
-    def _ns(self, batch: torch.Tensor) -> torch.Tensor:
-        rows, cols = batch.shape[1:]
-        per_chunk = max(1, self.ns_batch_elems // (rows * cols))  # bounds the NS temporaries
-        return torch.cat([newton_schulz(part, self.ns_coefficients, self.ns_eps, self.ns_dtype, self.use_triton,
-                                        self.ns_native) for part in batch.split(per_chunk)])
-
-    @staticmethod
-    def _apply(updates, ortho, lr: float, wd: float) -> None:
-        for (p, _), o in zip(updates, ortho):
-            if wd:
-                p.mul_(1 - lr * wd)
-            p.add_(o.reshape(p.shape).to(p.dtype), alpha=-lr)

@@ -23,12 +23,12 @@ V41_NS_SCHEDULE = (MAIN_COEFFS,) * 8 + (POLISH_COEFFS,) * 2
 
 
 def _prepare(G: torch.Tensor, eps: float, dtype: torch.dtype):
-    X = G.to(dtype)
-    transposed = X.shape[-2] > X.shape[-1]
-    if transposed:
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
-    return X.contiguous(), transposed
+    """X0 = G / (||G||_F + eps) per matrix, in `dtype` (G converted first, then the norm of the converted
+    values, as torch.optim.Muon), a tall matrix transposed; a new contiguous tensor, written in one pass."""
+    transposed = G.shape[-2] > G.shape[-1]
+    src = G.mT if transposed else G
+    X = torch.empty(src.shape, dtype=dtype, device=G.device).copy_(src)
+    return X.div_(X.norm(dim=(-2, -1), keepdim=True) + eps), transposed
 
 
 def native_bf16_matmul(device: torch.device | str) -> bool:
@@ -47,11 +47,13 @@ def _round_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def newton_schulz_reference(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: float = 1e-7,
-                            dtype: torch.dtype = torch.float32, native: bool | None = None) -> torch.Tensor:
-    """G [..., m, n] -> approximately U V^T of each matrix, same shape, in `dtype`.
+                            dtype: torch.dtype = torch.float32, native: bool | None = None,
+                            scale: float = 1.0) -> torch.Tensor:
+    """G [..., m, n] -> approximately U V^T of each matrix times `scale`, same shape, in `dtype`.
 
     Each step is three (batched) GEMMs, A = X X^T, B = c A A + b A, X <- B X + a X (the last two with
-    their sums fused, `baddbmm`). bf16 without bf16 hardware (`native_bf16_matmul`; `native` overrides):
+    their sums fused, `baddbmm`); `scale` multiplies the last step's sum (s B X + s a X), so the scaled
+    result is rounded once. bf16 without bf16 hardware (`native_bf16_matmul`; `native` overrides):
     the same bf16 numerics from fp32 GEMMs -- the operands are bf16 values (exact in fp32), the products
     accumulate in fp32 and each result is rounded to bf16, as a bf16 GEMM with fp32 accumulation stores
     it -- at fp32 GEMM speed."""
@@ -62,13 +64,16 @@ def newton_schulz_reference(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: 
     X = X.reshape(-1, *shape[-2:])
     if not native:
         X = X.float()
-    for a, b, c in coefficients:
-        A = torch.bmm(X, X.mT)
+    last = len(coefficients) - 1
+    A = B = spare = None  # the step's products, written into the previous step's tensors
+    for i, (a, b, c) in enumerate(coefficients):
+        A = torch.bmm(X, X.mT, out=A)
         A = A if native else _round_bf16(A)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
         B = B if native else _round_bf16(B)
-        X = torch.baddbmm(X, B, X, beta=a)
-        X = X if native else _round_bf16(X)
+        s = scale if i == last else 1.0
+        Y = torch.baddbmm(X, B, X, beta=a * s, alpha=s, out=spare)
+        X, spare = (Y if native else _round_bf16(Y)), X
     X = X.to(dtype).reshape(shape)
     return X.mT if transposed else X
 
@@ -154,24 +159,26 @@ def syrk(X: torch.Tensor, alpha: float = 1.0, S: torch.Tensor | None = None, bet
 
 
 def newton_schulz_triton(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: float = 1e-7,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                         dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
     shape = G.shape
     X, transposed = _prepare(G.reshape(-1, *shape[-2:]), eps, dtype)
-    for a, b, c in coefficients:
+    last = len(coefficients) - 1
+    for i, (a, b, c) in enumerate(coefficients):
         A = syrk(X)
         Bm = syrk(A, alpha=c, S=A, beta=b)
-        X = torch.baddbmm(X, Bm, X, beta=a, alpha=1.0)
+        s = scale if i == last else 1.0
+        X = torch.baddbmm(X, Bm, X, beta=a * s, alpha=s)
     X = X.mT if transposed else X
     return X.reshape(shape)
 
 
 def newton_schulz(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: float = 1e-7,
                   dtype: torch.dtype | None = None, triton: bool | None = None,
-                  native: bool | None = None) -> torch.Tensor:
+                  native: bool | None = None, scale: float = 1.0) -> torch.Tensor:
     """Dispatch: Triton on CUDA (bf16 there unless `dtype` says otherwise), reference on CPU (fp32; bf16 from
-    fp32 GEMMs where the CPU has no bf16 GEMM, `newton_schulz_reference`)."""
+    fp32 GEMMs where the CPU has no bf16 GEMM, `newton_schulz_reference`). The result is times `scale`."""
     if dtype is None:
         dtype = torch.bfloat16 if G.is_cuda else torch.float32
     if use_triton(G, triton):
-        return newton_schulz_triton(G, coefficients, eps, dtype)
-    return newton_schulz_reference(G, coefficients, eps, dtype, native)
+        return newton_schulz_triton(G, coefficients, eps, dtype, scale)
+    return newton_schulz_reference(G, coefficients, eps, dtype, native, scale)
