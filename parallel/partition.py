@@ -59,6 +59,7 @@ class PartitionCosts:
     zero: bool = False  # ZeRO-1: optimizer state / its replica group (dp, or dp / ep for routed experts)
     engram_shard: bool = False  # Engram tables (and their gradient and state) row-sharded over dp
     round_microbatches: int = 0  # pipeline: micro-batches per round, whose inputs the device holds (0: no pipeline)
+    kv_segments: int = 1  # query segments per rank (2: context parallelism with cp_balance=zigzag)
 
     def param_state_bytes(self, kind: ParamKind, numel: int, n_state: int) -> float:
         """Parameter + gradient + `n_state` optimizer values of one parameter of `kind` (its local share)."""
@@ -84,7 +85,7 @@ def _engram_cols(cfg: ModelConfig) -> int:
 
 def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, engram_rows: int, carry_bytes: int,
                       tokens: int, micro_batch: int, costs: PartitionCosts, seq_tokens: int | None = None,
-                      weight_copies: int = 0, shared_grads: int = 0) -> dict:
+                      weight_copies: int = 0, shared_grads: int = 0, kv_grad: int = 0) -> dict:
     """Per micro-batch of `tokens` tokens: the block's input `carry` (bytes), what its forward `kept`
     for backward under `costs.recompute`, and the transient `work` of its backward. Per token, the
     tensors of the reference implementation under bf16 autocast (fp32 master data), term by term:
@@ -128,7 +129,19 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
 
     `shared_grads`: the bytes of the differentiable shared fields (compressed KV, index keys) the block reads
     from its carry or writes -- their gradients arrive whole in its backward (at 1M / cp=512 a Reuse layer's
-    backward adds 6.84 GB, the whole sequence's KV gradient, 2.15 GB, included)."""
+    backward adds 6.84 GB, the whole sequence's KV gradient, 2.15 GB, included). `kv_grad`: the bytes of the
+    whole-sequence compressed KV the block's attention reads (the carry's `kv`): each query segment of the
+    rank (`costs.kv_segments`: two under zigzag context parallelism) runs the sparse attention once, and each
+    run's backward makes a whole-sequence KV gradient before the two are summed -- three at once, two more
+    than `shared_grads` counts (measured at 1M / cp=256: zeros, zeros, their sum, 2.15 GB each).
+
+    Full recomputation (measured per operator at 1M / cp=256 and cp=128, `launch/estimate.py --phases`):
+    the backward's peak is the largest of three moments that do not overlap -- the rebuild, at the MoE,
+    when the block's rebuilt tensors are all live with its fp32 expert outputs (4 k D bytes a token; the
+    MoE's backward then runs inside what the rebuild frees); the attention's backward, when the shared
+    fields' gradients form beside the fp32 query gradient (4 H hd bytes a token); and the indexer's chunk
+    scores. (Without recomputation or under `selective` the kept tensors are not rebuilt, and the model
+    above stacks the backward's gradients on what is rebuilt.)"""
     D, hc, k, I = cfg.dim, cfg.hc_mult, cfg.n_activated_experts, cfg.moe_inter_dim
     seq_tokens = seq_tokens or tokens
     H, hd, ns, R = cfg.n_heads, cfg.head_dim, cfg.n_shared_experts, cfg.hc_sinkhorn_iters
@@ -179,8 +192,18 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
     else:
         kept = tokens * ids
     # the chunk scores are a transient of the indexer's (re)computation, before the rest of the block is rebuilt;
-    # the gradients of the shared fields the block reads (`shared_grads`, their size) arrive in its backward
-    work = max(work + none_kept - min(kept, none_kept) + shared_grads, scores)
+    # the gradients of the shared fields the block reads (`shared_grads`, their size) arrive in its backward,
+    # the KV's once per query segment before they are summed
+    grads = shared_grads + 2 * (costs.kv_segments - 1) * kv_grad
+    if costs.recompute == "full":
+        rebuild = none_kept - kept + tokens * 4 * k * D + 8 * local_routed // 3
+        if role.role is Role.FULL and scores:
+            # a Full layer's indexer scores the whole-sequence index keys its compressor has just built: its rebuild
+            # so far (all but the experts) and the shared fields it writes are live beside the scores
+            scores += tokens * (per_token - 4 * k * D - 24 * k * I - 22 * ns * I) + shared_grads
+        work = max(rebuild, grads + tokens * 4 * H * hd, work, scores)
+    else:
+        work = max(work + none_kept - min(kept, none_kept) + grads, scores)
     return {"carry": carry_bytes, "kept": kept, "work": work}
 
 
@@ -320,8 +343,14 @@ class UnitInventory:
             if blk["writes"] and role.id + 1 < len(self.blocks):
                 after = self._boundary(role.id + 1, micro_batch, seq_len, local_len)
                 read += sum(_nbytes(s) for s in after if s.differentiable and s.name in blk["writes"])
+            # the whole-sequence compressed KV the attention reads (a Full layer: the one it writes)
+            kv = 0
+            if role.compress_ratio:
+                around = specs if "kv" in blk["reads"] else () if role.id + 1 == len(self.blocks) else \
+                    self._boundary(role.id + 1, micro_batch, seq_len, local_len)
+                kv = sum(_nbytes(s) for s in around if s.name == "kv")
             acts = block_activations(cfg, role, blk["routed"], rows, carry, tokens, micro_batch, costs,
-                                     seq_len * micro_batch, per_microbatch, read)
+                                     seq_len * micro_batch, per_microbatch, read, kv)
             # this rank's share of the block's state (experts, ZeRO-1, Engram rows) + autocast's bf16 copies of
             # the dense weights, once per step
             state = int(sum(costs.param_state_bytes(kind, numel, n_state) for kind, numel, n_state in blk["state"]))
@@ -428,8 +457,11 @@ def rank_costs(units: list[dict], bounds: list[tuple[int, int]], stages_of_rank:
         held = [sum(_held(u, i == bounds[s][0]) for i, u in enumerate(units[bounds[s][0]:bounds[s][1]], bounds[s][0]))
                 for s in stages]
         acts = max(sum(c * h for c, h in zip(point, held)) for point in points)
-        # each stage's input gradients; the accumulating shared-field gradients and the round's inputs once
+        # each stage's input gradients; the received output gradients of the stage whose backward runs (the
+        # largest), the accumulating shared-field gradients and the round's inputs once
         fixed = sum(units[bounds[s][0]].get("input_grad_bytes", 0) for s in stages if bounds[s][0] > 0)
+        fixed += max(units[bounds[s][1]].get("input_grad_bytes", 0) if bounds[s][1] < len(units) else 0
+                     for s in stages)
         fixed += max(u.get("shared_grad_bytes", 0) for u in blocks)
         fixed += units[bounds[stages[0]][0]].get("round_input_bytes", 0)
         out.append(sum(u["state_bytes"] for u in blocks) + acts + max(u["work_bytes"] for u in blocks) + fixed)
@@ -450,11 +482,15 @@ def _stage_fixed(units: list[dict], a: int, b: int) -> int:
     """What the stage of blocks [a, b) holds once, whatever its micro-batches in flight: the gradients of its
     inputs (the differentiable carry: the residual and the shared KV / index keys), which the stage keeps from
     one backward to the next (torch's stage holds its last input gradients until the next backward replaces
-    them), the shared fields' gradients its running backward accumulates (the largest set of shared fields
-    in its blocks' carries), and the pipeline round's inputs on the device."""
+    them), the gradient of its outputs that its backward received (the next stage's input gradients: measured
+    at 1M / cp=256, stage 2 of pp=4, whose layer 20 writes the whole-sequence KV and index keys stage 3 reads,
+    holds their 3.0 GB of gradients through its backward), the shared fields' gradients its running backward
+    accumulates (the largest set of shared fields in its blocks' carries), and the pipeline round's inputs on
+    the device."""
     inputs = units[a].get("input_grad_bytes", 0) if a > 0 else 0
+    outputs = units[b].get("input_grad_bytes", 0) if b < len(units) else 0
     shared = max(u.get("shared_grad_bytes", 0) for u in units[a:b])
-    return inputs + shared + units[a].get("round_input_bytes", 0)
+    return inputs + outputs + shared + units[a].get("round_input_bytes", 0)
 
 
 def _stage_activations(units: list[dict], a: int, b: int, in_flight: int) -> float:
@@ -490,7 +526,8 @@ def _cost_table(units: list[dict], pp: int, in_flight: list[int]) -> dict:
         for j in range(i + 1, n + 1):
             top = max(top, units[j - 1]["work_bytes"])
             most = max(most, shared[j - 1])
-            work[i, j], fixed[i, j] = top, inputs[i] + most + rounds[i]
+            work[i, j] = top
+            fixed[i, j] = inputs[i] + (inputs[j] if j < n else 0) + most + rounds[i]
     return {(s, i, j): state[j] - state[i] + (in_flight[s - 1] * (first[i] + held[j] - held[i + 1]) + work[i, j]
                                               + fixed[i, j]) for s, i, j in keys}
 

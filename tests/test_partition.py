@@ -157,12 +157,13 @@ def test_a_ranks_cost_holds_its_stages_at_the_schedules_worst_point_and_one_back
     assert rank_costs(units, [(0, 2), (2, 5)], [[0], [1]], one) == [_stage_cost(units, 0, 2, 2),
                                                                     _stage_cost(units, 2, 5, 1)]
     # what each stage holds once: its input gradients (not stage 0's), the largest shared-field gradients of the
-    # rank's blocks and the round's inputs, once a rank
+    # rank's blocks and the round's inputs, once a rank; and the gradient of a stage's outputs (the next stage's
+    # input gradients; none for the last stage) while its backward runs -- one backward at a time: the largest
     for i, u in enumerate(units):
         u.update(input_grad_bytes=1000 * (i + 1), shared_grad_bytes=[0, 0, 300, 200, 500][i], round_input_bytes=7)
     assert rank_costs(units, bounds, ranks, states) == [
-        151 + max(3 * held0 + 2 * 40, 4 * held0 + 40) + 30 + 5000 + 500 + 7,
-        30 + max(2 * 3 + 4, 3 * 3) + 2 + 3000 + 4000 + 300 + 7]
+        151 + max(3 * held0 + 2 * 40, 4 * held0 + 40) + 30 + 5000 + 3000 + 500 + 7,
+        30 + max(2 * 3 + 4, 3 * 3) + 2 + 3000 + 4000 + 5000 + 300 + 7]
     assert rank_costs(units, [(0, 2), (2, 5)], [[0], [1]], one) == [_stage_cost(units, 0, 2, 2),
                                                                     _stage_cost(units, 2, 5, 1)]
     assert _stage_cost(units, 2, 5, 1) == 31 + 3 + 4 - 0 + 40 + 9 + 3000 + 500 + 7
@@ -381,11 +382,15 @@ def test_the_trainers_partition_uses_the_rounds_in_flight_counts():
     assert plan_stages(units, parallel) == [(0, 1), (1, 3), (3, 6), (6, 12)]
 
 
-def test_under_recomputation_the_indexer_scores_are_a_transient_beside_the_rebuild_not_on_top():
+def test_under_full_recomputation_the_rebuild_the_gradients_and_the_scores_are_separate_moments():
     """A Full layer (ratio 2) of a rank holding 64 of 2^20 positions, full recomputation: its backward work is
-    the larger of the rebuilt block with the shared fields' gradients (`shared_grads`) and the indexer's chunk
-    scores (6 x chunk x index heads x 2^19), by hand from the rebuild alone (the same block on one rank's 64
-    positions: the compressed entries are the rank's own under context parallelism)."""
+    the largest of the rebuild (what `none` keeps minus what `full` keeps, plus the fp32 expert outputs,
+    4 k D bytes a position), the shared fields' gradients with the fp32 query gradient (4 H hd bytes a
+    position; the KV's two more times with two query segments), the MoE's own backward work (`none`'s work)
+    and the indexer's chunk scores (6 x chunk x index heads x 2^19), which a Full layer computes on the
+    whole-sequence fields it has just written (`shared_grads` of them) while its rebuild so far -- all
+    but the experts (4 k D + 24 k I + 22 ns I bytes a position) and the rank's compressed entries
+    (22 hd / 2) -- is live."""
     from flashtrain.model.layer_plan import Role, layer_plan
     from flashtrain.parallel.partition import block_activations
     from flashtrain.train.config import compose, model_config
@@ -395,13 +400,87 @@ def test_under_recomputation_the_indexer_scores_are_a_transient_beside_the_rebui
 
     m = model_config(compose(["+exp=flash_tiny", *FOUR_LAYERS]))
     full = next(r for r in layer_plan(m) if r.role is Role.FULL)
-    costs = PartitionCosts(recompute="full")
-    rebuild = block_activations(m, full, 0, 0, 0, 64, 1, costs)["work"]
-    scores = 6 * min(m.attn_chunk_size, 64) * m.index_n_heads * (1 << 20) // 2
-    assert rebuild < scores // 10
-    for grads in (0, 1000, 2 * scores):
-        got = block_activations(m, full, 0, 0, 0, 64, 1, costs, seq_tokens=1 << 20, shared_grads=grads)["work"]
-        assert got == max(rebuild + grads, scores), grads
+    t = 64
+    none = block_activations(m, full, 0, 0, 0, t, 1, PartitionCosts(recompute="none"))
+    kept = block_activations(m, full, 0, 0, 0, t, 1, PartitionCosts(recompute="full"))["kept"]
+    rebuild = none["kept"] - kept + t * 4 * m.n_activated_experts * m.dim
+    query_grad = t * 4 * m.n_heads * m.head_dim
+    scores = 6 * min(m.attn_chunk_size, t) * m.index_n_heads * (1 << 20) // 2
+    assert max(rebuild, query_grad, none["work"]) < scores // 10
+    k, D, I, ns = m.n_activated_experts, m.dim, m.moe_inter_dim, m.n_shared_experts
+    before_experts = none["kept"] - t * (22 * m.head_dim // 2) - t * (4 * k * D + 24 * k * I + 22 * ns * I)
+    assert 0 < before_experts < none["kept"]
+    for segments in (1, 2):
+        costs = PartitionCosts(recompute="full", kv_segments=segments)
+        for grads, kv in ((0, 0), (1000, 0), (10 ** 6, 3000), (2 * scores, 0), (rebuild, rebuild // 4)):
+            got = block_activations(m, full, 0, 0, 0, t, 1, costs, seq_tokens=1 << 20, shared_grads=grads,
+                                    kv_grad=kv)["work"]
+            want = max(rebuild, grads + 2 * (segments - 1) * kv + query_grad, none["work"],
+                       scores + before_experts + grads)
+            assert got == want, (segments, grads, kv)
+    # a Reuse layer has no indexer: nothing stacks on anything
+    reuse = next(r for r in layer_plan(m) if r.role is Role.REUSE)
+    r_none = block_activations(m, reuse, 0, 0, 0, t, 1, PartitionCosts(recompute="none"))
+    r_rebuild = r_none["kept"] - kept + t * 4 * k * D
+    got = block_activations(m, reuse, 0, 0, 0, t, 1, PartitionCosts(recompute="full", kv_segments=2),
+                            seq_tokens=1 << 20, shared_grads=10 ** 6, kv_grad=3000)["work"]
+    assert got == max(r_rebuild, 10 ** 6 + 6000 + query_grad, r_none["work"])
+    # the local experts' bf16 copies (2 bytes a value) and their stacked weight gradient (8 / 3 bytes a value)
+    # are part of the rebuild
+    with_experts = [block_activations(m, reuse, routed, 0, 0, t, 1, PartitionCosts(recompute="full"))["work"]
+                    for routed in (0, 3000)]
+    assert with_experts[0] == r_rebuild > max(query_grad, r_none["work"])
+    assert with_experts[1] - with_experts[0] == 2 * 3000 + 8 * 3000 // 3
+    # one rank (no chunk scores): the rebuild alone, then the gradients once they outgrow it
+    costs = PartitionCosts(recompute="full", kv_segments=2)
+    assert block_activations(m, full, 0, 0, 0, t, 1, costs)["work"] == max(rebuild, query_grad, none["work"])
+    big = rebuild + 12345
+    assert block_activations(m, full, 0, 0, 0, t, 1, costs, shared_grads=big, kv_grad=7)["work"] == \
+        big + 14 + query_grad
+
+
+def test_the_kv_gradient_of_each_query_segment_counts_without_recomputation_too():
+    """Without recomputation (and under `selective`) the rebuilt part and the backward's gradients stack, and the
+    whole-sequence KV gradient of each query segment (two under zigzag context parallelism) joins them."""
+    from flashtrain.model.layer_plan import Role, layer_plan
+    from flashtrain.parallel.partition import block_activations
+    from flashtrain.train.config import compose, model_config
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from layer_plans import FOUR_LAYERS
+
+    m = model_config(compose(["+exp=flash_tiny", *FOUR_LAYERS]))
+    reuse = next(r for r in layer_plan(m) if r.role is Role.REUSE)
+    for mode in ("none", "selective"):
+        one = block_activations(m, reuse, 0, 0, 0, 64, 1, PartitionCosts(recompute=mode), shared_grads=500,
+                                kv_grad=400)["work"]
+        two = block_activations(m, reuse, 0, 0, 0, 64, 1, PartitionCosts(recompute=mode, kv_segments=2),
+                                shared_grads=500, kv_grad=400)["work"]
+        assert two - one == 800, mode
+
+
+def test_unit_costs_give_the_attention_the_whole_sequence_kv_it_reads():
+    """flash_tiny's four-layer plan at 256 positions over cp=4, no recomputation: with two query segments a
+    rank, the backward work of the Full layer 2 (whose attention reads the KV it writes) and of the Reuse
+    layer 3 (which reads it) grows by two whole-sequence KV gradients, [128, head_dim] fp32 each; the
+    sliding-window layers 0 and 1 read none. The trainer's costs: two segments under zigzag context
+    parallelism only."""
+    from flashtrain.parallel.config import ParallelConfig
+    from flashtrain.parallel.partition import unit_costs
+    from flashtrain.train.config import optim_config
+    from flashtrain.train.stages import partition_costs
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from layer_plans import FOUR_LAYERS
+
+    cfg, m, model, optimizer_of = _template(FOUR_LAYERS)
+    one, two = (unit_costs(model, m, optimizer_of, 256, 1, PartitionCosts(kv_segments=s), 64) for s in (1, 2))
+    kv = 4 * 128 * m.head_dim
+    assert [b["work_bytes"] - a["work_bytes"] for a, b in zip(one, two)] == [0, 0, 2 * kv, 2 * kv]
+    ocfg = optim_config(cfg)
+    for cp, balance, segments in ((1, "zigzag", 1), (4, "zigzag", 2), (4, "contiguous", 1)):
+        parallel = ParallelConfig(cp=cp, cp_balance=balance)
+        assert partition_costs(m, ocfg, parallel, "none", True, 4).kv_segments == segments, (cp, balance)
 
 
 def test_unit_costs_price_the_gradients_a_stage_holds_and_the_rounds_inputs():
@@ -410,8 +489,9 @@ def test_unit_costs_price_the_gradients_a_stage_holds_and_the_rounds_inputs():
     block 3's input gradients are its differentiable carry (residual [64, hc, D] and mix [64, hc] fp32, the
     whole sequence's KV [128, head_dim] fp32; the top-k indices have none), its shared ones the KV's; the
     round's inputs are 3 int64 per position of the round (tokens, token types, labels). A stage holds
-    its input gradients (not the first stage), the largest shared set of its blocks and the round's inputs
-    once (`_stage_fixed`, in `_stage_cost` and the prefix-sum table alike)."""
+    its input gradients (not the first stage), the gradient of its outputs (the next stage's input gradients;
+    not the last stage), the largest shared set of its blocks and the round's inputs once (`_stage_fixed`, in
+    `_stage_cost` and the prefix-sum table alike)."""
     from flashtrain.parallel.partition import _cost_table, _stage_fixed, unit_costs
     from flashtrain.parallel.pipeline import live_shared_fields
 
@@ -427,7 +507,8 @@ def test_unit_costs_price_the_gradients_a_stage_holds_and_the_rounds_inputs():
     assert units[1]["shared_grad_bytes"] == 0 and units[1]["input_grad_bytes"] == residual
     assert all(u["round_input_bytes"] == 3 * 8 * 256 * 6 for u in units)
     assert _stage_fixed(units, 0, 4) == shared + 3 * 8 * 256 * 6  # the first stage: no input gradients
-    assert _stage_fixed(units, 1, 3) == residual + 3 * 8 * 256 * 6  # layers 1-2: no shared field in their carry
+    # layers 1-2: no shared field in their carry; the gradient of their outputs is layer 3's input gradient
+    assert _stage_fixed(units, 1, 3) == residual + (residual + shared) + 3 * 8 * 256 * 6
     assert _stage_fixed(units, 2, 4) == residual + shared + 3 * 8 * 256 * 6  # layer 3 reads the KV layer 2 writes
     table = _cost_table(units, 2, [2, 1])
     assert all(v == _stage_cost(units, i, j, [2, 1][s - 1]) for (s, i, j), v in table.items())

@@ -66,7 +66,7 @@ class PlanConfig:
     show: int = 5
     recompute: list = field(default_factory=lambda: list(RECOMPUTE_MODES))
     schedules: list = field(default_factory=lambda: list(SCHEDULES))
-    cost_model_error: list = field(default_factory=lambda: [-0.10, 0.08])
+    cost_model_error: list = field(default_factory=lambda: [-0.10, 0.05])
     gpu_tflops: float = 400.0
     gpus_per_node: int = 8
     intra_node_gb_s: float = 400.0

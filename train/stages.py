@@ -48,7 +48,8 @@ def partition_costs(model_cfg: ModelConfig, optim_cfg: OptimConfig, parallel: Pa
     (train/layouts.py) alike."""
     return PartitionCosts(recompute=recompute, mixed_precision=mixed_precision, ep=parallel.ep, dp=dp,
                           zero=optim_cfg.zero, engram_shard=parallel.shard_engram(model_cfg, dp),
-                          round_microbatches=round_microbatches if parallel.pp > 1 else 0)
+                          round_microbatches=round_microbatches if parallel.pp > 1 else 0,
+                          kv_segments=2 if parallel.cp > 1 and parallel.cp_balance == "zigzag" else 1)
 
 
 def plan_stages(units: list[dict], parallel: ParallelConfig, microbatches: int | None = None) -> list[tuple[int, int]]:
