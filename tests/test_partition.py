@@ -425,6 +425,18 @@ def test_under_full_recomputation_the_rebuild_the_gradients_and_the_scores_are_s
     got = block_activations(m, reuse, 0, 0, 0, t, 1, PartitionCosts(recompute="full", kv_segments=2),
                             seq_tokens=1 << 20, shared_grads=10 ** 6, kv_grad=3000)["work"]
     assert got == max(r_rebuild, 10 ** 6 + 6000 + query_grad, r_none["work"])
+    # a Reindex layer's indexer scores the Full layer's index keys, written long before: its scores stack on nothing
+    from layer_plans import EIGHT_LAYERS
+
+    m8 = model_config(compose(["+exp=flash_tiny", *EIGHT_LAYERS]))
+    reindex = next(r for r in layer_plan(m8) if r.role is Role.REINDEX)
+    x_none = block_activations(m8, reindex, 0, 0, 0, t, 1, PartitionCosts(recompute="none"))
+    x_kept = block_activations(m8, reindex, 0, 0, 0, t, 1, PartitionCosts(recompute="full"))["kept"]
+    x_scores = 6 * min(m8.attn_chunk_size, t) * m8.index_n_heads * (1 << 20) // reindex.compress_ratio
+    x_rebuild = x_none["kept"] - x_kept + t * 4 * m8.n_activated_experts * m8.dim
+    assert x_scores > max(x_rebuild, 10 ** 6 + t * 4 * m8.n_heads * m8.head_dim, x_none["work"])
+    assert block_activations(m8, reindex, 0, 0, 0, t, 1, PartitionCosts(recompute="full"), seq_tokens=1 << 20,
+                             shared_grads=10 ** 6)["work"] == x_scores
     # the local experts' bf16 copies (2 bytes a value) and their stacked weight gradient (8 / 3 bytes a value)
     # are part of the rebuild
     with_experts = [block_activations(m, reuse, routed, 0, 0, t, 1, PartitionCosts(recompute="full"))["work"]
