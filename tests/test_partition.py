@@ -451,6 +451,27 @@ def test_under_full_recomputation_the_rebuild_the_gradients_and_the_scores_are_s
         big + 14 + query_grad
 
 
+def test_without_full_recomputation_the_scores_stack_on_nothing():
+    """Selective recomputation and none: the indexer's chunk scores (a Full layer at 64 of 2^20 positions) are a
+    transient of their own, beside the stacked rebuild and gradients -- the work is the larger of the two."""
+    from flashtrain.model.layer_plan import Role, layer_plan
+    from flashtrain.parallel.partition import block_activations
+    from flashtrain.train.config import compose, model_config
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from layer_plans import FOUR_LAYERS
+
+    m = model_config(compose(["+exp=flash_tiny", *FOUR_LAYERS]))
+    full = next(r for r in layer_plan(m) if r.role is Role.FULL)
+    scores = 6 * min(m.attn_chunk_size, 64) * m.index_n_heads * (1 << 20) // 2
+    for mode in ("none", "selective"):
+        costs = PartitionCosts(recompute=mode)
+        for grads in (0, 2 * scores):
+            stacked = block_activations(m, full, 0, 0, 0, 64, 1, costs, shared_grads=grads)["work"]
+            got = block_activations(m, full, 0, 0, 0, 64, 1, costs, seq_tokens=1 << 20, shared_grads=grads)["work"]
+            assert got == max(stacked, scores) and stacked < scores * (1 if grads == 0 else 3), (mode, grads)
+
+
 def test_the_kv_gradient_of_each_query_segment_counts_without_recomputation_too():
     """Without recomputation (and under `selective`) the rebuilt part and the backward's gradients stack, and the
     whole-sequence KV gradient of each query segment (two under zigzag context parallelism) joins them."""
