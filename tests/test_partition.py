@@ -552,7 +552,7 @@ def test_a_block_that_writes_a_shared_field_gets_its_gradient_in_its_backward():
     """Full layer 2 of the four-layer plan writes the compressed KV that layer 3 reads: under context parallelism
     its backward receives that field's gradient whole (4 x 128 positions x head_dim fp32 at 256 positions,
     ratio 2), and block 3, which reads it, too; `block_activations` with those bytes by hand is the unit's
-    work."""
+    work (without recomputation, where the gradients stack on the block's backward work and show)."""
     from flashtrain.parallel.partition import UnitInventory, _nbytes, block_activations, copy_bytes
     from flashtrain.parallel.pipeline import boundary_specs
 
@@ -560,7 +560,7 @@ def test_a_block_that_writes_a_shared_field_gets_its_gradient_in_its_backward():
     from layer_plans import FOUR_LAYERS
 
     cfg, m, model, optimizer_of = _template(FOUR_LAYERS)
-    costs = PartitionCosts(recompute="full")
+    costs = PartitionCosts(recompute="none")
     inventory = UnitInventory(model, m, optimizer_of)
     units = inventory.costs(256, 1, costs, 64)
     kv = 4 * 128 * m.head_dim
