@@ -150,8 +150,9 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
     cols = _engram_cols(cfg)
     ids = 8 * cols * len(cfg.engram_layer_ids)  # the hash ids of every Engram layer (ForwardContext)
     local_routed = routed_params // costs.ep
+    experts = 4 * k * D + 24 * k * I + 22 * ns * I  # the routed and shared experts' part, per token
     per_token = (20 * hc * D + 34 * D + 16 * R * hc * (hc + 1) + 6 * H * hd + 2 * cfg.o_groups * cfg.o_lora_rank
-                 + 10 * cfg.q_lora_rank + 4 * k * D + 24 * k * I + 22 * ns * I)
+                 + 10 * cfg.q_lora_rank + experts)
     selective = (act * (cfg.q_lora_rank + H * hd + hd + D + 2 * k * I + k * D + ns * (2 * I + D))
                  + 4 * cfg.n_routed_experts + 8 * 2 * (2 + hc) * hc)
     compressed = 0
@@ -200,7 +201,7 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
         if role.role is Role.FULL and scores:
             # a Full layer's indexer scores the whole-sequence index keys its compressor has just built: its rebuild
             # so far (all but the experts) and the shared fields it writes are live beside the scores
-            scores += tokens * (per_token - 4 * k * D - 24 * k * I - 22 * ns * I) + shared_grads
+            scores += tokens * (per_token - experts) + shared_grads
         work = max(rebuild, grads + tokens * 4 * H * hd, work, scores)
     else:
         work = max(work + none_kept - min(kept, none_kept) + grads, scores)
@@ -340,15 +341,12 @@ class UnitInventory:
             # their gradients arrive whole in its backward
             shared = [s for s in specs if s.differentiable and s.name in SHARED_NAMES]
             read = sum(_nbytes(s) for s in shared if s.name in blk["reads"])
-            if blk["writes"] and role.id + 1 < len(self.blocks):
-                after = self._boundary(role.id + 1, micro_batch, seq_len, local_len)
-                read += sum(_nbytes(s) for s in after if s.differentiable and s.name in blk["writes"])
+            after = (self._boundary(role.id + 1, micro_batch, seq_len, local_len)
+                     if blk["writes"] and role.id + 1 < len(self.blocks) else ())
+            read += sum(_nbytes(s) for s in after if s.differentiable and s.name in blk["writes"])
             # the whole-sequence compressed KV the attention reads (a Full layer: the one it writes)
-            kv = 0
-            if role.compress_ratio:
-                around = specs if "kv" in blk["reads"] else () if role.id + 1 == len(self.blocks) else \
-                    self._boundary(role.id + 1, micro_batch, seq_len, local_len)
-                kv = sum(_nbytes(s) for s in around if s.name == "kv")
+            kv = sum(_nbytes(s) for s in (specs if "kv" in blk["reads"] else after) if s.name == "kv") \
+                if role.compress_ratio else 0
             acts = block_activations(cfg, role, blk["routed"], rows, carry, tokens, micro_batch, costs,
                                      seq_len * micro_batch, per_microbatch, read, kv)
             # this rank's share of the block's state (experts, ZeRO-1, Engram rows) + autocast's bf16 copies of
@@ -460,8 +458,7 @@ def rank_costs(units: list[dict], bounds: list[tuple[int, int]], stages_of_rank:
         # each stage's input gradients; the received output gradients of the stage whose backward runs (the
         # largest), the accumulating shared-field gradients and the round's inputs once
         fixed = sum(units[bounds[s][0]].get("input_grad_bytes", 0) for s in stages if bounds[s][0] > 0)
-        fixed += max(units[bounds[s][1]].get("input_grad_bytes", 0) if bounds[s][1] < len(units) else 0
-                     for s in stages)
+        fixed += max(_output_grads(units, bounds[s][1]) for s in stages)
         fixed += max(u.get("shared_grad_bytes", 0) for u in blocks)
         fixed += units[bounds[stages[0]][0]].get("round_input_bytes", 0)
         out.append(sum(u["state_bytes"] for u in blocks) + acts + max(u["work_bytes"] for u in blocks) + fixed)
@@ -488,9 +485,14 @@ def _stage_fixed(units: list[dict], a: int, b: int) -> int:
     accumulates (the largest set of shared fields in its blocks' carries), and the pipeline round's inputs on
     the device."""
     inputs = units[a].get("input_grad_bytes", 0) if a > 0 else 0
-    outputs = units[b].get("input_grad_bytes", 0) if b < len(units) else 0
     shared = max(u.get("shared_grad_bytes", 0) for u in units[a:b])
-    return inputs + outputs + shared + units[a].get("round_input_bytes", 0)
+    return inputs + _output_grads(units, b) + shared + units[a].get("round_input_bytes", 0)
+
+
+def _output_grads(units: list[dict], b: int) -> int:
+    """The gradient a stage ending before unit `b` receives for its outputs: the next stage's input gradients
+    (none for the last stage)."""
+    return units[b].get("input_grad_bytes", 0) if b < len(units) else 0
 
 
 def _stage_activations(units: list[dict], a: int, b: int, in_flight: int) -> float:

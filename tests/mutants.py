@@ -1745,8 +1745,8 @@ MUTANTS = [
            '        work = max(rebuild + scores, grads + tokens * 4 * H * hd, work)',
            ['tests/test_partition.py', '-k', 'separate_moments']),
     Mutant("a writer's shared fields measured at its own boundary (blind, issue 50)", 'parallel/partition.py',
-           '                after = self._boundary(role.id + 1, micro_batch, seq_len, local_len)',
-           '                after = self._boundary(role.id, micro_batch, seq_len, local_len)',
+           '            after = (self._boundary(role.id + 1, micro_batch, seq_len, local_len)',
+           '            after = (self._boundary(role.id, micro_batch, seq_len, local_len)',
            ['tests/test_partition.py', '-k', 'writes_a_shared']),
     Mutant("the cost table's shared gradients from the stage's first block (blind, issue 50)", 'parallel/partition.py',
            '            fixed[i, j] = inputs[i] + (inputs[j] if j < n else 0) + most + rounds[i]',
@@ -1801,16 +1801,12 @@ MUTANTS = [
            'if role.has_indexer and scores:',
            ['tests/test_partition.py', '-k', 'separate_moments']),
     Mutant("a Full layer's KV bytes from its own input (blind, issue 50)", 'parallel/partition.py',
-           'around = specs if "kv" in blk["reads"] else () if role.id + 1 == len(self.blocks) else \\'
-           '\n                    self._boundary(role.id + 1, micro_batch, seq_len, local_len)',
-           'around = specs if "kv" in blk["reads"] else () if role.id + 1 == len(self.blocks) else \\'
-           '\n                    self._boundary(role.id, micro_batch, seq_len, local_len)',
+           'kv = sum(_nbytes(s) for s in (specs if "kv" in blk["reads"] else after) if s.name == "kv")',
+           'kv = sum(_nbytes(s) for s in specs if s.name == "kv")',
            ['tests/test_partition.py']),
     Mutant("a rank's received output gradients summed over its stages (blind, issue 50)", 'parallel/partition.py',
-           'fixed += max(units[bounds[s][1]].get("input_grad_bytes", 0) if bounds[s][1] < len(units) else 0\n'
-           '                     for s in stages)',
-           'fixed += sum(units[bounds[s][1]].get("input_grad_bytes", 0) if bounds[s][1] < len(units) else 0\n'
-           '                     for s in stages)',
+           'fixed += max(_output_grads(units, bounds[s][1]) for s in stages)',
+           'fixed += sum(_output_grads(units, bounds[s][1]) for s in stages)',
            ['tests/test_partition.py']),
     Mutant('two query segments under contiguous cp (blind, issue 50)', 'train/stages.py',
            'kv_segments=2 if parallel.cp > 1 and parallel.cp_balance == "zigzag" else 1',

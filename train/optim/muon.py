@@ -113,13 +113,14 @@ class Muon(GroupwiseOptimizer):
             e.momentum.lerp_(e.grad, 1 - beta)
             by_shape[tuple(e.weight.shape[1:])].append(e)
         for (rows, cols), same in by_shape.items():
-            total = sum(e.weight.shape[0] for e in same)
+            sizes = [e.weight.shape[0] for e in same]
+            total = sum(sizes)
             per_slice = min(total, max(1, self.ns_batch_elems // (rows * cols)))
             work = self._workspace(per_slice * rows * cols, same[0].grad)
             scale = group["rms_scale"] * math.sqrt(max(rows, cols))
             for start in range(0, total, per_slice):
                 ghat = work[:min(per_slice, total - start) * rows * cols].view(-1, rows, cols)
-                pieces = list(_overlaps([e.weight.shape[0] for e in same], start, ghat.shape[0]))
+                pieces = list(_overlaps(sizes, start, ghat.shape[0]))
                 for i, src, dst in pieces:  # G^ written straight into the workspace: no copy, no concatenation
                     e = same[i]
                     torch.lerp(e.grad[src], e.momentum[src], beta, out=ghat[dst]) if nesterov else \
