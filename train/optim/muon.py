@@ -106,7 +106,7 @@ class Muon(GroupwiseOptimizer):
     def _update(self, entries: list[_Entry], group: dict) -> None:
         """Momentum, then per matrix shape, in slices of at most `ns_batch_elems` values (which bounds the
         Newton-Schulz temporaries): G^ of the slice's matrices written into one reused workspace, their
-        Newton-Schulz (the scale folded into its last step), each orthogonalised matrix applied to its weight."""
+        Newton-Schulz (times the update's scale), each orthogonalised matrix applied to its weight."""
         beta, lr, wd, nesterov = group["momentum"], group["lr"], group["weight_decay"], group["nesterov"]
         by_shape: dict[tuple, list[_Entry]] = defaultdict(list)
         for e in entries:

@@ -56,11 +56,12 @@ def newton_schulz_reference(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: 
     """G [..., m, n] -> approximately U V^T of each matrix times `scale`, same shape, in `dtype`.
 
     Each step is three (batched) GEMMs, A = X X^T, B = c A A + b A, X <- B X + a X (the last two with
-    their sums fused, `baddbmm`); `scale` multiplies the last step's sum (s B X + s a X), so the scaled
-    result is rounded once. bf16 without bf16 hardware (`native_bf16_matmul`; `native` overrides):
-    the same bf16 numerics from fp32 GEMMs -- the operands are bf16 values (exact in fp32), the products
-    accumulate in fp32 and each result is rounded to bf16, as a bf16 GEMM with fp32 accumulation stores
-    it -- at fp32 GEMM speed."""
+    their sums fused, `baddbmm`), then the result times `scale` in place: the operations of the last green
+    CI, bit for bit. (The CI run with `scale` folded into the last step's sum saw the pipelined and one-process
+    runs of tests/test_trainer.py 2.6e-5 apart in grad norm, past the test's 1e-5.) bf16 without bf16
+    hardware (`native_bf16_matmul`; `native` overrides): the same bf16 numerics from fp32 GEMMs -- the
+    operands are bf16 values (exact in fp32), the products accumulate in fp32 and each result is rounded to
+    bf16, as a bf16 GEMM with fp32 accumulation stores it -- at fp32 GEMM speed."""
     X, transposed = _prepare(G, eps, dtype)
     if native is None:
         native = dtype != torch.bfloat16 or native_bf16_matmul(X.device)
@@ -68,17 +69,17 @@ def newton_schulz_reference(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: 
     X = X.reshape(-1, *shape[-2:])
     if not native:
         X = X.float()
-    last = len(coefficients) - 1
     A = B = spare = None  # the step's products, written into the previous step's tensors
-    for i, (a, b, c) in enumerate(coefficients):
+    for a, b, c in coefficients:
         A = torch.bmm(X, X.mT, out=A)
         A = A if native else _round_bf16(A)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
         B = B if native else _round_bf16(B)
-        s = scale if i == last else 1.0
-        Y = torch.baddbmm(X, B, X, beta=a * s, alpha=s, out=spare)
+        Y = torch.baddbmm(X, B, X, beta=a, out=spare)
         X, spare = (Y if native else _round_bf16(Y)), X
     X = X.to(dtype).reshape(shape)
+    if scale != 1.0:
+        X = X.mul_(scale)
     return X.mT if transposed else X
 
 
@@ -166,12 +167,12 @@ def newton_schulz_triton(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: flo
                          dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
     shape = G.shape
     X, transposed = _prepare(G.reshape(-1, *shape[-2:]), eps, dtype)
-    last = len(coefficients) - 1
-    for i, (a, b, c) in enumerate(coefficients):
+    for a, b, c in coefficients:
         A = syrk(X)
         Bm = syrk(A, alpha=c, S=A, beta=b)
-        s = scale if i == last else 1.0
-        X = torch.baddbmm(X, Bm, X, beta=a * s, alpha=s)
+        X = torch.baddbmm(X, Bm, X, beta=a, alpha=1.0)
+    if scale != 1.0:
+        X = X.mul_(scale)
     X = X.mT if transposed else X
     return X.reshape(shape)
 
