@@ -33,6 +33,10 @@ in (model/quant.py), with straight-through gradients; every weight enters as its
 (model/formats.py: `wq_a`, `wq_b`, `wkv`, `wo_b` and the indexer's `wq_b` are the FP8 Linears, whose GEMMs
 `model.fp8.enabled` runs in FP8).
 
+`model.attention: dense` (the CSA2 ablation, docs/training.md) makes every layer a sliding-window layer
+whose window is the whole prefix: causal attention over every earlier position, uncompressed, with the same
+projections, sink and output; no compressor, indexer, top-k or KV sharing (model/layer_plan.py: all SWA).
+
 The attention core (window + selected slots + sink) is model/sparse_attention.py: a reference and the
 memory-lean training path (saves q, output, log-sum-exp and indices; recomputes the rest in backward).
 """
@@ -259,7 +263,7 @@ class Attention(nn.Module):
         self.ratio = role.compress_ratio
         self.n_heads, self.head_dim, self.rd = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
         self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
-        self.window = cfg.window_size
+        self.window = cfg.window_size if cfg.attention == "csa2" else None  # None: the whole prefix (dense)
         self.index_topk = cfg.index_topk
         self.cand_blocks, self.cand_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
         self.chunk = cfg.attn_chunk_size
@@ -392,8 +396,8 @@ class Attention(nn.Module):
                 [halo_kv.to(window_kv.dtype), window_kv[:, o:o + b - a]], dim=1)
             out_c, target_c = sparse_attention_lean(q[:, o:o + b - a], keys, comp_kv,
                                                     None if topk is None else topk[:, o:o + b - a], self.attn_sink,
-                                                    self.window, self.scale, self.chunk, halo_kv.shape[1],
-                                                    self.use_triton)
+                                                    self.window or keys.shape[1], self.scale, self.chunk,
+                                                    halo_kv.shape[1], self.use_triton)
             outs.append(out_c)
             targets.append(target_c)
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -410,9 +414,12 @@ class Attention(nn.Module):
     def _halos(self, split: SequenceSplit, window_kv: torch.Tensor, proj: torch.Tensor | None):
         """Per local chunk, (window keys/values, compressor projections) of the positions before it that
         this layer reads: window - 1 for the band, m - 1 for a group straddling the chunk start."""
-        width = max(self.window - 1, self.ratio - 1 if proj is not None else 0)
         if split.size == 1:
             return [(window_kv[:, :0], None if proj is None else proj[:, :0])]
+        if self.window is None:
+            raise ValueError("model.attention=dense attends over the whole prefix, which a context-parallel split "
+                             "does not hold; set parallel.cp=1")
+        width = max(self.window - 1, self.ratio - 1 if proj is not None else 0)
         feats = window_kv.float() if proj is None else torch.cat([window_kv.float(), proj], dim=-1)
         d = window_kv.shape[-1]
         return [(h[..., :d], None if proj is None else h[..., d:]) for h in split.halo(feats, width)]

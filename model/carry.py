@@ -9,8 +9,8 @@ a stage boundary, and with which shape and dtype, from it.
 
 | field        | shape                                                     | dtype | written by                      | read by                 |
 |--------------|-----------------------------------------------------------|-------|---------------------------------|-------------------------|
-| `h`          | [b, L, hc_mult, dim]                                      | fp32  | every block                     | every block             |
-| `pre_mix`    | [b, L, hc_mult]                                           | fp32  | every block                     | every block             |
+| `h`          | [b, L, n_streams, dim]                                    | fp32  | every block                     | every block             |
+| `pre_mix`    | [b, L, n_streams]                                         | fp32  | every block                     | every block             |
 | `kv`         | [b, n, head_dim]                                          | fp32  | Full                            | Reuse, Reindex          |
 | `index_k`    | [b, n, index_head_dim]                                    | fp32  | Full                            | Reindex                 |
 | `topk`       | [b, L, min(index_topk, n)]                                | int64 | Full, Reindex                   | Reuse                   |
@@ -59,8 +59,8 @@ class CarryField:
 
 # The residual streams and the pending single-pass `pre` mix: every block reads and rewrites them.
 BLOCK_FIELDS: tuple[CarryField, ...] = (
-    CarryField("h", torch.float32, lambda cfg, b, L, n: (b, L, cfg.hc_mult, cfg.dim), _always, _always),
-    CarryField("pre_mix", torch.float32, lambda cfg, b, L, n: (b, L, cfg.hc_mult), _always, _always),
+    CarryField("h", torch.float32, lambda cfg, b, L, n: (b, L, cfg.n_streams, cfg.dim), _always, _always),
+    CarryField("pre_mix", torch.float32, lambda cfg, b, L, n: (b, L, cfg.n_streams), _always, _always),
 )
 
 # The CSA2 sharing (V41_SPEC §2): a Full layer publishes its compressed KV, index-K and top-k; Reuse

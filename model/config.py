@@ -167,12 +167,22 @@ class ModelConfig:
     qat: QATConfig = field(default_factory=QATConfig)
     # FP8 GEMMs of the Linears the release stores in FP8 (off by default)
     fp8: FP8Config = field(default_factory=FP8Config)
+    # Ablations (docs/training.md "What each component buys"): each switch replaces one V4.1 component by its
+    # plain counterpart; the published model is csa2 / mhc / moe (Engram off is `engram_layer_ids: []`)
+    attention: str = "csa2"  # "dense": every layer attends causally over the whole prefix, uncompressed
+    residual: str = "mhc"  # "plain": one residual stream, x + F(norm(x)), no hc_* parameters
+    ffn: str = "moe"  # "dense": one SwiGLU of (n_activated_experts + n_shared_experts) x moe_inter_dim
+
+    ABLATIONS = {"attention": ("csa2", "dense"), "residual": ("mhc", "plain"), "ffn": ("moe", "dense")}
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"model.{name}={getattr(self, name)!r}: {why}")
 
+        for name, values in self.ABLATIONS.items():
+            if getattr(self, name) not in values:
+                raise bad(name, f"must be one of {', '.join(values)} ({values[0]}: V4.1 as published)")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
                      "o_lora_rank", "window_size", "index_n_heads", "index_head_dim", "index_topk",
                      "n_routed_experts", "n_activated_experts", "moe_inter_dim", "hc_mult",
@@ -303,8 +313,27 @@ class ModelConfig:
 
     @property
     def backbone_compress_ratios(self) -> list[int]:
-        """The backbone layers' entries of `compress_ratios` (without the drafter's trailing zeros)."""
+        """The backbone layers' entries of `compress_ratios` (without the drafter's trailing zeros); all 0
+        (no compression: every layer attends by its window) with `attention: dense`."""
+        if self.attention == "dense":
+            return [0] * self.n_layers
         return list(self.compress_ratios[:self.n_layers])
+
+    @property
+    def n_streams(self) -> int:
+        """Residual streams per token: `hc_mult` under mHC, 1 with `residual: plain`."""
+        return self.hc_mult if self.residual == "mhc" else 1
+
+    @property
+    def dense_ffn_dim(self) -> int:
+        """The SwiGLU width of `ffn: dense`: the MoE's activated width, routed and shared."""
+        return (self.n_activated_experts + self.n_shared_experts) * self.moe_inter_dim
+
+    @property
+    def ablated(self) -> list[str]:
+        """The ablation switches set away from V4.1, as `name=value` (empty for the published model)."""
+        return [f"{name}={getattr(self, name)}" for name, values in self.ABLATIONS.items()
+                if getattr(self, name) != values[0]]
 
     def validate_drafter(self) -> None:
         """The DSpark drafter's fields (V41_SPEC §8b), checked where the drafter is built (the DSpark stage)."""

@@ -196,13 +196,13 @@ class Engram(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.index = cfg.engram_layer_ids.index(layer_id)
-        self.dim, self.hc = cfg.dim, cfg.hc_mult
+        self.dim, self.hc = cfg.dim, cfg.n_streams
         self.eps = cfg.norm_eps
         n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         self.embed = Embedding(table_rows, cfg.engram_head_dim, cfg, Stored.FP8_ROWS)
-        self.wkv = Linear(n_cols * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), cfg, Stored.FP8)
-        self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim))
-        self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim))
+        self.wkv = Linear(n_cols * cfg.engram_head_dim, cfg.dim * (self.hc + 1), cfg, Stored.FP8)
+        self.q_weight = nn.Parameter(torch.ones(self.hc, cfg.dim))
+        self.k_weight = nn.Parameter(torch.ones(self.hc, cfg.dim))
         self.qat = cfg.qat
         # rows_of(table, hash_ids, request) -> looked-up rows, and rows_of.request(hash_ids): set by
         # parallel/engram_shard.py when the table is row-sharded over ranks (this module then holds rows

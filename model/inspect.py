@@ -31,12 +31,13 @@ def inspect_model(model: nn.Module, cfg: ModelConfig) -> dict:
     engram_tables = sum(b.engram.embed.weight.numel() for b in model.layers if b.engram is not None)
     total = _numel(model)
     vision = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[0] in VISION_ROOTS)
-    routed = sum(_numel(b.ffn.experts) for b in model.layers)
-    per_expert = routed // (cfg.n_routed_experts * len(model.layers))
+    moe = [b for b in model.layers if hasattr(b.ffn, "experts")]  # none with `ffn: dense` (the MoE ablation)
+    routed = sum(_numel(b.ffn.experts) for b in moe)
+    per_expert = routed // (cfg.n_routed_experts * len(moe)) if moe else 0
     n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
     engram_rows_read = sum(n_cols * cfg.engram_head_dim for b in model.layers if b.engram is not None)
     activated = (total - engram_tables - vision - routed - model.embed.weight.numel()
-                 + cfg.n_activated_experts * per_expert * len(model.layers) + engram_rows_read)
+                 + cfg.n_activated_experts * per_expert * len(moe) + engram_rows_read)
     layers = []
     for role, block in zip(model.plan, model.layers):
         engram = 0 if block.engram is None else _numel(block.engram)

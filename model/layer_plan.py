@@ -4,7 +4,8 @@ One pure function, `layer_plan(cfg)`, turns the config into a tuple of `LayerRol
 pipeline partitioner, `launch/plan.py` and the tests read it; nothing else re-derives roles.
 
 Roles:
-- SWA:     compress ratio 0; sliding window only.
+- SWA:     compress ratio 0; sliding window only (every layer, its window the whole prefix, with
+           `model.attention: dense`: the CSA2 ablation).
 - FULL:    a kv source: own compressor, own indexer (with its own index-K projection), own top-k.
 - REUSE:   reads the nearest kv source's compressed KV and the nearest index source's top-k.
 - REINDEX: an index source that is not a kv source: own indexer query, the kv source's KV and

@@ -203,6 +203,26 @@ class SharedExpert(nn.Module):
         return self.w2(swiglu_clamped(self.w1(x), self.w3(x), self.limit).to(x.dtype))
 
 
+class DenseFFN(nn.Module):
+    """`model.ffn: dense` (the MoE ablation, docs/training.md "What each component buys"): one SwiGLU, clamped
+    as the experts are, of the MoE's activated width `cfg.dense_ffn_dim` ((n_activated_experts +
+    n_shared_experts) x moe_inter_dim), every token through all of it. No gate, no balance loss, no expert
+    loads; the arguments only routing uses are accepted and ignored."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.limit = cfg.swiglu_limit
+        self.w1 = Linear(cfg.dim, cfg.dense_ffn_dim, cfg)
+        self.w2 = Linear(cfg.dense_ffn_dim, cfg.dim, cfg)
+        self.w3 = Linear(cfg.dim, cfg.dense_ffn_dim, cfg)
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, stats: StepStats | None = None,
+                aux_grad_scale: float = 1.0, split: SequenceSplit | None = None, routes=None,
+                recorded=None) -> torch.Tensor:
+        return self.w2(swiglu_clamped(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+
+
 def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, n_experts: int,
                           split: SequenceSplit | None = None) -> torch.Tensor:
     """Unweighted sum_i f_i P_i per sequence, averaged over sequences.

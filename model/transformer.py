@@ -43,7 +43,7 @@ from flashtrain.model.formats import Embedding, Linear, Stored, as_trained
 from flashtrain.model.init import init_weights, reset_buffers
 from flashtrain.model.layer_plan import LayerRole, layer_plan
 from flashtrain.model.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
-from flashtrain.model.moe import MoE
+from flashtrain.model.moe import DenseFFN, MoE
 from flashtrain.model.norm import RMSNorm
 from flashtrain.model.recompute import recompute_block, validate_recompute
 from flashtrain.model.sequence_split import SequenceSplit
@@ -84,13 +84,14 @@ class Block(nn.Module):
         self.norm_eps, self.hc_eps, self.iters = cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
         self.use_triton = cfg.use_triton
         n, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
+        self.mhc = cfg.residual == "mhc"  # "plain": one stream, x + F(norm(x)) (the mHC ablation)
         self.engram = Engram(cfg, role.id, engram_rows) if role.engram else None
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.qat)
         self.attn = self.attention_cls(cfg, role)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.qat)
-        self.ffn = MoE(cfg, role.id)
+        self.ffn = MoE(cfg, role.id) if cfg.ffn == "moe" else DenseFFN(cfg, role.id)
         self.recompute = "none"  # train.recompute (model/recompute.py); set by Transformer.set_recompute
-        for site in ("attn", "ffn"):
+        for site in ("attn", "ffn") if self.mhc else ():
             setattr(self, f"hc_{site}_fn", nn.Parameter(torch.empty(mix, n * cfg.dim, dtype=torch.float32)))
             setattr(self, f"hc_{site}_base", nn.Parameter(torch.empty(mix, dtype=torch.float32)))
             setattr(self, f"hc_{site}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
@@ -111,16 +112,20 @@ class Block(nn.Module):
                             ctx.engram_requests.get(self.engram.layer_id))
         if ctx.captures is not None and self.layer_id in ctx.captures:  # the public forward's main_hiddens
             ctx.captures[self.layer_id] = h.mean(dim=2)
-        attn_pre, attn_post, attn_comb = self._mixes(h, "attn")
-        x = self.attn_norm(hc_collapse(h, carry.pre_mix, self.use_triton))
-        x = self._attend(x, carry, ctx)
-        h = hc_expand(x, h, attn_post, attn_comb, self.use_triton)
-
-        ffn_pre, ffn_post, ffn_comb = self._mixes(h, "ffn")
-        x = self.ffn_norm(hc_collapse(h, attn_pre, self.use_triton))
-        x = self.ffn(x, ctx.image_mask, ctx.stats, ctx.aux_grad_scale, ctx.split, ctx.routes, ctx.recorded)
-        h = hc_expand(x, h, ffn_post, ffn_comb, self.use_triton)
+        h, attn_pre = self._site(h, carry.pre_mix, "attn", lambda x: self._attend(self.attn_norm(x), carry, ctx))
+        h, ffn_pre = self._site(h, attn_pre, "ffn", lambda x: self.ffn(
+            self.ffn_norm(x), ctx.image_mask, ctx.stats, ctx.aux_grad_scale, ctx.split, ctx.routes, ctx.recorded))
         return Carry(h, ffn_pre, carry.shared)
+
+    def _site(self, h: torch.Tensor, pre: torch.Tensor, site: str, sublayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sublayer on the residual streams h [B, S, n, D] with the pending `pre`: (new h, the `pre` the
+        next sublayer collapses with). mHC: collapse with `pre`, then X'_j = C_j F(x) + sum_i B_ij X_i, the
+        site's own pre pending. `residual: plain` (n = 1): h + F(h), `pre` (ones) passed on."""
+        if not self.mhc:
+            return (h.float() + sublayer(h[:, :, 0]).float().unsqueeze(2)).to(h.dtype), pre
+        nxt, post, comb = self._mixes(h, site)
+        x = sublayer(hc_collapse(h, pre, self.use_triton))
+        return hc_expand(x, h, post, comb, self.use_triton), nxt
 
     def _attend(self, x: torch.Tensor, carry: Carry, ctx: ForwardContext) -> torch.Tensor:
         return self.attn(x, carry.shared, ctx.stats, ctx.aux_grad_scale, ctx.split)
@@ -227,7 +232,7 @@ class Transformer(nn.Module):
                 torch._assert_async((token_types < 0).all(), "token_types marks image positions but the batch "
                                                                "carries no images")
             e = self.embed(tokens if split is None else split.local(tokens))
-        h = e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+        h = e.unsqueeze(2).expand(-1, -1, self.cfg.n_streams, -1).contiguous()
         return Carry(h, one_hot_pre(h))
 
     def _encode(self, images: list[torch.Tensor], split: SequenceSplit | None) -> list[torch.Tensor]:
@@ -278,6 +283,8 @@ class Transformer(nn.Module):
 
     def final_hidden(self, carry: Carry) -> torch.Tensor:
         """Collapse with the last pending pre, then the final RMSNorm: the head's input [B, S, D]."""
+        if self.cfg.residual == "plain":
+            return self.norm(carry.h[:, :, 0])
         return self.norm(hc_collapse(carry.h, carry.pre_mix, self.cfg.use_triton))
 
     def logits(self, carry: Carry) -> torch.Tensor:

@@ -142,9 +142,11 @@ def block_activations(cfg: ModelConfig, role: LayerRole, routed_params: int, eng
     fields' gradients form beside the fp32 query gradient (4 H hd bytes a token); and the indexer's chunk
     scores. (Without recomputation or under `selective` the kept tensors are not rebuilt, and the model
     above stacks the backward's gradients on what is rebuilt.)"""
-    D, hc, k, I = cfg.dim, cfg.hc_mult, cfg.n_activated_experts, cfg.moe_inter_dim
+    D, hc, k, I = cfg.dim, cfg.n_streams, cfg.n_activated_experts, cfg.moe_inter_dim
     seq_tokens = seq_tokens or tokens
     H, hd, ns, R = cfg.n_heads, cfg.head_dim, cfg.n_shared_experts, cfg.hc_sinkhorn_iters
+    if cfg.ffn == "dense":  # the MoE ablation's SwiGLU of (k + ns) I: a shared expert that wide, nothing routed
+        k, ns = 0, k + ns
     act = 2 if costs.mixed_precision else 4  # bytes of a value autocast computes in bf16
     engram = role.id in cfg.engram_layer_ids
     cols = _engram_cols(cfg)
@@ -283,13 +285,14 @@ class UnitInventory:
 
         self.cfg, self.plan = cfg, model.plan
         kinds = parameter_kinds(model)
-        per_expert = sum(p.numel() for p in model.layers[0].ffn.experts.parameters()) // cfg.n_routed_experts
+        experts = [b.ffn.experts for b in model.layers if hasattr(b.ffn, "experts")]  # none with `ffn: dense`
+        per_expert = sum(p.numel() for p in experts[0].parameters()) // cfg.n_routed_experts if experts else 0
         self.blocks = []
         for role, block in zip(model.plan, model.layers):
             prefix = f"layers.{role.id}."
             params = sum(p.numel() for p in block.parameters())
             engram = 0 if block.engram is None else block.engram.embed.weight.numel()
-            routed = sum(p.numel() for p in block.ffn.experts.parameters())
+            routed = sum(p.numel() for p in block.ffn.experts.parameters()) if hasattr(block.ffn, "experts") else 0
             self.blocks.append({
                 "role": role, "params": params, "engram": engram, "routed": routed,
                 "activated": params - engram - routed + cfg.n_activated_experts * per_expert,

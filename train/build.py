@@ -96,7 +96,39 @@ def read_configs(cfg: DictConfig) -> RunConfigs:
                    typed_config(ParallelConfig, cfg_dict.get("parallel"), "parallel"), schedule(cfg),
                    token_spec(model))
     validate_stage(c)
+    check_ablations(c)
     return c
+
+
+def check_ablations(c: RunConfigs) -> None:
+    """The ablation switches (model.attention / residual / ffn, docs/training.md "What each component buys")
+    against what the run asks of the model, before anything is built."""
+    m, p = c.model, c.parallel
+    if m.ablated and c.train.stage != "pretrain":
+        raise ConfigError(f"train.stage={c.train.stage}: the drafter is trained against V4.1 as published, not "
+                          f"with {', '.join('model.' + a for a in m.ablated)}; drop the ablation(s)")
+    if m.ablated and p.pp > 1:
+        raise ConfigError(f"parallel.pp={p.pp}: the ablation(s) {', '.join('model.' + a for a in m.ablated)} are "
+                          f"checked on one pipeline stage only; set parallel.pp=1")
+    if m.attention == "dense" and p.cp > 1:
+        raise ConfigError(f"parallel.cp={p.cp}: model.attention=dense attends over the whole prefix, which a "
+                          f"context-parallel slice does not hold; set parallel.cp=1")
+    if m.ffn == "dense" and p.ep > 1:
+        raise ConfigError(f"parallel.ep={p.ep}: model.ffn=dense has no experts to shard; set parallel.ep=1")
+    if m.ffn == "dense" and c.train.spike.action == "rollback":
+        raise ConfigError("train.spike.action=rollback: its Anticipatory Routing replays MoE routing, which "
+                          "model.ffn=dense does not have; use train.spike.action=skip or none")
+
+
+def ablation_line(c: RunConfigs) -> str | None:
+    """The startup line of a run that is not V4.1 as published (docs/training.md "What each component buys"):
+    the switches set away from it, Engram off and the Muon ablation included; None for the published recipe."""
+    away = [f"model.{a}" for a in c.model.ablated]
+    if not c.model.engram_layer_ids:
+        away.append("model.engram_layer_ids=[]")
+    if c.optim.matrices != "muon":
+        away.append(f"optim.matrices={c.optim.matrices}")
+    return f"ablation: {', '.join(away)} (not V4.1 as published)" if away else None
 
 
 def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: ParallelConfig, world: int,

@@ -12,16 +12,18 @@ the trainer, `--seq` in the benchmark):
   the indexer's wq_b and weights_proj, its wk divided by the compress ratio (it runs on the S / m
   compressed entries), the mHC mixing matrices hc_{attn,ffn}_fn, the MoE gate, the shared expert,
   `n_activated_experts` of the routed experts' w1 / w2 / w3 (only the experts a token activates), Engram's
-  wkv, and the LM head. Not counted: the token embedding and the Engram tables (lookups), norms, sinks
-  and other element-wise parameters, and the vision tower (it runs per image; the count is per text
-  token). 6 = 2 (multiply-add) x 3 (forward, input gradient, weight gradient); the indexer's wq_b /
+  wkv, and the LM head (with `model.ffn: dense`, the MoE ablation, its SwiGLU instead: part `dense_ffn`).
+  Not counted: the token embedding and the Engram tables (lookups), norms, sinks and other element-wise
+  parameters, and the vision tower (it runs per image; the count is per text token). 6 = 2 (multiply-add)
+  x 3 (forward, input gradient, weight gradient); the indexer's wq_b /
   weights_proj see detached inputs (no input gradient: 4 would be exact), kept at 6 for simplicity.
 - F_attn, the attention core, per layer, per query t, per head: 2 * 2 * head_dim * (w_t + c_t) for
   QK^T and PV, times 3 for forward + backward, with w_t = min(window_size, t + 1) window slots (the
-  causal prefix at short sequences) and, for layers with a compress ratio m, c_t = min(index_topk,
-  n_t, pool) selected compressed entries, n_t = (t + 1) // m visible ones (pool = candidate_topk_blocks
-  * candidate_block_size when the layer's index source scores inside the candidate pool). SWA layers
-  (ratio 0) have c_t = 0. The backward's recomputation of the logits (the lean path) is not counted.
+  causal prefix at short sequences; t + 1 under `model.attention: dense`) and, for layers with a
+  compress ratio m, c_t = min(index_topk, n_t, pool) selected compressed entries, n_t = (t + 1) // m
+  visible ones (pool = candidate_topk_blocks * candidate_block_size when the layer's index source scores
+  inside the candidate pool). SWA layers (ratio 0) have c_t = 0. The backward's recomputation of the
+  logits (the lean path) is not counted.
 - F_index, per layer with its own indexer (`LayerRole.has_indexer`: FULL and REINDEX), per query:
   2 * index_n_heads * index_head_dim * n_t for scoring every visible entry (forward only: no gradient
   flows through the selection; the candidate restriction is ignored, the reference scores every
@@ -171,7 +173,7 @@ def matmul_params(model, cfg: ModelConfig) -> dict[str, float]:
     the meta device. Unknown 2-D parameters are counted under `other` (and should be classified here)."""
     k_over_e = cfg.n_activated_experts / cfg.n_routed_experts
     parts = dict.fromkeys(("attention", "compressor", "indexer", "mhc", "gate", "shared_expert",
-                           "routed_experts", "engram", "head", "other"), 0.0)
+                           "routed_experts", "dense_ffn", "engram", "head", "other"), 0.0)
     for name, p in model.named_parameters():
         root = name.split(".")[0]
         if root in VISION_ROOTS or root == "embed":
@@ -197,6 +199,8 @@ def matmul_params(model, cfg: ModelConfig) -> dict[str, float]:
             parts["gate"] += p.numel()
         elif rest.startswith("ffn.shared_experts."):
             parts["shared_expert"] += p.numel()
+        elif rest.startswith(("ffn.w1.", "ffn.w2.", "ffn.w3.")):  # `ffn: dense` (the MoE ablation)
+            parts["dense_ffn"] += p.numel()
         elif rest.startswith("attn.indexer.wk."):
             parts["indexer"] += p.numel() / cfg.compress_ratios[layer]  # on the S / m compressed entries
         elif rest.startswith("attn.indexer."):
@@ -216,7 +220,7 @@ def attention_flops(cfg: ModelConfig, seq: int) -> dict[str, float]:
     """Attention-core and indexer FLOPs per token (forward + backward as in the module docstring),
     averaged over positions 0..seq-1."""
     t = torch.arange(seq, dtype=torch.float64)
-    window = (t + 1).clamp(max=cfg.window_size)
+    window = t + 1 if cfg.attention == "dense" else (t + 1).clamp(max=cfg.window_size)
     plan = layer_plan(cfg)
     pool = cfg.candidate_topk_blocks * cfg.candidate_block_size
     core = index = 0.0

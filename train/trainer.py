@@ -46,6 +46,7 @@ from flashtrain.parallel.nodes import STARTUP_TURNS, NodeTable, check_shared_run
 from flashtrain.train import faults
 from flashtrain.train.balancing import global_loads, update_biases
 from flashtrain.train.build import (
+    ablation_line,
     build_dims,
     build_evaluator,
     build_loader,
@@ -135,6 +136,8 @@ class Trainer:
                      f"dp={self.dims.dp} ep={self.dims.ep} cp={self.dims.cp}, {self.max_steps} steps{backend}")
             if stage_list(cfg):
                 log.info(self.stage_line())
+            if ablation_line(c):
+                log.info(ablation_line(c))
             if len(self.nodes.nodes()) > 1:
                 log.info(f"{self.nodes.summary()}; a rank whose heartbeat stands still for parallel.peer_timeout_s="
                          f"{c.parallel.peer_timeout_s:g} s is gone and ends the job")

@@ -310,6 +310,10 @@ def export_official(ckpt: str | Path, out: str | Path, quantised: bool = True, s
     ckpt, out = Path(ckpt), Path(out)
     meta, md = _checkpoint_meta(ckpt)
     cfg = typed_config(ModelConfig, meta["config"]["model"], "model")
+    if cfg.ablated:
+        raise OfficialCheckpointError(f"{ckpt} was trained with the ablation(s) {', '.join(cfg.ablated)}: the release "
+                                      f"layout and DeepSeek's inference code have no such model; export a run "
+                                      f"of V4.1 as published (model.attention=csa2, residual=mhc, ffn=moe)")
     sources, vocab = _export_sources(ckpt, meta, md)
     drafter = any(k.startswith("model.mtp.") for k in md)
     shapes, kinds = model_layout(cfg, drafter)

@@ -49,7 +49,7 @@ class SinkhornConfig:
 class AdamWConfig:
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-20
-    weight_decay: float = 0.1  # RMSNorm weights only; other non-matrix parameters get none
+    weight_decay: float = 0.1  # RMSNorm weights (and the matrices under matrices: adamw); other vectors none
 
 
 @dataclass
@@ -57,6 +57,8 @@ class OptimConfig:
     vision_lr_mult: float = 0.1  # ViT body once unfrozen (the report: "a smaller learning rate")
     use_triton: bool | None = None  # None: Triton on CUDA, reference on CPU
     zero: bool = True  # ZeRO-1: optimizer state sharded over data-parallel replicas (no effect with dp = 1)
+    # "adamw": the matrices Muon takes go to AdamW instead (the Muon ablation, docs/training.md); V4.1: "muon"
+    matrices: str = "muon"
     muon: MuonConfig = field(default_factory=MuonConfig)
     sinkhorn: SinkhornConfig = field(default_factory=SinkhornConfig)
     adamw: AdamWConfig = field(default_factory=AdamWConfig)
@@ -65,6 +67,8 @@ class OptimConfig:
                             "schedule.peak_lr (and schedule.final_lr) instead"}
 
     def validate(self) -> None:
+        if self.matrices not in ("muon", "adamw"):
+            raise ConfigError(f"optim.matrices={self.matrices!r}: must be muon (V4.1) or adamw (the Muon ablation)")
         if self.vision_lr_mult < 0:
             raise ConfigError(f"optim.vision_lr_mult={self.vision_lr_mult}: must be >= 0")
         if not 0 <= self.muon.momentum < 1:

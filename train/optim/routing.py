@@ -14,6 +14,7 @@ decides, else by name, by the first matching rule:
 | muon_index_heads| `layers.*.attn.indexer.wq_b.weight` | head-wise Muon, `index_n_heads` heads |
 | adamw           | biases, `attn_sink`, mHC `hc_*_base` / `hc_*_scale`, Engram `q_weight` / `k_weight`, image START / NEWLINE / END vectors | AdamW, no weight decay |
 | muon            | kind ROUTED_EXPERT (stacked `experts.w1/w2/w3` [E, out, in]); every other `.weight` matrix, mHC `hc_*_fn` | Muon |
+| adamw_matrix    | what `muon` / `muon_q_heads` / `muon_index_heads` would take, under `optim.matrices: adamw` (the Muon ablation, docs/training.md) | AdamW, weight decay `optim.adamw.weight_decay` |
 
 Key weights: the report names "query and key weights" for head-wise Muon, but in V4.1 every key
 projection produces a single head -- the attention key is the one shared 512-d latent (`attn.wkv`,
@@ -59,7 +60,7 @@ RULES: tuple[tuple[str, str], ...] = (  # the matrices and vectors, by name
     ("muon", r"(\.weight|\.hc_(attn|ffn)_fn)$"),
 )
 OPTIMIZER_OF = {"sinkhorn": "sinkhorn", "sinkhorn_engram": "sinkhorn", "sinkhorn_markov": "sinkhorn",
-                "adamw_probe": "adamw", "adamw_norm": "adamw", "adamw": "adamw",
+                "adamw_probe": "adamw", "adamw_norm": "adamw", "adamw": "adamw", "adamw_matrix": "adamw",
                 "muon": "muon", "muon_q_heads": "muon", "muon_index_heads": "muon"}
 
 
@@ -99,6 +100,8 @@ def route_parameters(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimC
     kinds = parameter_kinds(model)
     for name, p in model.named_parameters():
         rule = route_name(name, p.shape, kinds[name])
+        if optim_cfg.matrices == "adamw" and OPTIMIZER_OF[rule] == "muon":
+            rule = "adamw_matrix"
         lr_mult = optim_cfg.vision_lr_mult if is_vision_body(name) else 1.0
         if rule == "sinkhorn_engram":
             lr_mult *= optim_cfg.sinkhorn.engram_lr_mult
@@ -107,7 +110,7 @@ def route_parameters(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimC
             options["num_heads"] = model_cfg.n_heads
         elif rule == "muon_index_heads":
             options["num_heads"] = model_cfg.index_n_heads
-        elif rule == "adamw_norm":
+        elif rule in ("adamw_norm", "adamw_matrix"):
             options["weight_decay"] = optim_cfg.adamw.weight_decay
         elif rule in ("adamw", "adamw_probe"):
             options["weight_decay"] = 0.0
