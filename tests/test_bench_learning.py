@@ -1,0 +1,74 @@
+"""launch/bench_learning.py's reported numbers on hand-built cases (the benchmark itself is a measurement,
+not a test): the dense baseline's shape and parameter count, which LR a sweep calls best and where it
+extends, and the deltas and cells of the tables docs/training.md shows."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench_learning", ROOT / "launch" / "bench_learning.py")
+bench = sys.modules["bench_learning"] = importlib.util.module_from_spec(_spec)  # its dataclass looks itself up
+_spec.loader.exec_module(bench)
+
+
+def test_dense_shape_for_flash_tiny_by_hand():
+    """vocab 512, 1,718,304 activated parameters (flash_tiny): d = 128, 4 heads of 32; a layer with the 8/3 d
+    = 341 SwiGLU is 4 d^2 + 3 d 341 + 2 d = 196,736, the head and final norm 128 x 512 + 128 = 65,664, so
+    round((1,718,304 - 65,664) / 196,736) = round(8.40) = 8 layers; their attention and norms take
+    8 (65,536 + 256) + 65,664 = 592,000, leaving 1,126,304 / (3 x 128 x 8) = 366.6 -> 367 for the SwiGLU:
+    8 x (65,536 + 140,928 + 256) + 65,664 = 1,719,424 in all -- what the module itself counts."""
+    shape = bench.dense_shape(512, 1_718_304)
+    assert {k: shape[k] for k in ("dim", "n_layers", "n_heads", "ffn", "params_per_token")} == {
+        "dim": 128, "n_layers": 8, "n_heads": 4, "ffn": 367, "params_per_token": 1_719_424}
+    model = bench.DenseDecoder(512, 128, 8, 4, 367)
+    assert model.params_per_token() == 1_719_424
+    small = bench.dense_shape(512, 100_000)  # less than one layer's worth: still one layer, a narrow SwiGLU
+    assert small["n_layers"] == 1 and small["ffn"] == 1 and small["params_per_token"] == \
+        bench.DenseDecoder(512, 128, 1, 4, 1).params_per_token()
+
+
+def run(lr, *losses, failed=""):
+    r = bench.Run("flashtrain", f"lr {lr:g}", [], Path("/nonexistent"), lr)
+    r.evals = [{"step": 50 * (i + 1), "loss": x, "bpb": x / 2} for i, x in enumerate(losses)]
+    r.failed = failed
+    return r
+
+
+def test_best_and_extension_of_a_sweep():
+    """The lowest final loss wins, the lower LR on a tie, a failed or non-finite run never; an edge holding the
+    best goes one x3 step further, a bracketed best goes nowhere."""
+    runs = [run(1e-3, 5.0, 4.5), run(3e-3, 5.0, 4.2), run(1e-2, 4.0, 4.2), run(3e-2, 5.0, math.nan)]
+    assert bench.best(runs).lr == 3e-3 and bench.extension(runs) is None
+    assert bench.best(runs[::-1]).lr == 3e-3  # order of the list does not matter
+    top = [run(1e-3, 4.6), run(3e-3, 4.5), run(1e-2, 4.1, failed="exit 1"), run(3e-2, 4.4)]
+    assert bench.best(top).lr == 3e-2 and bench.extension(top) == pytest.approx(9e-2)
+    bottom = [run(1e-3, 4.0), run(3e-3, 4.5), run(1e-2, math.inf)]
+    assert bench.best(bottom).lr == 1e-3 and bench.extension(bottom) == pytest.approx(1e-3 / 3)
+    assert bench.extension([run(1e-3, math.nan), run(3e-3, failed="exit 1")]) is None
+
+
+def test_variant_deltas_and_tables_by_hand():
+    """Two eval steps; flashtrain ends at 4.0 (bpb 2.0), an ablation at 4.25 (bpb 2.125): delta +0.250 /
+    +0.125 at the end and +0.500 at step 50; the unigram row's delta against flashtrain; the sweep table's
+    cells (the best in bold, a diverged run named, an LR a sweep did not run left empty)."""
+    flash, abl = run(1e-2, 5.0, 4.0), run(1e-2, 5.5, 4.25)
+    ref = bench.variant("flashtrain (lr 0.01)", flash, None, 1000, [50, 100])
+    v = bench.variant("no Engram", abl, flash, 900, [50, 100])
+    assert ref["delta"] == {"loss": 0.0, "bpb": 0.0}
+    assert v["final"] == {"step": 100, "loss": 4.25, "bpb": 2.125} and v["delta"] == {"loss": 0.25, "bpb": 0.125}
+    assert v["along"]["50"] == {"loss": 5.5, "bpb": 2.75, "delta_loss": 0.5}
+    result = {"sweep": {"flashtrain": [{"lr": 3e-3, "final_loss": 4.5}, {"lr": 1e-2, "final_loss": 4.0}],
+                        "dense": [{"lr": 1e-3, "final_loss": 4.75}, {"lr": 3e-3, "final_loss": math.inf}]},
+              "best_lr": {"flashtrain": 1e-2, "dense": 1e-3}, "variants": [ref, v],
+              "unigram": {"loss": 5.0, "bpb": 2.5}, "eval_steps": [50, 100]}
+    lines = bench.tables(result).splitlines()
+    assert "| flashtrain |  | 4.500 | **4.000** |" in lines
+    assert "| dense | **4.750** | diverged |  |" in lines
+    assert "| no Engram | 900 | 4.250 | 2.125 | +0.250 | +0.125 |" in lines
+    assert "| unigram entropy of the eval tokens | | 5.000 | 2.500 | +1.000 | +0.500 |" in lines
+    assert "| no Engram | 5.500 (+0.500) | 4.250 (+0.250) |" in lines
+    assert "| flashtrain (lr 0.01) | 5.000 | 4.000 |" in lines
