@@ -297,8 +297,9 @@ class Run:
             if not evals or evals[-1]["step"] != steps:
                 return False
             self.evals = evals
-        timing = self.dir / "bench_seconds.json"
-        self.seconds = json.loads(timing.read_text())["seconds"] if timing.exists() else 0.0
+        timing = self.dir / "bench_seconds.json"  # written by run_all once the run is finished
+        if timing.exists():
+            self.seconds = json.loads(timing.read_text())["seconds"]
         return True
 
     def command(self) -> list[str]:

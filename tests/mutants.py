@@ -1884,6 +1884,18 @@ MUTANTS = [
            '        elif rule in ("adamw_norm", "adamw_matrix"):',
            '        elif rule == "adamw_norm":',
            ['tests/test_ablations.py']),
+    Mutant('bench finished() resets the measured time (issue 52)', 'launch/bench_learning.py',
+           '        if timing.exists():\n            self.seconds = json.loads(timing.read_text())["seconds"]\n',
+           '        self.seconds = json.loads(timing.read_text())["seconds"] if timing.exists() else 0.0\n',
+           ['tests/test_bench_learning.py']),
+    Mutant('bench best takes the higher LR on a tie (issue 52)', 'launch/bench_learning.py',
+           '    return min(sorted(runs, key=lambda r: r.lr), key=lambda r: r.final)',
+           '    return min(sorted(runs, key=lambda r: -r.lr), key=lambda r: r.final)',
+           ['tests/test_bench_learning.py']),
+    Mutant('bench delta against its own run (issue 52)', 'launch/bench_learning.py',
+           '    ref_last = (ref or run).evals[-1]',
+           '    ref_last = run.evals[-1]',
+           ['tests/test_bench_learning.py']),
 ]
 
 

@@ -3,6 +3,7 @@ not a test): the dense baseline's shape and parameter count, which LR a sweep ca
 extends, and the deltas and cells of the tables docs/training.md shows."""
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -72,3 +73,21 @@ def test_variant_deltas_and_tables_by_hand():
     assert "| unigram entropy of the eval tokens | | 5.000 | 2.500 | +1.000 | +0.500 |" in lines
     assert "| no Engram | 5.500 (+0.500) | 4.250 (+0.250) |" in lines
     assert "| flashtrain (lr 0.01) | 5.000 | 4.000 |" in lines
+
+
+def test_run_all_times_a_run_and_reuses_it(tmp_path, monkeypatch):
+    """A run (here a stand-in that sleeps 0.3 s, then writes its eval event) is timed from start to exit, the
+    time kept in bench_seconds.json; a second run_all finds it finished and reads both back without running."""
+    script = ("import json, sys, time; time.sleep(0.3); open(sys.argv[1] + '/metrics.jsonl', 'w').write("
+              "json.dumps({'event': 'eval', 'step': 4, 'loss': 4.5, 'bpb': 2.0}) + '\\n')")
+    r = bench.Run("flashtrain", "stand-in", ["x=1"], tmp_path, 1e-3)
+    monkeypatch.setattr(bench.Run, "command", lambda self: [sys.executable, "-c", script, str(self.dir)])
+    bench.run_all([r], 4, 1)
+    assert not r.failed and r.final == 4.5 and 0.3 <= r.seconds < 30
+    kept = json.loads((r.dir / "bench_seconds.json").read_text())["seconds"]
+    assert kept == r.seconds
+    again = bench.Run("flashtrain", "stand-in", ["x=1"], tmp_path, 1e-3)
+    monkeypatch.setattr(bench.Run, "command", lambda self: pytest.fail("a finished run was started again"))
+    bench.run_all([again], 4, 1)
+    assert again.seconds == kept and again.evals == r.evals
+    assert not bench.Run("flashtrain", "stand-in", ["x=1"], tmp_path, 1e-3).finished(5)  # its last eval is step 4
