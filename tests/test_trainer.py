@@ -454,7 +454,9 @@ def test_lm_eval_adapter_scores_literally_and_runs_a_local_task(tmp_path, one_se
 
     pairs = [("def f(x):\n    return", " x * 2"), ("import os\nimport sys\nfrom pathlib import", " Path")]
     got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
-    assert [g[0] for g in got] == pytest.approx([literal(*pair) for pair in pairs], rel=1e-9)
+    # fp32 logits: the padded batch's GEMMs may round otherwise than the single row's (4.0e-8 of 37.4 on an AMD
+    # EPYC, bit-equal on the CI machine before); a padding leak or an off-by-one position moves it by > 1e-3
+    assert [g[0] for g in got] == pytest.approx([literal(*pair) for pair in pairs], rel=1e-9, abs=1e-6)
     assert all(g[0] < 0 for g in got)
 
     data = tmp_path / "local.jsonl"
