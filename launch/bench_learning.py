@@ -26,7 +26,8 @@ the sweep's: each run gets `schedule.peak_lr=LR schedule.final_lr=LR/10`.
    bracketed; a diverged run (non-zero exit or non-finite loss) counts as infinitely bad.
 4. `--ablations`: at flashtrain's best LR, one run per component replaced by its plain counterpart (one config
    switch each, `ABLATIONS`), and the same run with `train.seed=1` (the spread between two seeds: the noise
-   floor a component's delta is read against).
+   floor a component's delta is read against). The Muon ablation (`OWN_SWEEP`) also gets its own LR sweep
+   over `--lrs`, as in 3, reported as a row of its own: AdamW's best peak LR is not Muon's.
 5. **unigram**: the entropy of the eval targets' own token frequencies, `H = -sum p ln p` over the scored
    positions of the held-out set: the loss of the best predictor that ignores context (an oracle one: it
    knows the eval set's frequencies). Its bpb is `N H / (bytes ln 2)`.
@@ -71,6 +72,9 @@ ABLATIONS = {
     "no MoE (dense FFN)": ["model.ffn=dense"],
 }
 NOISE = ("flashtrain, seed 1", ["train.seed=1"])
+# ablations that change the optimizer of the matrices also get their own LR sweep (over --lrs): AdamW's best peak
+# LR is not Muon's, so the run at flashtrain's best LR alone would mostly measure a misplaced LR
+OWN_SWEEP = ("no Muon (AdamW matrices)",)
 # the dense baseline's shape rule (module docstring)
 DENSE_WIDTH, DENSE_HEAD_DIM, SWIGLU_RATIO = 128, 32, 8 / 3
 
@@ -350,16 +354,22 @@ def run_all(runs: list[Run], steps: int, parallel: int) -> None:
 
 
 def sweep(kind: str, base: list[str], lrs: list[float], root: Path, steps: int, parallel: int,
-          max_extend: int, target: int = 0) -> list[Run]:
-    """The runs of one LR sweep, extended past an edge that holds the best LR (module docstring, 3)."""
-    runs = [Run(kind, f"{kind} lr {lr:g}", [*base, *lr_overrides(lr)], root, lr, target) for lr in sorted(lrs)]
+          max_extend: int, target: int = 0, switch: tuple[str, ...] = (), label: str = "") -> list[Run]:
+    """The runs of one LR sweep, extended past an edge that holds the best LR (module docstring, 3); `switch`
+    (an ablation's overrides) after the LR's, as in the ablation runs, so a run both make is made once."""
+    label = label or kind
+
+    def make(lr: float) -> Run:
+        return Run(kind, f"{label} lr {lr:g}", [*base, *lr_overrides(lr), *switch], root, lr, target)
+
+    runs = [make(lr) for lr in sorted(lrs)]
     run_all(runs, steps, parallel)
     for _ in range(max_extend):
         nxt = extension(runs)
         if nxt is None:
             break
-        print(f"{kind}: the best LR is at the sweep's edge; extending to {nxt:g}", flush=True)
-        runs.append(Run(kind, f"{kind} lr {nxt:g}", [*base, *lr_overrides(nxt)], root, nxt, target))
+        print(f"{label}: the best LR is at the sweep's edge; extending to {nxt:g}", flush=True)
+        runs.append(make(nxt))
         run_all(runs[-1:], steps, parallel)
         runs.sort(key=lambda r: r.lr)
     return runs
@@ -457,8 +467,9 @@ def plot(out: Path, result: dict) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax = axes[1]
-    for kind, style in (("flashtrain", "o-"), ("dense", "s--")):
-        pts = [(r["lr"], r["final_loss"]) for r in result["sweep"][kind] if math.isfinite(r["final_loss"])]
+    for kind, runs in result["sweep"].items():
+        style = {"flashtrain": "o-", "dense": "s--"}.get(kind, "^:")
+        pts = [(r["lr"], r["final_loss"]) for r in runs if math.isfinite(r["final_loss"])]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{kind} (best {result['best_lr'][kind]:g})")
     ax.set_xscale("log")
     ax.set_xlabel("peak LR")
@@ -530,29 +541,40 @@ def main(argv: list[str]) -> int:
     variants = [variant(f"flashtrain (lr {best_flash.lr:g})", best_flash, None, activated, s.eval_steps),
                 variant(f"dense baseline (lr {best_dense.lr:g})", best_dense, best_flash, shape["params_per_token"],
                         s.eval_steps)]
+    sweeps = {"flashtrain": flash_runs, "dense": dense_runs}
+    every = {r.dir: r for r in [*flash_runs, *dense_runs]}  # every run this result reads, by directory
     if args.ablations:
         base = best_flash.overrides
         extra = [Run("flashtrain", name, [*base, *switch], args.root, best_flash.lr)
                  for name, switch in [*ABLATIONS.items(), NOISE]]
         run_all(extra, s.steps, args.parallel)
+        every.update({r.dir: r for r in extra})
         for r in extra:
             if not r.evals:
                 print(f"bench_learning.py: {r.name} has no result ({r.failed})", file=sys.stderr)
                 continue
             switch = r.overrides[len(base):]
             variants.append(variant(r.name, r, best_flash, s.activated(switch), s.eval_steps))
+        for name in OWN_SWEEP:
+            runs = sweep("flashtrain", overrides, lrs, args.root, s.steps, args.parallel, args.max_extend,
+                         switch=tuple(ABLATIONS[name]), label=name)
+            sweeps[name] = runs
+            every.update({r.dir: r for r in runs})
+            own = best(runs)
+            if math.isfinite(own.final):
+                variants.append(variant(f"{name}, its own best lr {own.lr:g}", own, best_flash,
+                                        s.activated(ABLATIONS[name]), s.eval_steps))
 
     result = {
         "overrides": overrides, "steps": s.steps, "tokens_per_step": s.c.schedule.tokens_per_step,
         "eval_steps": s.eval_steps, "unigram": uni, "dense_shape": shape,
         "sweep": {kind: [{"lr": r.lr, "final_loss": r.final, "run_dir": str(r.dir), "seconds": round(r.seconds, 1),
                           "failed": r.failed} for r in runs]
-                  for kind, runs in (("flashtrain", flash_runs), ("dense", dense_runs))},
-        "best_lr": {"flashtrain": best_flash.lr, "dense": best_dense.lr},
+                  for kind, runs in sweeps.items()},
+        "best_lr": {kind: best(runs).lr for kind, runs in sweeps.items()},
         "variants": variants,
         "seconds": {"this_invocation": round(time.perf_counter() - t_start, 1),
-                    "runs_total": round(sum(r.seconds for r in [*flash_runs, *dense_runs]) +
-                                        sum(v["seconds"] for v in variants[2:]), 1),
+                    "runs_total": round(sum(r.seconds for r in every.values()), 1),  # each run once
                     "parallel": args.parallel, "cpus": os.cpu_count()},
         "title": f"{' '.join(overrides)}: {s.steps} steps of {s.c.schedule.tokens_per_step} tokens; eval "
                  f"{uni['tokens']} held-out tokens",

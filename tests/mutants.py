@@ -1896,6 +1896,10 @@ MUTANTS = [
            '    ref_last = (ref or run).evals[-1]',
            '    ref_last = run.evals[-1]',
            ['tests/test_bench_learning.py']),
+    Mutant('bench sweep puts the switch before the LR (issue 52)', 'launch/bench_learning.py',
+           '[*base, *lr_overrides(lr), *switch], root, lr, target)',
+           '[*base, *switch, *lr_overrides(lr)], root, lr, target)',
+           ['tests/test_bench_learning.py']),
 ]
 
 

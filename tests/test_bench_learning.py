@@ -91,3 +91,26 @@ def test_run_all_times_a_run_and_reuses_it(tmp_path, monkeypatch):
     bench.run_all([again], 4, 1)
     assert again.seconds == kept and again.evals == r.evals
     assert not bench.Run("flashtrain", "stand-in", ["x=1"], tmp_path, 1e-3).finished(5)  # its last eval is step 4
+
+
+def test_a_sweep_with_an_ablation_switch_extends_until_bracketed(tmp_path, monkeypatch):
+    """The Muon ablation's own sweep: each run's overrides are the base, its LR's, then the switch (those of the
+    ablation run at flashtrain's best LR, so that run is made once); 1e-3 best at the low edge -> 3.33e-4 ->
+    best again at the edge -> 1.11e-4, which is worse: bracketed, no third extension."""
+    finals = {1e-3: 4.0, 3e-3: 4.5, 1e-3 / 3: 3.9, 1e-3 / 9: 4.2}
+
+    def fake_run_all(runs, steps, parallel):
+        for r in runs:
+            r.evals = [{"step": steps, "loss": next(v for k, v in finals.items() if math.isclose(k, r.lr)), "bpb": 1}]
+
+    monkeypatch.setattr(bench, "run_all", fake_run_all)
+    runs = bench.sweep("flashtrain", ["+exp=x"], [3e-3, 1e-3], tmp_path, 4, 1, 3, switch=("optim.matrices=adamw",),
+                       label="no Muon")
+    assert [r.lr for r in runs] == pytest.approx([1e-3 / 9, 1e-3 / 3, 1e-3, 3e-3])
+    assert bench.best(runs).lr == pytest.approx(1e-3 / 3)
+    one = runs[2]
+    assert one.name == "no Muon lr 0.001" and one.overrides == [
+        "+exp=x", "schedule.peak_lr=0.001", "schedule.final_lr=0.0001", "optim.matrices=adamw"]
+    ablation = bench.Run("flashtrain", "no Muon (AdamW matrices)", [*one.overrides[:3], "optim.matrices=adamw"],
+                         tmp_path, 1e-3)
+    assert ablation.dir == one.dir
