@@ -136,8 +136,8 @@ class Trainer:
                      f"dp={self.dims.dp} ep={self.dims.ep} cp={self.dims.cp}, {self.max_steps} steps{backend}")
             if stage_list(cfg):
                 log.info(self.stage_line())
-            if ablation_line(c):
-                log.info(ablation_line(c))
+            if line := ablation_line(c):
+                log.info(line)
             if len(self.nodes.nodes()) > 1:
                 log.info(f"{self.nodes.summary()}; a rank whose heartbeat stands still for parallel.peer_timeout_s="
                          f"{c.parallel.peer_timeout_s:g} s is gone and ends the job")
