@@ -50,7 +50,7 @@ def real_step(overrides: list[str], run_dir: str) -> dict:
     trainer = Trainer(compose(overrides), run_dir)
     trainer.step = trainer.schedule.vit_unfreeze_step  # the estimator's step: every parameter trains
     trainer.forward_backward_update()  # creates the optimizer state
-    trainer.optim.zero_grad(set_to_none=True)
+    trainer.module.optim.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

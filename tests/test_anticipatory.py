@@ -50,7 +50,7 @@ class Spy:
 
     def __init__(self, t, monkeypatch):
         self.params, self.batches, self.used = [], [], []
-        original_gate, original_step, original_run = Gate.forward, t.train_step, t.runner.run
+        original_gate, original_step, original_run = Gate.forward, t.train_step, t.module.runner.run
 
         def gate(module, x, image_mask, indices=None):
             out = original_gate(module, x, image_mask, indices)
@@ -59,7 +59,7 @@ class Spy:
             return out
 
         def train_step():
-            self.params.append(copy.deepcopy(t.model.state_dict()))
+            self.params.append(copy.deepcopy(t.module.model.state_dict()))
             self.used.append([])
             return original_step()
 
@@ -69,7 +69,7 @@ class Spy:
 
         monkeypatch.setattr(Gate, "forward", gate)
         monkeypatch.setattr(t, "train_step", train_step)
-        monkeypatch.setattr(t.runner, "run", run)
+        monkeypatch.setattr(t.module.runner, "run", run)
 
     def recomputed(self, model, step, params_step):
         """The indices the parameters at the start of `params_step` pick for `step`'s micro-batches."""
@@ -91,7 +91,7 @@ def same(a, b):
 def test_delta_zero_is_normal_training(tmp_path, corpus):
     finish(trainer(tmp_path / "normal", corpus))
     t = trainer(tmp_path / "ar0", corpus, "train.anticipatory_routing.delta_steps=0")
-    t.guard.routing.activate(0)
+    t.module.guard.routing.activate(0)
     finish(t)
     records = [json.loads(line) for line in (tmp_path / "ar0" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["anticipatory_routing"] for r in records)
@@ -102,9 +102,9 @@ def test_delta_zero_is_normal_training(tmp_path, corpus):
 def test_indices_come_from_the_parameters_delta_steps_earlier(tmp_path, corpus, monkeypatch):
     t = trainer(tmp_path / "ar2", corpus, "train.anticipatory_routing.delta_steps=2",
                 "train.anticipatory_routing.active_steps=4", steps=5)
-    t.guard.routing.activate(0)
+    t.module.guard.routing.activate(0)
     spy = Spy(t, monkeypatch)
-    model = t.model
+    model = t.module.model
     t.fit()
     assert [len(b) for b in spy.batches] == [4] * 5
     for step in (1, 2, 3, 4):  # steps 1, 2: the parameters at activation (step 1); then step t - 2
@@ -122,9 +122,9 @@ def one_process_delta_one(tmp_path_factory, corpus):
     """The 2-process layouts' run in one process: delta_steps=1 from step 1, 3 steps; (records, biases)."""
     run = tmp_path_factory.mktemp("ar_one_process")
     t = trainer(run, corpus, "train.anticipatory_routing.delta_steps=1", steps=3)
-    t.guard.routing.activate(0)
+    t.module.guard.routing.activate(0)
     finish(t)
-    biases = {k: v.clone() for k, v in t.model.state_dict().items() if k.endswith(("gate.bias", "gate.bias_vl"))}
+    biases = {k: v.clone() for k, v in t.module.model.state_dict().items() if k.endswith(("gate.bias", "gate.bias_vl"))}
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()], biases
 
 
@@ -172,18 +172,18 @@ def test_a_checkpoint_in_the_active_phase_resumes_exactly(tmp_path, corpus):
     spike's count: tests/test_stability_state.py)."""
     ar = ["train.anticipatory_routing.delta_steps=2", "train.anticipatory_routing.active_steps=10"]
     straight = trainer(tmp_path / "straight", corpus, *ar, steps=6)
-    straight.guard.routing.activate(0)
+    straight.module.guard.routing.activate(0)
     finish(straight)
     first = trainer(tmp_path / "split", corpus, *ar, steps=3)
-    first.guard.routing.activate(0)
-    first.guard.counts = {"skipped": 2, "rolled_back": 1}
+    first.module.guard.routing.activate(0)
+    first.module.guard.counts = {"skipped": 2, "rolled_back": 1}
     finish(first)
     ckpt = tmp_path / "split" / "checkpoints" / "step_00000003"
     assert (ckpt / "__0_0.distcp").is_file()
     resumed = trainer(tmp_path / "split", corpus, *ar, steps=6)
-    ahead = resumed.guard.routing.ahead
+    ahead = resumed.module.guard.routing.ahead
     assert resumed.step == 3 and len(ahead) == 2 and all(r is not None for _, r in ahead)
-    assert resumed.guard.counts == {"skipped": 2, "rolled_back": 1}
+    assert resumed.module.guard.counts == {"skipped": 2, "rolled_back": 1}
     finish(resumed)
     assert losses(tmp_path / "split") == losses(tmp_path / "straight")
     records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
@@ -242,7 +242,7 @@ def test_the_pipeline_route_recording_keeps_no_statistics():
         stats = sim.pipe.stats
         with fake:
             batches = next(sim.batches)
-            sim.run_step(batches)
+            sim.module.step(batches, None, sim.step)
             before = (dict(stats.expert_load), stats.balance, stats.indexer)
             routes = sim.runner.record_routes(batches)
         assert len(routes) == len(batches) and all(sorted(r) == [1, 2, 3] for r in routes)  # stage 1's MoE layers

@@ -162,6 +162,6 @@ def test_only_cp_rank_0_counts_the_data():
     show only in the skip counters, which the trainer runs' corpus leaves at 0)."""
     from types import SimpleNamespace
 
-    from flashtrain.train.build import counts_data
+    from flashtrain.train.module import counts_data
 
     assert [counts_data(SimpleNamespace(cp_rank=r)) for r in range(4)] == [True, False, False, False]

@@ -124,14 +124,16 @@ def test_the_shortened_step_has_the_peak_of_the_whole_accumulation(monkeypatch, 
 
     cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, f"parallel.pp={pp}", f"train.global_batch_tokens={128 * whole}",
                    "data.batch_size=1", f"parallel.pipeline_schedule={schedule}"])
+    from flashtrain.train.module import TrainModule
+
     counts = []
-    original = estimate.SimulatedRank.run_step
+    original = TrainModule.step
 
-    def counted(sim, batches):
+    def counted(module, batches, *args):
         counts.append(len(batches))
-        return original(sim, batches)
+        return original(module, batches, *args)
 
-    monkeypatch.setattr(estimate.SimulatedRank, "run_step", counted)
+    monkeypatch.setattr(TrainModule, "step", counted)
     short = estimate.estimate_rank(cfg, world, rank, "cpu")
     monkeypatch.setattr(estimate, "_peak_preserving_microbatches", lambda *a: {})
     full = estimate.estimate_rank(cfg, world, rank, "cpu")
@@ -148,16 +150,17 @@ def test_the_shortened_step_is_partitioned_as_the_whole_round(monkeypatch):
     """The estimator's rank runs 3 of stage 0's 5 micro-batches, but the partition it builds prices the whole
     round's inputs, as the trainer's does (`BatchPlan.round_inputs`): the same stages whatever the shortening."""
     import flashtrain.train.estimate as estimate
+    import flashtrain.train.module as module
     from flashtrain.train.config import compose
 
     plans = []
-    original = estimate.build_rank
+    original = module.build_rank
 
     def build(c, plan, *args, **kwargs):
         plans.append(plan)
         return original(c, plan, *args, **kwargs)
 
-    monkeypatch.setattr(estimate, "build_rank", build)
+    monkeypatch.setattr(module, "build_rank", build)
     cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, "parallel.pp=2", "train.global_batch_tokens=640",
                    "data.batch_size=1"])
     estimate.estimate_rank(cfg, 2, 0, "cpu")

@@ -71,7 +71,7 @@ def test_a_pipeline_stage_starts_the_reduction_only_in_the_steps_last_backward(m
 
         stage.backward_one_chunk = counted
         with fake:
-            sim.run_step()
+            sim.module.step(next(sim.batches), None, sim.step)
         reduced = [b for b in reducer.buckets if b.group is not None]
         assert len(launches) == 4 and len(reduced) > 1
         assert launches == [0, 0, 0, len(reducer.buckets)], launches
@@ -109,7 +109,7 @@ def test_without_a_pipeline_every_bucket_starts_during_the_last_micro_batch(monk
 
         monkeypatch.setattr(sim.model, "run", counted)
         with fake:
-            sim.run_step()
+            sim.module.step(next(sim.batches), None, sim.step)
         assert len(reducer.buckets) > 2
         assert started == [0, 0, 0, 0] and reducer.launches == len(reducer.buckets), (started, reducer.launches)
     finally:

@@ -60,7 +60,7 @@ def test_middle_stage_holds_only_the_boundary_tensors_in_use():
         watch("get_fwd_send_ops", check_released)
         with fake:
             sim.prime_optimizer_state()
-            sim.run_step()
+            sim.module.step(next(sim.batches), None, sim.step)
         # at most one micro-batch's input buffer and one's output-gradient buffer exist at a time
         # (torch's PipelineStage allocates all n_micro of each when the schedule starts and keeps them)
         assert held and max(f for f, _ in held) == 1 and max(g for _, g in held) == 1, held
@@ -112,7 +112,7 @@ def test_last_stage_frees_each_micro_batch_after_its_backward(monkeypatch):
         stage.forward_one_chunk, stage.backward_one_chunk = watched_forward, watched_backward
         with fake:
             sim.prime_optimizer_state()
-            sim.run_step()
+            sim.module.step(next(sim.batches), None, sim.step)
         assert len(stale) == sim.layout.round_microbatches * sim.layout.rounds
         assert max(stale) <= 1, stale
     finally:

@@ -256,7 +256,7 @@ def test_pipeline_sends_each_micro_batchs_engram_ids_during_the_previous_forward
         assert n >= 3 and sim.pipe.modules[0].range.start == 0
         with fake:
             sim.prime_optimizer_state()
-            sim.run_step()
+            sim.module.step(next(sim.batches), None, sim.step)
     finally:
         dist.destroy_process_group()
     engram_layers = 2  # layers 1 and 4, both on the first stage

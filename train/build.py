@@ -6,12 +6,13 @@ composed by the trainer (train/trainer.py) and the memory estimator (train/estim
                                    checked before anything exists
     init_distributed(timeout_s)    the process group (gloo on CPU, NCCL on CUDA) and this rank's device
     build_dims(...)                the parallel dimensions: mesh, groups, this rank's coordinates
-    build_rank(...)                this rank's model, pipeline stages, optimizers, gradient reducer and
+    build_module(...)              this rank's train module (train/module.py; the DSpark stage's,
+                                   train/dspark.py): model, pipeline stages, optimizers, gradient reducer,
                                    step runner, from the whole model's meta-device template
     build_loader(...)              the packed data loader of this rank's dp slice
     build_evaluator(...)           the held-out set and this rank's share of it (train/evaluate.py)
 
-The estimator's one seam is `build_rank`'s `tensor_mode`: the memory estimator passes its
+The estimator's one seam is `build_module`'s `tensor_mode`: the memory estimator passes its
 FakeTensorMode, under which the model is materialised and the pipeline, optimizers and reducer are
 built (the pruning stays on plain meta tensors); the trainer passes nothing. What else differs when
 simulating (values that do not exist on fake tensors) is listed in train/estimate.py.
@@ -19,7 +20,6 @@ simulating (values that do not exist on fake tensors) is listed in train/estimat
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import logging
@@ -38,16 +38,12 @@ from flashtrain.data.heldout import heldout_set
 from flashtrain.data.loader import PackedLoader, check_shard_indexes, check_sources, reader_shards
 from flashtrain.data.tokenizer import load_tokenizer, token_byte_counts
 from flashtrain.model.config import ModelConfig
-from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 from flashtrain.model.recompute import validate_recompute
 from flashtrain.parallel.config import ParallelConfig, check_recompute_with_schedule
-from flashtrain.parallel.construct import build_rank_model
-from flashtrain.parallel.context import ContextComm
 from flashtrain.parallel.dims import ParallelDims
 from flashtrain.parallel.nodes import cuda_device_index
-from flashtrain.parallel.pipeline import Pipeline, build_pipeline, local_stage_ranges
-from flashtrain.train.collectives import Operation
-from flashtrain.train.compile import apply_compile, check_backend, compile_enabled
+from flashtrain.train.collectives import Operation, all_reduce
+from flashtrain.train.compile import check_backend, compile_enabled
 from flashtrain.train.config import (
     BatchPlan,
     TrainConfig,
@@ -58,16 +54,14 @@ from flashtrain.train.config import (
     schedule,
     token_spec,
 )
-from flashtrain.train.dspark import check_backbone_path, validate_stage
+from flashtrain.train.dspark import DSparkModule, check_backbone_path, validate_stage
 from flashtrain.train.evaluate import Evaluator
 from flashtrain.train.metrics import LoggingConfig
-from flashtrain.train.optim import build_optimizers
+from flashtrain.train.module import TrainModule, counts_data
 from flashtrain.train.optim.config import OptimConfig
-from flashtrain.train.optim.routing import route_parameters, zero_inputs
 from flashtrain.train.run_guard import die_with_parent
 from flashtrain.train.schedule import Schedule
-from flashtrain.train.stages import plan_stages, stage_units
-from flashtrain.train.step_runner import LocalRunner, PipelineLoss, PipelineRunner, StepRunner
+from flashtrain.train.step_runner import StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -190,79 +184,13 @@ def build_dims(c: RunConfigs, plan: BatchPlan, rank: int, device_type: str) -> P
                         bucket_bytes=int(c.parallel.grad_bucket_mb * (1 << 20)))
 
 
-@dataclass
-class RankParts:
-    """What `build_rank` makes: this rank's share of the model and everything that trains it."""
-
-    model: torch.nn.Module
-    pipe: Pipeline | None
-    optim: object  # OptimizerSet (train/optim)
-    reducer: object  # GradReducer (parallel/grad_reduce.py)
-    runner: StepRunner
-    compiled: bool = False  # train.compile applied to the blocks (train/compile.py)
-
-
-def counts_data(dims: ParallelDims) -> bool:
-    """The cp ranks of a group read the same batches: only cp rank 0 counts them."""
-    return dims.cp_rank == 0
-
-
-def build_rank(c: RunConfigs, plan: BatchPlan, dims: ParallelDims, device: torch.device, template,
-               mixed_precision: bool, op: Operation, lr: float, log_pipeline: bool = False,
-               tensor_mode=None) -> RankParts:
-    """This rank's model, pipeline stages and optimizers from the whole model's meta-device template
-    (`model_template`): pruned to this rank's stages and expert shard, then materialised
-    (parallel/construct.py), so no rank allocates what it does not own and every layout starts from
-    the same weights. `tensor_mode`: the estimator's seam (module docstring)."""
-    model, stages, bounds = template, None, None
-    if dims.pp > 1:  # the cost-balanced partition (train/stages.py, as launch/plan.py shows)
-        units = stage_units(model, c.model, c.optim, c.parallel, c.data.seq_len, c.data.batch_size, c.train.recompute,
-                            mixed_precision, dims.dp_cp, dims.cp, plan.round_inputs)
-        bounds = plan_stages(units, c.parallel, plan.round_microbatches)
-        stages = local_stage_ranges(c.parallel, bounds, dims.pp_rank)
-    engram_group = dims.dp_cp_group if dims.engram_shard else None
-    build_rank_model(model, device, c.train.seed, stages, dims.ep, dims.ep_rank, dims.ep_group, tensor_mode,
-                     engram_group, dist.get_rank(engram_group) if engram_group is not None else 0, dims.dp_cp)
-    model.set_recompute(c.train.recompute)
-    compiled = tensor_mode is None and compile_enabled(c.train.compile, device.type, c.train.compile_default)
-    if compiled:
-        apply_compile(model, c.train.compile_backend)  # never under the estimator's fake tensors (train/compile.py)
-    if dims.cp > 1:
-        model.set_context_parallel(dims.cp, dims.cp_rank, c.parallel.cp_balance, ContextComm(dims.cp_group))
-    with tensor_mode or contextlib.nullcontext():
-        pipe = None
-        if dims.pp > 1:
-            loss_fn = PipelineLoss(model, c.train.loss_tile_tokens, plan.accumulation, c.data.seq_len)
-            pipe = build_pipeline(model, c.parallel, stages, dims.pp_group, device, c.data.batch_size,
-                                  c.data.seq_len, plan.round_microbatches, loss_fn)
-            if log_pipeline:
-                log.info(f"pipeline: {c.parallel.pipeline_schedule}, pp={dims.pp} x "
-                         f"{c.parallel.stages_per_rank} stage(s) per rank, layers per stage "
-                         f"{[b - a for a, b in bounds]}, {plan.round_microbatches} micro-batches per round x "
-                         f"{plan.rounds} round(s)")
-        kinds, matrices = zero_inputs(route_parameters(model, c.model, c.optim))
-        zero_plan = dims.zero_plan(model, kinds, matrices)
-        optim = build_optimizers(model, c.model, c.optim,
-                                 (lambda p: zero_plan[id(p)]) if dims.zero else None,
-                                 _sinkhorn_row_group_of(model, dims), lr=lr)
-        reducer = dims.grad_reducer(model)
-    common = dict(device=device, loss_tile_tokens=c.train.loss_tile_tokens, mixed_precision=mixed_precision,
-                  counts_data=counts_data(dims), op=op)
-    if pipe is None:
-        runner = LocalRunner(model, reducer, plan.accumulation, **common)
-    else:
-        runner = PipelineRunner(model, pipe, reducer, plan.accumulation, plan.round_microbatches,
-                                pp_rank=dims.pp_rank, loss_fn=loss_fn, **common)
-    return RankParts(model, pipe, optim, reducer, runner, compiled)
-
-
-def _sinkhorn_row_group_of(model, dims: ParallelDims):
-    """Row-sharded Engram tables: the Sinkhorn update's column statistics are all-reduced over dp."""
-    if not dims.engram_shard:
-        return None
-    kinds = parameter_kinds(model)
-    tables = {id(p) for n, p in model.named_parameters() if kinds[n] is ParamKind.ENGRAM_TABLE}
-    return lambda p: dims.dp_cp_group if id(p) in tables else None
+def build_module(c: RunConfigs, plan: BatchPlan, dims: ParallelDims, device: torch.device, template, op: Operation,
+                 mixed_precision: bool, is_main: bool = True, tensor_mode=None) -> TrainModule:
+    """This rank's train module for the run's `train.stage` (train/module.py): pre-training's, or the DSpark
+    stage's (train/dspark.py), built from the whole model's meta-device template. `tensor_mode`: the estimator's
+    seam (module docstring); the module it builds has no stability guard."""
+    module = DSparkModule if c.train.stage == "dspark" else TrainModule
+    return module.build(c, plan, dims, device, template, op, c.schedule, mixed_precision, is_main, tensor_mode)
 
 
 def build_loader(c: RunConfigs, sources, dims: ParallelDims, known_corrupt: set[str] | None = None) -> PackedLoader:
@@ -280,8 +208,6 @@ def check_shards_at_start(c: RunConfigs, sources, dims: ParallelDims, device: to
     0) checks the shards of its dp rank and names each unreadable one in a warning; rank 0 says how many
     were checked and found unreadable (one all-reduce). A broken shard stops nothing: its complete samples
     are read and it counts in `corrupt_shards`. Returns this rank's unreadable shards."""
-    from flashtrain.train.collectives import all_reduce
-
     mine = reader_shards(sources, dims.dp_rank, dims.dp, c.data.num_workers) if \
         dims.pp_rank == 0 and counts_data(dims) else []
     problems = check_shard_indexes(mine)

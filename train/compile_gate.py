@@ -160,7 +160,7 @@ def trace_launches(overrides: list[str]) -> list:
         with recording() as launches:
             sim = SimulatedRank(cfg, 1, 0, "cuda", fake)
             with fake:
-                sim.run_step()
+                sim.module.step(next(sim.batches), None, sim.step)
         return launches
     finally:
         dist.destroy_process_group()

@@ -36,6 +36,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flashtrain.config.errors import CheckpointError, ConfigError, InputNotFoundError
@@ -43,14 +44,18 @@ from flashtrain.model import Transformer
 from flashtrain.model.aux import StepStats
 from flashtrain.model.carry import Carry, SharedKV
 from flashtrain.model.dspark import DSpark, block_tokens, context_features
+from flashtrain.model.layer_plan import layer_plan
 from flashtrain.parallel.construct import build_rank_model
 from flashtrain.parallel.context import ContextComm
-from flashtrain.parallel.pipeline import local_stage_ranges
-from flashtrain.train.balancing import accumulate_loads
+from flashtrain.parallel.pipeline import FieldSpec, boundary_specs, local_stage_ranges
+from flashtrain.train.balancing import accumulate_loads, global_loads
 from flashtrain.train.checkpoint import load_weights, read_metadata
 from flashtrain.train.dspark_loss import dspark_loss, read_stats, stat_size
+from flashtrain.train.flops import dspark_flops_per_token
+from flashtrain.train.module import RankParts, TrainModule, counts_data, sinkhorn_row_group_of
 from flashtrain.train.optim import build_optimizers
 from flashtrain.train.optim.routing import route_parameters, zero_inputs
+from flashtrain.train.resume import check_model_config
 from flashtrain.train.stages import plan_stages, stage_units
 from flashtrain.train.step_runner import StepRunner, _on
 from flashtrain.train.step_values import StepValues
@@ -146,10 +151,6 @@ def load_backbone(c, dims, device: torch.device, template: Transformer, path: st
     """This rank's backbone (its pipeline stage's blocks, experts sharded over ep, positions split under cp)
     with the weights of `path`, frozen; its model config must equal the run's but for the drafter's fields.
     The last pipeline stage keeps the embedding too: the drafter embeds its blocks with it."""
-    import torch.distributed as dist
-
-    from flashtrain.train.resume import check_model_config
-
     engram_group = dims.dp_cp_group if dims.engram_shard else None  # row-sharded Engram tables, as build_rank's
     keep_embed = stages is not None and stages[-1].is_last and template.embed is not None
     embed = template.embed if keep_embed else None
@@ -179,42 +180,6 @@ def drafter_template(cfg) -> DSpark:
         return DSpark(cfg, init=False)
 
 
-def build_dspark_rank(c, plan, dims, device: torch.device, backbone_template: Transformer, mixed_precision: bool,
-                      op, lr: float, tensor_mode=None):
-    """The DSpark stage's parts of this rank (train/build.py RankParts): the drafter as the trained model
-    (expert-sharded under ep; from the backbone checkpoint's `mtp.*` when it has them), its optimizers and
-    gradient reducer, and the runner that holds the frozen backbone."""
-    from flashtrain.train.build import RankParts, _sinkhorn_row_group_of, counts_data
-
-    stages, pipe = None, None
-    if dims.pp > 1:  # the backbone's blocks in the pre-training partition, the drafter on the last stage
-        units = stage_units(backbone_template, c.model, c.optim, c.parallel, c.data.seq_len, c.data.batch_size,
-                            c.train.recompute, mixed_precision, dims.dp_cp, dims.cp, plan.round_inputs)
-        stages = local_stage_ranges(c.parallel, plan_stages(units, c.parallel, plan.round_microbatches), dims.pp_rank)
-        pipe = ForwardPipeline(c.model, stages[0], dims, c.data.batch_size, c.data.seq_len)
-    backbone = load_backbone(c, dims, device, backbone_template, c.train.backbone, tensor_mode, mixed_precision,
-                             stages)
-    template = drafter_template(c.model)
-    if pipe is not None and not pipe.last:
-        template.mtp = nn.ModuleList()  # only the last stage holds (and trains) the drafter
-    drafter = build_rank_model(template, device, c.train.seed, None, dims.ep, dims.ep_rank, dims.ep_group,
-                               tensor_mode)
-    drafter.set_recompute(c.train.recompute)
-    if tensor_mode is None and has_drafter(c.train.backbone) and len(drafter.mtp):
-        load_weights(c.train.backbone, drafter, dims.global_layout(drafter))
-        log.info(f"drafter initialised from the mtp.* tensors of {c.train.backbone}")
-    with tensor_mode or contextlib.nullcontext():
-        kinds, matrices = zero_inputs(route_parameters(drafter, c.model, c.optim))
-        zero_plan = dims.zero_plan(drafter, kinds, matrices)
-        optim = build_optimizers(drafter, c.model, c.optim, (lambda p: zero_plan[id(p)]) if dims.zero else None,
-                                 _sinkhorn_row_group_of(drafter, dims), lr=lr)
-        reducer = dims.grad_reducer(drafter)
-    runner = DSparkRunner(drafter, backbone, c.train.dspark, reducer, plan.accumulation, device=device,
-                          loss_tile_tokens=c.train.loss_tile_tokens, mixed_precision=mixed_precision,
-                          counts_data=counts_data(dims) and dims.pp_rank == 0, op=op, pipe=pipe)
-    return RankParts(drafter, None, optim, reducer, runner)
-
-
 class ForwardPipeline:
     """The frozen backbone's forward over pipeline stages (`parallel.pp`, one stage per rank): every rank of a
     pipeline reads the same micro-batches (its dp rank's); stage r receives the carry of each micro-batch from
@@ -226,11 +191,6 @@ class ForwardPipeline:
     holds all three and no capture crosses a boundary."""
 
     def __init__(self, cfg, stage, dims, micro_batch: int, seq_len: int):
-        import torch.distributed as dist
-
-        from flashtrain.model.layer_plan import layer_plan
-        from flashtrain.parallel.pipeline import FieldSpec, boundary_specs
-
         self.stage, self.group = stage, dims.pp_group
         self.first, self.last = stage.is_first, stage.is_last
         local = -(-seq_len // dims.cp) if dims.cp > 1 else None
@@ -249,8 +209,6 @@ class ForwardPipeline:
 
     def receive(self, device) -> tuple[Carry, dict]:
         """The carry and the captures of the previous stage."""
-        import torch.distributed as dist
-
         got = {}
         for s in self.recv_specs:
             t = torch.empty(s.shape, dtype=s.dtype, device=device)
@@ -261,8 +219,6 @@ class ForwardPipeline:
         return Carry(h, pre, SharedKV(**got)), captures
 
     def send(self, carry: Carry, captures: dict) -> None:
-        import torch.distributed as dist
-
         for s in self.send_specs:
             t = captures[int(s.name[len("capture"):])] if s.name.startswith("capture") else carry.get(s.name)
             dist.send(t.to(s.dtype).contiguous(), dst=self.next, group=self.group)
@@ -353,6 +309,75 @@ class DSparkRunner(StepRunner):
                           "use launch/eval_dspark.py")
 
 
-def dspark_record(values: dict, cfg) -> dict:
-    """The DSpark fields of a step's metrics record from its summed values (train/dspark_loss.py)."""
-    return read_stats(values["dspark"], cfg.model.dspark_block_size, cfg.train.dspark.ece_bins)
+class DSparkModule(TrainModule):
+    """The DSpark stage's train module (train/module.py): the drafter is the trained model (expert-sharded under
+    ep; from the backbone checkpoint's `mtp.*` when it has them), with its optimizers and gradient reducer; the
+    runner holds the frozen backbone. Its MoE layers are the drafter's (ids n_layers ..) with its own experts; no
+    ViT to unfreeze, no held-out LM evaluation; its checkpoints name the backbone they were trained against."""
+
+    evaluates = False  # the backbone is frozen: launch/eval_dspark.py measures the drafter
+
+    @classmethod
+    def build(cls, c, plan, dims, device, template, op, schedule, mixed_precision: bool, is_main: bool = True,
+              tensor_mode=None) -> DSparkModule:
+        stages, pipe = None, None
+        if dims.pp > 1:  # the backbone's blocks in the pre-training partition, the drafter on the last stage
+            units = stage_units(template, c.model, c.optim, c.parallel, c.data.seq_len, c.data.batch_size,
+                                c.train.recompute, mixed_precision, dims.dp_cp, dims.cp, plan.round_inputs)
+            stages = local_stage_ranges(c.parallel, plan_stages(units, c.parallel, plan.round_microbatches),
+                                        dims.pp_rank)
+            pipe = ForwardPipeline(c.model, stages[0], dims, c.data.batch_size, c.data.seq_len)
+        backbone = load_backbone(c, dims, device, template, c.train.backbone, tensor_mode, mixed_precision, stages)
+        drafter_meta = drafter_template(c.model)
+        if pipe is not None and not pipe.last:
+            drafter_meta.mtp = nn.ModuleList()  # only the last stage holds (and trains) the drafter
+        drafter = build_rank_model(drafter_meta, device, c.train.seed, None, dims.ep, dims.ep_rank, dims.ep_group,
+                                   tensor_mode)
+        drafter.set_recompute(c.train.recompute)
+        if tensor_mode is None and has_drafter(c.train.backbone) and len(drafter.mtp):
+            load_weights(c.train.backbone, drafter, dims.global_layout(drafter))
+            log.info(f"drafter initialised from the mtp.* tensors of {c.train.backbone}")
+        with tensor_mode or contextlib.nullcontext():
+            kinds, matrices = zero_inputs(route_parameters(drafter, c.model, c.optim))
+            zero_plan = dims.zero_plan(drafter, kinds, matrices)
+            optim = build_optimizers(drafter, c.model, c.optim, (lambda p: zero_plan[id(p)]) if dims.zero else None,
+                                     sinkhorn_row_group_of(drafter, dims), lr=schedule.lr(0))
+            reducer = dims.grad_reducer(drafter)
+        runner = DSparkRunner(drafter, backbone, c.train.dspark, reducer, plan.accumulation, device=device,
+                              loss_tile_tokens=c.train.loss_tile_tokens, mixed_precision=mixed_precision,
+                              counts_data=counts_data(dims) and dims.pp_rank == 0, op=op, pipe=pipe)
+        return cls(c, plan, dims, device, RankParts(drafter, None, optim, reducer, runner), op, schedule,
+                   mixed_precision, is_main, guard=tensor_mode is None)
+
+    def begin_step(self, step: int) -> None:
+        self.optim.set_lr(self.schedule.lr(step))  # the backbone (its ViT included) is frozen
+
+    def global_loads(self, loads: dict) -> dict[int, torch.Tensor]:
+        m = self.cfg.model
+        return global_loads(loads, m.n_layers + m.n_mtp_layers, m.dspark_n_routed_experts, device=self.device,
+                            first=m.n_layers)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return dspark_flops_per_token(self.cfg.model, seq_len)
+
+    def record(self, record: dict, values: dict) -> dict:
+        """The drafter's metrics (train/dspark_loss.py `read_stats`); the backbone is frozen (no indexer loss, no
+        ViT)."""
+        record.update(read_stats(values["dspark"], self.cfg.model.dspark_block_size, self.cfg.train.dspark.ece_bins))
+        del record["indexer_loss"], record["vit_trainable"]
+        return record
+
+    def frozen(self) -> list[nn.Module]:
+        return [self.runner.backbone]
+
+    def stages(self) -> list[int]:
+        return [0] if self.runner.pipe is None else [self.runner.pipe.stage.index]  # the backbone's pipeline
+
+    def checkpoint_meta(self) -> dict:
+        hasher = getattr(self.model, "engram_hasher", None) or getattr(self.runner.backbone, "engram_hasher", None)
+        return {"engram_compressed_vocab_size": None if hasher is None else hasher.compressed_vocab,
+                "backbone": backbone_pointer(self.cfg.train.backbone)}  # the backbone the drafter is trained against
+
+    def check_resume(self, meta: dict, path) -> None:
+        super().check_resume(meta, path)
+        check_backbone(meta.get("backbone"), backbone_pointer(self.cfg.train.backbone), path)

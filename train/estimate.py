@@ -1,10 +1,9 @@
 """Per-GPU memory of a real training step, simulated on the CPU (launch/estimate.py; DESIGN.md "Memory").
 
-One chosen rank of a `world`-rank layout, built by the trainer's own construction functions
-(train/build.py), runs the trainer's step (`SimulatedRank.run_step`, the parts of
-`Trainer.forward_backward_update` that hold memory: every micro-batch's forward and backward through the
-step runner -- the configured pipeline schedule and expert all-to-alls --, gradient reduction, clipping,
-the optimizer step, the MoE bias update) with
+One chosen rank of a `world`-rank layout, built by the trainer's own construction (train/build.py
+`build_module`), runs its train module's own `step` (train/module.py: every micro-batch's forward and backward
+through the step runner -- the configured pipeline schedule and expert all-to-alls --, gradient reduction,
+clipping, the optimizer step, the MoE bias update, the step values' all-reduce) with
 - fake tensors (`FakeTensorMode`): shapes, dtypes and storage sizes, no data, no arithmetic;
 - a fake process group (torch's `fake` backend): every collective and point-to-point "succeeds";
 - torch's `MemTracker` (torch.distributed._tools.mem_tracker) counting every tensor's storage by kind
@@ -21,15 +20,14 @@ accumulation; the one thing that grows with the micro-batches left out, a pipeli
 concatenated on the device (tokens, token types, labels), is added by its size. The step's batches
 come from the loader, in host memory on a GPU: they are read before the tracking starts.
 
-Estimator-only behaviour sits at one seam: `build_rank(tensor_mode=...)` builds the rank under the
-FakeTensorMode; `_static_stages` stands in for the pipeline schedule's warm-up vote (torch's private
-`_warmup_p2p`, which reads a tensor on the host); and the code paths that read tensor values on the host
-ask `flashtrain.model.simulation.simulated` (which lists them) for the shape-only path.
+Estimator-only behaviour sits at one seam: `build_module(tensor_mode=...)` builds the rank under the
+FakeTensorMode, without the stability guard (its verdict reads values on the host); `_static_stages` stands
+in for the pipeline schedule's warm-up vote (torch's private `_warmup_p2p`, which reads a tensor on the
+host); and the code paths that read tensor values on the host ask `flashtrain.model.simulation.simulated`
+(which lists them) for the shape-only path.
 
-The DSpark stage (`train.stage=dspark`, train/dspark.py) is simulated the same way: the rank's frozen
-backbone (counted with the parameters: bf16 on CUDA but its FP32 tensors, expert- and Engram-sharded as in
-pre-training; its no-grad forward's temporaries) and its drafter with everything that trains it; the
-backbone checkpoint is not read (fake tensors hold no values).
+Whatever stage the run is in, its module says what the rank holds that does not train (`frozen()`: counted with
+the parameters, its no-grad forward's temporaries with the step) and which pipeline stages it runs (`stages()`).
 
 What a simulation cannot know, it assumes: routing is balanced (each expert receives its even share
 of the (token, expert) pairs -- what the bias update steers towards); `device='cuda'` simulates bf16
@@ -47,13 +45,10 @@ import torch.distributed as dist
 from omegaconf import DictConfig, open_dict
 
 from flashtrain.config.errors import ConfigError
-from flashtrain.model.vision import set_vision_body_trainable
 from flashtrain.parallel.construct import model_template
-from flashtrain.train.balancing import global_loads, update_biases
-from flashtrain.train.build import build_dims, build_rank, read_configs, run_plan
+from flashtrain.train.build import build_dims, build_module, read_configs, run_plan
 from flashtrain.train.collectives import Operation
 from flashtrain.train.config import BatchPlan
-from flashtrain.train.dspark import build_dspark_rank
 from flashtrain.train.step_runner import StepBatches
 
 
@@ -145,8 +140,9 @@ def _static_stages(stages, has_backward, p2p_done) -> None:
 
 
 class SimulatedRank:
-    """Rank `rank` of a `world`-rank layout, built by the trainer's own construction functions
-    (train/build.py) on fake tensors and a fake process group (which the caller has initialised)."""
+    """Rank `rank` of a `world`-rank layout: its train module (train/module.py), built by the trainer's own
+    `build_module` on fake tensors and a fake process group (which the caller has initialised), without a
+    stability guard. The estimator runs the module's own `step`."""
 
     def __init__(self, cfg: DictConfig, world: int, rank: int, device_type: str, fake_mode):
         cfg = cfg.copy()
@@ -154,7 +150,7 @@ class SimulatedRank:
             cfg.pop("hydra", None)
             cfg.run_name = "simulated"  # the default interpolates the Hydra runtime, which is not running
         self.cfg = c = read_configs(cfg)
-        self.schedule, self.step = c.schedule, 0
+        self.step = c.schedule.vit_unfreeze_step  # the step simulated: the first with the ViT unfrozen (all train)
         plan = run_plan(c, world)
         self.rank, self.device = rank, torch.device("cpu")
         self.dims = build_dims(c, plan, rank, self.device.type)
@@ -162,44 +158,22 @@ class SimulatedRank:
         self.layout = replace(plan, **_peak_preserving_microbatches(plan, c.parallel.pipeline_schedule,
                                                                     self.dims.pp_rank),
                               input_microbatches=plan.round_microbatches)
-        self.mixed_precision = device_type == "cuda"
         m = c.model
-        self.dspark = c.train.stage == "dspark"  # the DSpark stage (train/dspark.py): drafter trained, backbone frozen
-        build = build_dspark_rank if self.dspark else build_rank
-        parts = build(c, self.layout, self.dims, self.device, model_template(m, _any_token_map(m)),
-                      self.mixed_precision, Operation(), self.schedule.lr(self.step), tensor_mode=fake_mode)
-        self.model, self.pipe, self.optim, self.runner = parts.model, parts.pipe, parts.optim, parts.runner
-        self.backbone = getattr(self.runner, "backbone", None)  # the DSpark stage's frozen backbone
+        self.module = build_module(c, self.layout, self.dims, self.device, model_template(m, _any_token_map(m)),
+                                   Operation(), device_type == "cuda", tensor_mode=fake_mode)
+        self.model, self.pipe, self.optim, self.runner = (self.module.model, self.module.pipe, self.module.optim,
+                                                          self.module.runner)
         if self.pipe is not None:
             self.pipe.schedule._warmup_p2p = _static_stages  # the library's vote reads a tensor on the host
         with fake_mode:
             self.loader = SyntheticBatches(c.data.batch_size, c.data.seq_len, m.vocab_size)
         self.batches = StepBatches(self.loader, self.layout.accumulation)
 
-    def run_step(self, batches: list[dict] | None = None) -> None:
-        """The trainer's step (`Trainer.forward_backward_update`) as far as memory goes: the step runner's
-        forward/backward of every micro-batch with the gradient reduction, clipping, the optimizer step,
-        the MoE bias update, the step values' all-reduce. Not simulated: the stability guard (its verdict
-        reads values on the host), the LR and the loader's counters (no tensors). `batches`: the step's
-        micro-batches (default: the next ones)."""
-        c = self.cfg
-        sums, loads = self.runner.run(next(self.batches) if batches is None else batches)
-        self.dims.clip(self.model, c.train.grad_clip, self.device)
-        self.optim.step()
-        m = c.model
-        loads = global_loads(loads, m.n_layers + m.n_mtp_layers * self.dspark,
-                             m.dspark_n_routed_experts if self.dspark else m.n_routed_experts, device=self.device,
-                             first=m.n_layers if self.dspark else 0)
-        update_biases(self.model, loads, c.train.balance_rate)
-        sums.all_reduce()
-
     def prime_optimizer_state(self) -> None:
         """Create every optimizer state tensor as a first step would (zero gradients, one optimizer
-        step), so the measured step is the steady state without simulating a whole extra step. The
-        step simulated is the first with the ViT unfrozen (every parameter trains: the largest state)."""
-        self.step = self.schedule.vit_unfreeze_step
-        if self.cfg.model.vision_n_layers and not self.dspark:
-            set_vision_body_trainable(self.model, True)
+        step), so the measured step is the steady state without simulating a whole extra step (of `self.step`:
+        every parameter trains, the largest state)."""
+        self.module.begin_step(self.step)
         for p in self.model.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
@@ -213,14 +187,6 @@ class SimulatedRank:
             return 0
         skipped = self.layout.round_inputs - self.layout.round_microbatches
         return skipped * sum(batch[k].numel() * batch[k].element_size() for k in ("tokens", "token_types", "labels"))
-
-    def stages(self) -> list[int]:
-        forward_pipe = getattr(self.runner, "pipe", None) if self.dspark else None  # the backbone's pipeline
-        if forward_pipe is not None:
-            return [forward_pipe.stage.index]
-        if self.pipe is None:
-            return [0]
-        return [mod.range.index for mod in self.pipe.modules]
 
 
 def _acyclic_multi_grad_hook(register):
@@ -313,7 +279,7 @@ def _step_tracker(phases: list[dict] | None = None):
             super()._pre_bw_hook(module, args)
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
-            # a frozen module (the DSpark stage's backbone) has no gradient to watch (nor can it be hooked)
+            # a frozen module (a train module's `frozen()`) has no gradient to watch (nor can it be hooked)
             trains = any(p.requires_grad for p in module.parameters())
             return super()._track_module_params_and_buffers(module, install_grad_hooks and trains)
 
@@ -398,14 +364,13 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
             tracker = _step_tracker(followed)
             # ShardedAdamW (ZeRO-1) holds its state in an inner torch AdamW (None on a rank owning no chunk)
             optims = [getattr(o, "inner", o) for o in sim.optim.optimizers.values()]
-            frozen = [sim.backbone] if sim.backbone is not None else []  # the DSpark stage's backbone
-            tracker.track_external(sim.model, *frozen, *[o for o in optims if o is not None])
+            tracker.track_external(sim.model, *sim.module.frozen(), *[o for o in optims if o is not None])
             batches = next(sim.batches)  # read before tracking: the loader's batches are host memory
             with tracker:
-                sim.run_step(batches)
+                sim.module.step(batches, None, sim.step, sim.loader.counters)
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
         unsimulated = sim.unsimulated_round_input_bytes(batches[0])
-        return RankEstimate(rank=rank, stages=sim.stages(), peak_bytes=_bytes(peak, "Total") + unsimulated,
+        return RankEstimate(rank=rank, stages=sim.module.stages(), peak_bytes=_bytes(peak, "Total") + unsimulated,
                             params_bytes=_bytes(peak, "Parameter"), grads_bytes=_bytes(peak, "Gradient"),
                             optimizer_bytes=_bytes(peak, "Optstate"),
                             activations_bytes=_bytes(peak, "Activation") + unsimulated,

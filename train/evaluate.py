@@ -198,10 +198,11 @@ def build_for_scoring(cfg, path: str, allow_damaged: bool = False) -> Scoring:
 
     from flashtrain.data.loader import data_sources, heldout_shards
     from flashtrain.parallel.construct import model_template
-    from flashtrain.train.build import build_dims, build_rank, check_start, init_distributed, read_configs, run_plan
+    from flashtrain.train.build import build_dims, check_start, init_distributed, read_configs, run_plan
     from flashtrain.train.checkpoint import check_readable, load_weights
     from flashtrain.train.collectives import Operation, barrier
     from flashtrain.train.engram_map import load_or_build_engram_map
+    from flashtrain.train.module import build_rank
     from flashtrain.train.resume import check_model_config
 
     c = read_configs(cfg)

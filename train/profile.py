@@ -98,7 +98,7 @@ class StepProfiler:
         prof = trainer.__dict__.get("_step_profiler")
         if prof is None:
             prof = trainer._step_profiler = cls(trainer.cfg.train.profile, trainer.run_dir, trainer.device,
-                                                trainer.model, trainer.rank, trainer.dims.world,
+                                                trainer.module.model, trainer.rank, trainer.dims.world,
                                                 trainer.step + 1, trainer.max_steps)
         return prof
 

@@ -21,16 +21,13 @@ step and operation (train/collectives.py). docs/step_path.md lists the files one
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import functools
 import logging
 import math
 import os
 import random
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,21 +36,18 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from flashtrain.data.loader import data_sources, heldout_shards
-from flashtrain.model.vision import set_vision_body_trainable
 from flashtrain.parallel.construct import model_template
 from flashtrain.parallel.liveness import Liveness
 from flashtrain.parallel.nodes import STARTUP_TURNS, NodeTable, check_shared_run_dir, startup_turn
 from flashtrain.train import faults
-from flashtrain.train.balancing import global_loads, update_biases
 from flashtrain.train.build import (
     ablation_line,
     build_dims,
     build_evaluator,
     build_loader,
-    build_rank,
+    build_module,
     check_shards_at_start,
     check_start,
-    counts_data,
     init_distributed,
     read_configs,
     run_plan,
@@ -61,7 +55,6 @@ from flashtrain.train.build import (
 from flashtrain.train.checkpoint import (
     CheckpointWriter,
     latest_checkpoint,
-    load_checkpoint,
     load_data_states,
     read_meta,
 )
@@ -69,34 +62,20 @@ from flashtrain.train.collectives import CollectiveError, Operation, all_reduce,
 from flashtrain.train.compile import compile_report
 from flashtrain.train.config import CheckpointConfig, TrainConfig, rounded_batch_note
 from flashtrain.train.data_trace import DataTrace, truncate_traces
-from flashtrain.train.dspark import backbone_pointer, build_dspark_rank, check_backbone, dspark_record
 from flashtrain.train.engram_map import load_or_build_engram_map
-from flashtrain.train.flops import dspark_flops_per_token, flops_per_token, mfu, peak_flops
+from flashtrain.train.flops import mfu, peak_flops
 from flashtrain.train.metrics import MetricsLogger, load_statistics, load_stats
+from flashtrain.train.module import StepOutcome
 from flashtrain.train.profile import StepProfiler
 from flashtrain.train.recipe import check_stage, next_boundary, stage_list, stage_name, start_stage
-from flashtrain.train.resume import check_model_config, resume_path
+from flashtrain.train.resume import resume_path
 from flashtrain.train.run_guard import acquire_run_lock, die_with_launcher
 from flashtrain.train.spike import rng_state, set_rng_state
-from flashtrain.train.stability import StabilityGuard
 from flashtrain.train.step_runner import StepBatches
-from flashtrain.train.step_values import LOADER_COUNTERS, StepValues, loader_fields, padding_fraction, source_fields
+from flashtrain.train.step_values import loader_fields, padding_fraction, source_fields
 
 __all__ = ["CheckpointConfig", "CollectiveError", "StepOutcome", "TrainConfig", "Trainer"]
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutcome:
-    """What `Trainer.forward_backward_update` reports: the step's values summed over every rank, the global
-    expert loads, the gradient norm before clipping, the spike verdict (None: updated), whether the MoE
-    layers routed by anticipated indices."""
-
-    sums: StepValues
-    loads: dict[int, torch.Tensor]
-    grad_norm: torch.Tensor
-    spike: str | None
-    routed: bool
 
 
 class Trainer:
@@ -128,7 +107,6 @@ class Trainer:
         self.nodes = NodeTable.gather()
         check_shared_run_dir(self.run_dir, self.nodes, self.rank)
         self.liveness = Liveness.for_job(self.rank, world, c.parallel.peer_timeout_s, self.nodes.describe)
-        self.mixed_precision = self.device.type == "cuda"
         self.dims = build_dims(c, self.plan, self.rank, self.device.type)
         if self.is_main:
             backend = f", process group {dist.get_backend()}" if dist.is_initialized() else ""
@@ -154,22 +132,16 @@ class Trainer:
                 token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
             barrier()
         corrupt = check_shards_at_start(c, sources, self.dims, self.device, self.is_main)  # tar indexes, headers only
-        self.dspark = c.train.stage == "dspark"  # the DSpark stage: the drafter is the trained model (train/dspark.py)
-        build = build_dspark_rank if self.dspark else functools.partial(build_rank, log_pipeline=self.is_main)
-        parts = build(c, self.plan, self.dims, self.device, model_template(c.model, token_map), self.mixed_precision,
-                      self.op, self.schedule.lr(self.step))
-        self.model, self.optim, self.reducer, self.runner = parts.model, parts.optim, parts.reducer, parts.runner
-        self.compiled = parts.compiled
-        self.counts_data = counts_data(self.dims)
-        self.guard = StabilityGuard(c.train.spike, c.train.anticipatory_routing, self.model, self.optim.optimizers,
-                                    self.device, self.op, self.is_main)
+        # this rank's train module (train/module.py): model, optimizers, gradient reduction, step runner, guard
+        self.module = build_module(c, self.plan, self.dims, self.device, model_template(c.model, token_map), self.op,
+                                   self.device.type == "cuda", self.is_main)
         self.loader = build_loader(c, sources, self.dims, corrupt)
         # the MFU peak, once (rank 0 writes the records): configured, the GPU table, or this machine's cached
         # CPU measurement -- stated in the log (train/flops.py)
         self.peak = peak_flops(self.device, c.train.peak_tflops, True)[0] if self.is_main else None
         self.batches = StepBatches(self.loader, self.plan.accumulation)
-        self.evaluator = None if self.dspark else build_evaluator(c, self.dims, self.runner, val, tok, self.device,
-                                                                  self.is_main)
+        self.evaluator = build_evaluator(c, self.dims, self.module.runner, val, tok, self.device, self.is_main) \
+            if self.module.evaluates else None
         self.checkpoints = CheckpointWriter(self.run_dir, c.train.checkpoint.keep, c.train.checkpoint.async_save)
         self.trace: DataTrace | None = None  # data.trace: opened by `fit`
         self._resume()
@@ -178,12 +150,8 @@ class Trainer:
         path = resume_path(self.cfg.train.resume_from, self.run_dir, self.is_main)
         if path is None:
             return
-        # the model config first: another model's tensors would fail to load with a message about one of them
-        check_model_config(read_meta(path)["config"]["model"], self.cfg.cfg_dict["model"], path)
-        meta, mine = load_checkpoint(path, self.model, self.optim.optimizers, self.dims.dp_rank, self.dims.dp,
-                                     self.dims.global_layout(self.model))
-        if self.dspark:
-            check_backbone(meta.get("backbone"), backbone_pointer(self.cfg.train.backbone), path)
+        self.module.check_resume(read_meta(path), path)  # before anything is loaded
+        meta, mine = self.module.load(path)
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
         check_stage(self.raw_cfg, self.stage, self.tokens_seen, path)
         if mine is None:  # weights alone: fresh optimizer state, data from the start, the schedule from step 0
@@ -204,7 +172,7 @@ class Trainer:
                          f"document read once, those in flight included (data/loader.py relayout)")
         self.source_tokens = dict(meta.get("source_tokens", {}))
         set_rng_state(mine["rng"])
-        self.guard.load_state_dict(mine, mine.get("own"))
+        self.module.load_state_dict(mine)
         if self.is_main:
             log.info(f"resumed from {path} at step {self.step}")
 
@@ -214,17 +182,10 @@ class Trainer:
         def hook(tmp):
             faults.inject("checkpoint_write", step, self.rank)
 
-        hasher = getattr(self.model, "engram_hasher", None) or getattr(getattr(self.runner, "backbone", None),
-                                                                       "engram_hasher", None)
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg.cfg_dict,
-                "source_tokens": dict(self.source_tokens),
-                "engram_compressed_vocab_size": None if hasher is None else hasher.compressed_vocab}
-        if self.dspark:  # the backbone the drafter is trained against (a resume checks it)
-            meta["backbone"] = backbone_pointer(self.cfg.train.backbone)
-        rank_state = {"data": self.loader.state_dict(), "rng": rng_state(), **self.guard.state_dict()}
-        self.checkpoints.save(self.step, self.model, self.optim.optimizers, meta, rank_state, self.dims.dp_rank,
-                              fault_hook=hook, layout=self.dims.global_layout(self.model),
-                              own_state=self.guard.own_state())
+                "source_tokens": dict(self.source_tokens), **self.module.checkpoint_meta()}
+        rank_state = {"data": self.loader.state_dict(), "rng": rng_state()}
+        self.module.save(self.checkpoints, self.step, meta, rank_state, hook)
         if self.checkpoints.pending is not None:
             faults.inject("checkpoint_in_flight", self.step, self.rank)
 
@@ -258,70 +219,25 @@ class Trainer:
             # train.spike / train.anticipatory_routing: this step's verdict (null: normal), whether its MoE
             # layers routed by anticipated indices, and the run's totals
             "spike": out.spike, "anticipatory_routing": out.routed,
-            "spikes_skipped": self.guard.counts["skipped"], "rollbacks": self.guard.counts["rolled_back"],
+            "spikes_skipped": self.module.guard.counts["skipped"], "rollbacks": self.module.guard.counts["rolled_back"],
             "expert_load": load_statistics(out.loads, v["load_stats"]),
             "per_source": source_fields(self.loader.sources, v, self.source_tokens),
             # model FLOPs (forward + backward) per token at data.seq_len, and MFU = flops_per_token * tokens_per_s
             # / (peak per device * world), null without a known peak (train/flops.py; train.peak_tflops)
-            "flops_per_token": (fpt := (dspark_flops_per_token if self.dspark else flops_per_token)(
-                self.cfg.model, self.cfg.data.seq_len)),
+            "flops_per_token": (fpt := self.module.flops_per_token(self.cfg.data.seq_len)),
             "mfu": mfu(fpt, self.schedule.tokens_per_step / dt, self.peak, self.dims.world),
             # CUDA: this rank's peak of allocated bytes during the step (torch.cuda.max_memory_allocated); null on CPU
             "memory_peak_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
         }
-        if self.dspark:  # the drafter's metrics; the backbone is frozen (no indexer loss, no ViT)
-            record.update(dspark_record(v, self.cfg))
-            del record["indexer_loss"], record["vit_trainable"]
-        return record, out.loads
+        return self.module.record(record, v), out.loads
 
     def forward_backward_update(self) -> StepOutcome:
-        """One optimizer step's computation, communication and update, without host syncs (but the spike
-        verdict's): the step's batches, forward/backward of every micro-batch with the gradient reduction
-        (the step runner), clipping, the stability verdict, the optimizer step, the MoE bias update, the
-        all-reduce of the step's values (train/step_values.py)."""
-        if self.cfg.model.vision_n_layers and not self.dspark:
-            set_vision_body_trainable(self.model, self.schedule.vit_trainable(self.step))
-        self.optim.set_lr(self.schedule.lr(self.step))
-        if self.guard.reads_ahead(self.step + 1):  # Anticipatory Routing: batches and routes from its buffer
-            batches, routes = self.guard.next_batches(self.step + 1, self.batches, self.runner.record_routes)
-        else:
-            batches, routes = next(self.batches), None
+        """One optimizer step's computation, communication and update (the train module's `step`) on the step's
+        batches, traced when `data.trace` is on."""
+        batches, routes = self.module.next_batches(self.step + 1, self.batches)
         if self.trace is not None:
             self.trace.record(self.step + 1, batches)
-        with self._injected_spike():
-            sums, loads = self.runner.run(batches, routes)
-        self.op.name = "the gradient-norm all-reduce (clipping)"
-        grad_norm = self.dims.clip(self.model, self.cfg.train.grad_clip, self.device)
-        spike = self.guard.verdict(sums, grad_norm, self.plan.global_microbatches)
-        if spike is None:
-            self.op.name = "the optimizer step"
-            self.optim.step()
-        self.op.name = "the expert-load all-reduce"
-        m = self.cfg.model  # the DSpark stage's MoE layers are the drafter's (ids n_layers ..), its own experts
-        loads = global_loads(loads, m.n_layers + m.n_mtp_layers * self.dspark,
-                             m.dspark_n_routed_experts if self.dspark else m.n_routed_experts, device=self.device,
-                             first=m.n_layers if self.dspark else 0)
-        if spike is None:
-            update_biases(self.model, loads, self.cfg.train.balance_rate)
-        if self.dims.pp_rank == 0 and self.counts_data:  # the loader's counters of this step's reads, once per dp rank
-            for k in LOADER_COUNTERS:
-                sums.add(k, self.loader.counters().get(k, 0))
-        self.op.name = "the all-reduce of the step's losses and counters"
-        sums.all_reduce()
-        return StepOutcome(sums, loads, grad_norm, spike, routes is not None)
-
-    @contextlib.contextmanager
-    def _injected_spike(self):
-        """FLASHTRAIN_FAULT=spike:... (tests, drills): this rank's head input x scale for the step."""
-        scale = faults.spike_scale(self.step + 1, self.rank)
-        head = getattr(self.model, "head", None)
-        hook = None if scale is None or head is None else head.register_forward_pre_hook(
-            lambda module, args: (args[0] * scale, *args[1:]))
-        try:
-            yield
-        finally:
-            if hook is not None:
-                hook.remove()
+        return self.module.step(batches, routes, self.step, self.loader.counters)
 
     def fit(self) -> None:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -342,7 +258,7 @@ class Trainer:
                 self.trace.close()
             signal.signal(signal.SIGTERM, previous)
         if self.is_main:  # after the progress bar has closed: a line of its own
-            if self.compiled:
+            if self.module.compiled:
                 log.info(compile_report())  # the graphs and where they break (train/compile.py)
             log.info(self.last_line())
         if dist.is_initialized():
@@ -382,7 +298,7 @@ class Trainer:
         if self.is_main:
             truncate_traces(self.run_dir, self.step)
         barrier()
-        if self.dims.pp_rank == 0 and self.counts_data:
+        if self.dims.pp_rank == 0 and self.module.counts_data:
             self.trace = DataTrace(self.run_dir, self.loader.names, self.dims.dp_rank, self.dims.dp)
 
     def last_line(self) -> str:
@@ -398,7 +314,7 @@ class Trainer:
 
     def _loop(self, metrics: MetricsLogger, profiler: StepProfiler) -> None:
         last_saved = self.step
-        self.guard.start(self.step, self.tokens_seen)
+        self.module.guard.start(self.step, self.tokens_seen)
         while self.step < self.max_steps:
             saved, stop = self.loop_step(metrics, profiler)
             if saved:
@@ -418,7 +334,7 @@ class Trainer:
         faults.inject("step_start", self.step + 1, self.rank)
         with profiler.step(self.step + 1):
             record, loads = self.train_step()
-        rollback = self.guard.after_step(self.step, self.tokens_seen, record)
+        rollback = self.module.guard.after_step(self.step, self.tokens_seen, record)
         if rollback is not None:  # train.spike.action=rollback: continue from the snapshot's step
             self.step, self.tokens_seen = rollback.step, rollback.tokens_seen
             metrics.event(rollback.event, wandb_step=rollback.wandb_step)
@@ -426,10 +342,10 @@ class Trainer:
         if record["spike"] is None and not math.isfinite(record["loss"]):
             raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping (the last "
                                      f"checkpoint is intact; train.spike.action=skip or rollback survives this)")
-        metrics.log(self.step, record, loads, wandb_step=self.step + self.guard.rolled_back_steps)
+        metrics.log(self.step, record, loads, wandb_step=self.step + self.module.guard.rolled_back_steps)
         if self.evaluator is not None and self.evaluator.due(self.step, self.schedule.total_steps):
             self.op.name = "the held-out evaluation"
-            metrics.eval(self.evaluator.run(self.step), wandb_step=self.step + self.guard.rolled_back_steps)
+            metrics.eval(self.evaluator.run(self.step), wandb_step=self.step + self.module.guard.rolled_back_steps)
         self.op.step = self.step  # the stop flag and the checkpoint belong to the step just done
         faults.inject("after_step", self.step, self.rank)
         self.op.name = "the stop-flag all-reduce"

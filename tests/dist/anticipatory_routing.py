@@ -36,7 +36,7 @@ def run(out: Path, corpus: str, layout: str) -> None:
                    "data.batch_size=1", "logging.wandb.mode=disabled", "logging.progress=false", "run_name=ar",
                    f"train.max_steps={STEPS}", "train.anticipatory_routing.delta_steps=1", *LAYOUTS[layout]])
     t = Trainer(cfg, out / f"run_{layout}")
-    t.guard.routing.activate(0)
+    t.module.guard.routing.activate(0)
     used: list[list[torch.Tensor]] = []
     params, batches, losses, records = [], [], [], []
     original = Gate.forward
@@ -49,27 +49,27 @@ def run(out: Path, corpus: str, layout: str) -> None:
 
     Gate.forward = gate
     for _ in range(STEPS):
-        params.append(copy.deepcopy(t.model.state_dict()))
+        params.append(copy.deepcopy(t.module.model.state_dict()))
         used.append([])
-        run_batches = t.runner.run
+        run_batches = t.module.runner.run
 
         def spy(b, routes=None, run_batches=run_batches):
             batches.append(b)
             return run_batches(b, routes)
 
-        t.runner.run = spy
+        t.module.runner.run = spy
         record, _ = t.train_step()
-        t.runner.run = run_batches
+        t.module.runner.run = run_batches
         losses.append(record["loss"])
         records.append(record)
     Gate.forward = original
-    biases = {k: v.clone() for k, v in t.model.state_dict().items() if k.endswith(("gate.bias", "gate.bias_vl"))}
+    biases = {k: v.clone() for k, v in t.module.model.state_dict().items() if k.endswith(("gate.bias", "gate.bias_vl"))}
     same_earlier, same_own, calls = [], [], []
     for s in range(1, STEPS + 1):
         flat = []
         for src in (max(s - 1, 1), s):  # parameters of step t - 1 (activation: step 1's own), then step t's
-            t.model.load_state_dict(params[src - 1])
-            flat.append([d[k] for d in t.runner.record_routes(batches[s - 1]) for k in sorted(d)])
+            t.module.model.load_state_dict(params[src - 1])
+            flat.append([d[k] for d in t.module.runner.record_routes(batches[s - 1]) for k in sorted(d)])
         calls.append(len(used[s - 1]))
         same_earlier.append(len(flat[0]) == len(used[s - 1]) > 0 and
                             all(torch.equal(a, b) for a, b in zip(flat[0], used[s - 1])))

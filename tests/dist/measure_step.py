@@ -18,8 +18,8 @@ from flashtrain.train.trainer import Trainer  # noqa: E402
 
 
 def live_bytes(trainer: Trainer) -> int:
-    tensors = list(trainer.model.parameters()) + list(trainer.model.buffers())
-    for opt in trainer.optim.optimizers.values():
+    tensors = list(trainer.module.model.parameters()) + list(trainer.module.model.buffers())
+    for opt in trainer.module.optim.optimizers.values():
         for state in opt.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
@@ -31,7 +31,7 @@ def main() -> None:
     trainer = Trainer(cfg, os.environ["MEASURE_OUT"])
     trainer.step = trainer.schedule.vit_unfreeze_step  # the estimator's step: every parameter trains
     trainer.forward_backward_update()
-    trainer.optim.zero_grad(set_to_none=True)
+    trainer.module.optim.zero_grad(set_to_none=True)
     base = live_bytes(trainer)
     with PeakTensorBytes() as mem:
         trainer.forward_backward_update()

@@ -26,7 +26,7 @@ def main() -> None:
     c = trainer.cfg
     metrics = MetricsLogger(out, c.logging, c.cfg_dict, trainer.is_main, trainer.max_steps, trainer.step)
     profiler = StepProfiler.for_trainer(trainer)
-    trainer.guard.start(trainer.step, trainer.tokens_seen)
+    trainer.module.guard.start(trainer.step, trainer.tokens_seen)
     trainer.loop_step(metrics, profiler)  # the first step creates the optimizer state
     with HostSyncs() as syncs:
         saved, stop = trainer.loop_step(metrics, profiler)
