@@ -440,7 +440,7 @@ def test_lm_eval_adapter_scores_literally_and_runs_a_local_task(tmp_path, one_se
     straight, _ = one_sequence_reference
     ckpt = f"{straight}/checkpoints/step_00000004"
     lm = FlashtrainLM(checkpoint=ckpt, batch_size=2)
-    tok = Tokenizer.from_file(lm.scoring.tokenizer)
+    tok = Tokenizer.from_file(lm.run.tokenizer)
 
     def literal(context, continuation):
         ctx = [0] + tok.encode(context, add_special_tokens=False).ids  # [BOS] + context

@@ -24,9 +24,11 @@ import datetime
 import functools
 import logging
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
@@ -35,14 +37,22 @@ from flashtrain.config.errors import ConfigError, InputNotFoundError
 from flashtrain.config.typed import typed_config
 from flashtrain.data.config import DataConfig, TokenSpec, resolve_shards
 from flashtrain.data.heldout import heldout_set
-from flashtrain.data.loader import PackedLoader, check_shard_indexes, check_sources, reader_shards
+from flashtrain.data.loader import (
+    PackedLoader,
+    check_shard_indexes,
+    check_sources,
+    data_sources,
+    heldout_shards,
+    reader_shards,
+)
 from flashtrain.data.tokenizer import load_tokenizer, token_byte_counts
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.recompute import validate_recompute
 from flashtrain.parallel.config import ParallelConfig, check_recompute_with_schedule
 from flashtrain.parallel.dims import ParallelDims
-from flashtrain.parallel.nodes import cuda_device_index
-from flashtrain.train.collectives import Operation, all_reduce
+from flashtrain.parallel.liveness import Liveness
+from flashtrain.parallel.nodes import STARTUP_TURNS, NodeTable, check_shared_run_dir, cuda_device_index, startup_turn
+from flashtrain.train.collectives import Operation, all_reduce, barrier
 from flashtrain.train.compile import check_backend, compile_enabled
 from flashtrain.train.config import (
     BatchPlan,
@@ -51,15 +61,17 @@ from flashtrain.train.config import (
     model_config,
     optim_config,
     plan_batches,
+    rounded_batch_note,
     schedule,
     token_spec,
 )
 from flashtrain.train.dspark import DSparkModule, check_backbone_path, validate_stage
+from flashtrain.train.engram_map import load_or_build_engram_map
 from flashtrain.train.evaluate import Evaluator
 from flashtrain.train.metrics import LoggingConfig
 from flashtrain.train.module import TrainModule, counts_data
 from flashtrain.train.optim.config import OptimConfig
-from flashtrain.train.run_guard import die_with_parent
+from flashtrain.train.run_guard import acquire_run_lock, die_with_parent
 from flashtrain.train.schedule import Schedule
 from flashtrain.train.step_runner import StepRunner
 
@@ -184,39 +196,129 @@ def build_dims(c: RunConfigs, plan: BatchPlan, rank: int, device_type: str) -> P
                         bucket_bytes=int(c.parallel.grad_bucket_mb * (1 << 20)))
 
 
-def build_module(c: RunConfigs, plan: BatchPlan, dims: ParallelDims, device: torch.device, template, op: Operation,
-                 mixed_precision: bool, is_main: bool = True, tensor_mode=None) -> TrainModule:
+@dataclass
+class Run:
+    """A run brought up in this process (`bring_up`), then its data (`Run.read_data`)."""
+
+    c: RunConfigs
+    plan: BatchPlan
+    rank: int
+    device: torch.device
+    dims: ParallelDims
+    nodes: NodeTable | None = None
+    liveness: Liveness | None = None
+    lock: object | None = None  # the run directory's job lock (train/run_guard.py; rank 0 of a training run)
+    tokenizer: str | None = None  # `read_data`: the tokenizer's path
+    sources: list | None = None  # the training data sources (data/loader.py `data_sources`)
+    heldout: list[str] | None = None  # the held-out shards (data/loader.py `heldout_shards`)
+    token_map: list[int] | None = None  # the Engram tokenizer map (train/engram_map.py); None without Engram
+
+    run_dir: Path | None = None  # a training run's directory
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def log_start(self, max_steps: int, stage_line: str | None = None) -> None:
+        """A training run's start-up lines (rank 0): where it runs and how, the recipe's stage, an ablation, the
+        job's nodes."""
+        c, d = self.c, self.dims
+        backend = f", process group {dist.get_backend()}" if dist.is_initialized() else ""
+        log.info(f"run directory {self.run_dir}: {d.world} process(es) on {self.device.type}, pp={d.pp} dp={d.dp} "
+                 f"ep={d.ep} cp={d.cp}, {max_steps} steps{backend}")
+        for line in (stage_line, ablation_line(c)):
+            if line:
+                log.info(line)
+        if len(self.nodes.nodes()) > 1:
+            log.info(f"{self.nodes.summary()}; a rank whose heartbeat stands still for parallel.peer_timeout_s="
+                     f"{c.parallel.peer_timeout_s:g} s is gone and ends the job")
+
+    def read_data(self, heldout: bool = True) -> Run:
+        """The seed, then the data sources, the held-out shards (`heldout`) and the Engram map: rank 0 builds the
+        default corpus / Engram map first, then each other node's first rank (a node-local cache), then the rest
+        find them cached (parallel/nodes.py `startup_turn`)."""
+        c = self.c
+        torch.manual_seed(c.train.seed)
+        random.seed(c.train.seed)
+        np.random.seed(c.train.seed)
+        local = self.nodes.places[self.rank].local_rank if self.nodes is not None else 0
+        mine = startup_turn(self.rank, local)
+        for turn in range(STARTUP_TURNS):
+            if turn == mine:
+                self.sources, self.tokenizer = data_sources(c.data, c.spec)
+                self.heldout = heldout_shards(c.data, c.spec) if heldout else []
+                self.token_map = load_or_build_engram_map(self.tokenizer) if c.model.engram_layer_ids else None
+            barrier()
+        return self
+
+
+def bring_up(c: RunConfigs, world: int, run_dir: Path | None = None, rank: int | None = None,
+             checks: bool = True) -> Run:
+    """One bring-up for the trainer, the checkpoint scorer (train/evaluate.py), speculative decoding
+    (train/speculative.py) and the memory estimator (train/estimate.py), before any model exists: the run plan
+    (`run_plan`), what the start needs on disk (`check_start`; `checks`), the process group (`init_distributed`;
+    `rank` given: the caller's own, the estimator's fake one, on the CPU), the job's nodes, the connected dims.
+    A training run (`run_dir`) also takes the run directory's lock (rank 0), checks every node sees the
+    directory and starts the job's liveness heartbeat. `Run.read_data` then reads the data."""
+    plan = run_plan(c, world)
+    if checks:
+        check_start(c, plan.dp)  # the data and the resume point on disk, before anything is written
+    lock = None
+    if run_dir is not None and int(os.environ.get("RANK", "0")) == 0:  # one job per run directory (held until
+        lock = acquire_run_lock(run_dir)                                # this process ends)
+        if note := rounded_batch_note(c.train.global_batch_tokens, c.data.seq_len):
+            log.warning(note)
+    if rank is None:
+        rank, world, device = init_distributed(c.parallel.timeout_s)
+        nodes = NodeTable.gather()  # the job's nodes (parallel/nodes.py): named in messages
+    else:
+        device, nodes = torch.device("cpu"), None
+    liveness = None
+    if run_dir is not None:  # every node must see the run directory
+        check_shared_run_dir(run_dir, nodes, rank)
+        liveness = Liveness.for_job(rank, world, c.parallel.peer_timeout_s, nodes.describe)
+    return Run(c, plan, rank, device, build_dims(c, plan, rank, device.type), nodes, liveness, lock, run_dir)
+
+
+def build_module(run: Run, template, op: Operation, mixed_precision: bool | None = None,
+                 tensor_mode=None) -> TrainModule:
     """This rank's train module for the run's `train.stage` (train/module.py): pre-training's, or the DSpark
-    stage's (train/dspark.py), built from the whole model's meta-device template. `tensor_mode`: the estimator's
-    seam (module docstring); the module it builds has no stability guard."""
+    stage's (train/dspark.py), built from the whole model's meta-device template; `mixed_precision` (default: on
+    CUDA) bf16 autocast. `tensor_mode`: the estimator's seam (module docstring); the module it builds has no
+    stability guard."""
+    c = run.c
     module = DSparkModule if c.train.stage == "dspark" else TrainModule
-    return module.build(c, plan, dims, device, template, op, c.schedule, mixed_precision, is_main, tensor_mode)
+    mixed_precision = run.device.type == "cuda" if mixed_precision is None else mixed_precision
+    return module.build(c, run.plan, run.dims, run.device, template, op, c.schedule, mixed_precision, run.is_main,
+                        tensor_mode)
 
 
-def build_loader(c: RunConfigs, sources, dims: ParallelDims, known_corrupt: set[str] | None = None) -> PackedLoader:
-    """This rank's loader; its workers die with this process (a SIGKILLed trainer leaves none behind).
-    `known_corrupt`: its shards the start-up check found unreadable (counted in `corrupt_shards` from the start)."""
-    return PackedLoader(c.data, c.spec, sources, dims.dp_rank, dims.dp,
+def build_loader(run: Run, known_corrupt: set[str] | None = None) -> PackedLoader:
+    """This rank's loader of the run's data sources; its workers die with this process (a SIGKILLed trainer leaves
+    none behind). `known_corrupt`: its shards the start-up check found unreadable (counted in `corrupt_shards`
+    from the start)."""
+    c, dims = run.c, run.dims
+    return PackedLoader(c.data, c.spec, run.sources, dims.dp_rank, dims.dp,
                         worker_init_fn=functools.partial(die_with_parent, os.getpid()),
                         known_corrupt=known_corrupt or set())
 
 
-def check_shards_at_start(c: RunConfigs, sources, dims: ParallelDims, device: torch.device, is_main: bool
-                          ) -> set[str]:
+def check_shards_at_start(run: Run) -> set[str]:
     """The start-up check of every listed shard's tar index (headers only, nothing decoded;
     data/loader.py `check_shard_indexes`): each rank that reads data (pipeline rank 0, context-parallel rank
     0) checks the shards of its dp rank and names each unreadable one in a warning; rank 0 says how many
     were checked and found unreadable (one all-reduce). A broken shard stops nothing: its complete samples
     are read and it counts in `corrupt_shards`. Returns this rank's unreadable shards."""
-    mine = reader_shards(sources, dims.dp_rank, dims.dp, c.data.num_workers) if \
+    c, dims = run.c, run.dims
+    mine = reader_shards(run.sources, dims.dp_rank, dims.dp, c.data.num_workers) if \
         dims.pp_rank == 0 and counts_data(dims) else []
     problems = check_shard_indexes(mine)
     for shard, problem in problems.items():
         log.warning(f"shard {shard}: {problem}; its complete samples are read, the rest skipped (counted in "
                     f"corrupt_shards)")
     counts = torch.tensor([float(len(mine)), float(len(problems))])
-    all_reduce(counts, device)
-    if is_main:
+    all_reduce(counts, run.device)
+    if run.is_main:
         checked, bad = int(counts[0]), int(counts[1])
         log.info(f"start-up check of the shards' tar indexes: {checked} shard(s), "
                  + (f"{bad} unreadable (named above; rank 0 names its own, each rank its own)" if bad else
@@ -224,11 +326,11 @@ def check_shards_at_start(c: RunConfigs, sources, dims: ParallelDims, device: to
     return set(problems)
 
 
-def build_evaluator(c: RunConfigs, dims: ParallelDims, runner: StepRunner, shards: list[str], tokenizer: str,
-                    device: torch.device, is_main: bool, periodic: bool = True) -> Evaluator | None:
-    """The run's held-out evaluation (train/evaluate.py) from `shards` (data/loader.py `heldout_shards`);
-    None with `train.eval.interval` 0, or without held-out shards (logged). `periodic`: a run's, every
-    `train.eval.interval` steps (False: one scoring of a checkpoint, launch/evaluate.py)."""
+def build_evaluator(run: Run, runner: StepRunner, periodic: bool = True) -> Evaluator | None:
+    """The run's held-out evaluation (train/evaluate.py) through `runner` from the run's held-out shards
+    (data/loader.py `heldout_shards`); None with `train.eval.interval` 0, or without held-out shards (logged).
+    `periodic`: a run's, every `train.eval.interval` steps (False: one scoring of a checkpoint, launch/evaluate.py)."""
+    c, dims, shards, is_main = run.c, run.dims, run.heldout, run.is_main
     if not c.train.eval.interval:
         return None
     if not shards:
@@ -236,13 +338,13 @@ def build_evaluator(c: RunConfigs, dims: ParallelDims, runner: StepRunner, shard
             log.warning("no held-out data: evaluation is off (set data.val_shards to held-out shards written by "
                         "launch/prepare_data.py, or train.eval.interval=0 to silence this)")
         return None
-    token_bytes = token_byte_counts(load_tokenizer(tokenizer), c.spec.vocab_size)
+    token_bytes = token_byte_counts(load_tokenizer(run.tokenizer), c.spec.vocab_size)
     heldout = heldout_set(c.data, c.spec, shards, c.train.eval.tokens, token_bytes)
     if is_main:
         when = f"held-out evaluation every {c.train.eval.interval} steps" if periodic else "held-out set"
         log.info(f"{when}: {len(heldout.batches)} micro-batches, " + ", ".join(
             f"{name} {int(n)} tokens" for name, n in zip(heldout.sources, heldout.targets) if n))
-    return Evaluator(c.train.eval, heldout, token_bytes, runner, dims.dp, dims.dp_rank, c.data.batch_size, device,
+    return Evaluator(c.train.eval, heldout, token_bytes, runner, dims.dp, dims.dp_rank, c.data.batch_size, run.device,
                      is_main)
 
 

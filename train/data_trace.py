@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flashtrain.train.collectives import barrier
+
 TRACE_DIR = "data_trace"
 
 
@@ -65,3 +67,14 @@ class DataTrace:
 
     def close(self) -> None:
         self._file.close()
+
+
+def open_trace(on: bool, run_dir: str | Path, step: int, names: list[str], dims, reads: bool) -> DataTrace | None:
+    """`data.trace` (`on`) at a start after `step` steps: rank 0 removes what a lost start traced after the resumed
+    step, then each rank that `reads` data opens its file; None when off or not reading."""
+    if not on:
+        return None
+    if dims.rank == 0:
+        truncate_traces(run_dir, step)
+    barrier()
+    return DataTrace(run_dir, names, dims.dp_rank, dims.dp) if reads else None

@@ -360,12 +360,11 @@ class DSparkModule(TrainModule):
     def flops_per_token(self, seq_len: int) -> float:
         return dspark_flops_per_token(self.cfg.model, seq_len)
 
-    def record(self, record: dict, values: dict) -> dict:
+    def record(self, out, v: dict, step: int) -> dict:
         """The drafter's metrics (train/dspark_loss.py `read_stats`); the backbone is frozen (no indexer loss, no
         ViT)."""
-        record.update(read_stats(values["dspark"], self.cfg.model.dspark_block_size, self.cfg.train.dspark.ece_bins))
-        del record["indexer_loss"], record["vit_trainable"]
-        return record
+        record = {k: x for k, x in super().record(out, v, step).items() if k not in ("indexer_loss", "vit_trainable")}
+        return record | read_stats(v["dspark"], self.cfg.model.dspark_block_size, self.cfg.train.dspark.ece_bins)
 
     def frozen(self) -> list[nn.Module]:
         return [self.runner.backbone]

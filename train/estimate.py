@@ -46,7 +46,7 @@ from omegaconf import DictConfig, open_dict
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.parallel.construct import model_template
-from flashtrain.train.build import build_dims, build_module, read_configs, run_plan
+from flashtrain.train.build import bring_up, build_module, read_configs
 from flashtrain.train.collectives import Operation
 from flashtrain.train.config import BatchPlan
 from flashtrain.train.step_runner import StepBatches
@@ -151,16 +151,14 @@ class SimulatedRank:
             cfg.run_name = "simulated"  # the default interpolates the Hydra runtime, which is not running
         self.cfg = c = read_configs(cfg)
         self.step = c.schedule.vit_unfreeze_step  # the step simulated: the first with the ViT unfrozen (all train)
-        plan = run_plan(c, world)
-        self.rank, self.device = rank, torch.device("cpu")
-        self.dims = build_dims(c, plan, rank, self.device.type)
+        run = bring_up(c, world, rank=rank, checks=False)  # the caller's fake process group, on the CPU
+        self.rank, self.device, self.dims = rank, run.device, run.dims
         # the batch plan simulated (fewer micro-batches, the same peak)
-        self.layout = replace(plan, **_peak_preserving_microbatches(plan, c.parallel.pipeline_schedule,
-                                                                    self.dims.pp_rank),
-                              input_microbatches=plan.round_microbatches)
+        self.layout = run.plan = replace(run.plan, **_peak_preserving_microbatches(
+            run.plan, c.parallel.pipeline_schedule, self.dims.pp_rank), input_microbatches=run.plan.round_microbatches)
         m = c.model
-        self.module = build_module(c, self.layout, self.dims, self.device, model_template(m, _any_token_map(m)),
-                                   Operation(), device_type == "cuda", tensor_mode=fake_mode)
+        self.module = build_module(run, model_template(m, _any_token_map(m)), Operation(), device_type == "cuda",
+                                   tensor_mode=fake_mode)
         self.model, self.pipe, self.optim, self.runner = (self.module.model, self.module.pipe, self.module.optim,
                                                           self.module.runner)
         if self.pipe is not None:

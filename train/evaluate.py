@@ -176,33 +176,16 @@ def checkpoint_config(path: str, overrides: list[str], allow_damaged: bool = Fal
     return cfg, meta
 
 
-@dataclass
-class Scoring:
-    """A checkpoint built for scoring (`build_for_scoring`): the run's typed configs, dims, this rank's
-    parts (model, pipeline, runner), the tokenizer path, the held-out shards and the checkpoint's meta."""
-
-    configs: object
-    dims: object
-    parts: object
-    tokenizer: str
-    val_shards: list
-    meta: dict
-    device: torch.device
-
-
-def build_for_scoring(cfg, path: str, allow_damaged: bool = False) -> Scoring:
-    """The run's construction (train/build.py) for `cfg` in this launch's layout, with the weights of
-    checkpoint `path` (the optimizer state is not loaded), once its files match their checksums (refused
-    otherwise; `allow_damaged`: a warning)."""
+def build_for_scoring(cfg, path: str, allow_damaged: bool = False):
+    """The run brought up for `cfg` in this launch's layout (train/build.py `bring_up`, `Run.read_data`) and its
+    train module with the weights of checkpoint `path` (the optimizer state is not loaded), once its files match
+    their checksums (refused otherwise; `allow_damaged`: a warning): (run, module, the checkpoint's meta)."""
     import os
 
-    from flashtrain.data.loader import data_sources, heldout_shards
     from flashtrain.parallel.construct import model_template
-    from flashtrain.train.build import build_dims, check_start, init_distributed, read_configs, run_plan
+    from flashtrain.train.build import bring_up, build_module, read_configs
     from flashtrain.train.checkpoint import check_readable, load_weights
-    from flashtrain.train.collectives import Operation, barrier
-    from flashtrain.train.engram_map import load_or_build_engram_map
-    from flashtrain.train.module import build_rank
+    from flashtrain.train.collectives import Operation
     from flashtrain.train.resume import check_model_config
 
     c = read_configs(cfg)
@@ -210,26 +193,17 @@ def build_for_scoring(cfg, path: str, allow_damaged: bool = False) -> Scoring:
         c.train.eval.interval = 1  # the evaluator is built whatever the run's interval was
     world = int(os.environ.get("WORLD_SIZE", "1"))
     c.train.global_batch_tokens = scoring_batch_tokens(c, world)
-    plan = run_plan(c, world)
-    check_start(c, plan.dp)
-    rank, _, device = init_distributed(c.parallel.timeout_s)
-    check_readable(path, allow_damaged, report=log.warning if rank == 0 else lambda _: None)  # every file hashed
-    dims = build_dims(c, plan, rank, device.type)
-    if rank == 0:
-        log.info(f"evaluating {path}: {dims.world} process(es) on {device.type}, pp={dims.pp} dp={dims.dp} "
+    run = bring_up(c, world)
+    check_readable(path, allow_damaged, report=log.warning if run.is_main else lambda _: None)  # every file hashed
+    dims = run.dims
+    if run.is_main:
+        log.info(f"evaluating {path}: {dims.world} process(es) on {run.device.type}, pp={dims.pp} dp={dims.dp} "
                  f"ep={dims.ep} cp={dims.cp}")
-    for turn in (0, 1):  # rank 0 builds the default corpus / engram map first
-        if (turn == 0) == (rank == 0):
-            _, tok = data_sources(c.data, c.spec)
-            val = heldout_shards(c.data, c.spec)
-            token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
-        barrier()
-    torch.manual_seed(c.train.seed)
-    parts = build_rank(c, plan, dims, device, model_template(c.model, token_map), device.type == "cuda",
-                       Operation(), 0.0)
-    meta = load_weights(path, parts.model, dims.global_layout(parts.model))
+    run.read_data(heldout=True)  # the seed; rank 0 first: the corpus, the Engram map
+    module = build_module(run, model_template(c.model, run.token_map), Operation())
+    meta = load_weights(path, module.model, dims.global_layout(module.model))
     check_model_config(meta["config"]["model"], c.cfg_dict["model"], path)
-    return Scoring(c, dims, parts, tok, val, meta, device)
+    return run, module, meta
 
 
 def scoring_batch_tokens(c, world: int) -> float:
@@ -257,13 +231,12 @@ def evaluate_checkpoint(cfg, path: str, allow_damaged: bool = False) -> dict:
     layout): `build_for_scoring`, then one `Evaluator.run`. Every rank returns it."""
     from flashtrain.train.build import build_evaluator
 
-    s = build_for_scoring(cfg, path, allow_damaged)
-    if not s.val_shards:
+    run, module, meta = build_for_scoring(cfg, path, allow_damaged)
+    if not run.heldout:
         raise ConfigError("no held-out data: give --shards (or data.val_shards=[...]) with held-out shards written by "
                           "launch/prepare_data.py")
-    evaluator = build_evaluator(s.configs, s.dims, s.parts.runner, s.val_shards, s.tokenizer, s.device,
-                                s.dims.rank == 0, periodic=False)
-    record = evaluator.run(int(s.meta.get("step", 0)), f"eval of {path} ({checkpoint_label(s.meta)})")
+    evaluator = build_evaluator(run, module.runner, periodic=False)
+    record = evaluator.run(int(meta.get("step", 0)), f"eval of {path} ({checkpoint_label(meta)})")
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -49,13 +49,13 @@ class FlashtrainLM(LM):
         args = ([f"+exp={exp}"] if exp else []) + overrides.split()
         allow = str(allow_damaged).lower() in ("1", "true", "yes")  # model_args arrive as strings
         cfg, _ = checkpoint_config(checkpoint, args, allow)
-        self.scoring = build_for_scoring(cfg, checkpoint, allow)
-        self.model = self.scoring.parts.model.eval()
-        self.spec = self.scoring.configs.spec
-        self.tok = load_tokenizer(self.scoring.tokenizer)
-        self.window = self.scoring.configs.data.seq_len
+        self.run, module, _ = build_for_scoring(cfg, checkpoint, allow)
+        self.model = module.model.eval()
+        self.spec = self.run.c.spec
+        self.tok = load_tokenizer(self.run.tokenizer)
+        self.window = self.run.c.data.seq_len
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
-        self._device = self.scoring.device
+        self._device = self.run.device
 
     # --- the model ------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

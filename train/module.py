@@ -38,6 +38,7 @@ from flashtrain.train.checkpoint import load_checkpoint
 from flashtrain.train.collectives import Operation
 from flashtrain.train.compile import apply_compile, compile_enabled
 from flashtrain.train.flops import flops_per_token
+from flashtrain.train.metrics import load_statistics
 from flashtrain.train.optim import build_optimizers
 from flashtrain.train.optim.routing import route_parameters, zero_inputs
 from flashtrain.train.resume import check_model_config
@@ -155,7 +156,7 @@ class TrainModule:
     def build(cls, c, plan, dims, device, template, op, schedule, mixed_precision: bool, is_main: bool = True,
               tensor_mode=None) -> TrainModule:
         parts = build_rank(c, plan, dims, device, template, mixed_precision, op, schedule.lr(0),
-                           log_pipeline=is_main, tensor_mode=tensor_mode)
+                           log_pipeline=is_main and tensor_mode is None, tensor_mode=tensor_mode)
         return cls(c, plan, dims, device, parts, op, schedule, mixed_precision, is_main, guard=tensor_mode is None)
 
     # --- the step --------------------------------------------------------------------------------
@@ -219,9 +220,17 @@ class TrainModule:
     def flops_per_token(self, seq_len: int) -> float:
         return flops_per_token(self.cfg.model, seq_len)
 
-    def record(self, record: dict, values: dict) -> dict:
-        """The step's metrics record with this module's own fields (pre-training: none beyond the loop's)."""
-        return record
+    def record(self, out: StepOutcome, v: dict, step: int) -> dict:
+        """This module's fields of step `step`'s metrics record, from the step's outcome and its values read on the
+        host (`v`, train/step_values.py): the losses (per micro-batch), the gradient norm, whether the ViT body
+        trained, the stability guard's verdict, whether the MoE layers routed by anticipated indices and the run's
+        totals (train.spike / train.anticipatory_routing), the expert-load statistics (train/metrics.py)."""
+        n = self.plan.global_microbatches
+        return {"loss": v["ce"] / n, "balance_loss": v["balance_loss"] / n, "indexer_loss": v["indexer_loss"] / n,
+                "grad_norm": v["grad_norm"], "vit_trainable": bool(self.schedule.vit_trainable(step - 1)),
+                "spike": out.spike, "anticipatory_routing": out.routed, "spikes_skipped": self.guard.counts["skipped"],
+                "rollbacks": self.guard.counts["rolled_back"],
+                "expert_load": load_statistics(out.loads, v["load_stats"])}
 
     def frozen(self) -> list[torch.nn.Module]:
         """The rank's modules that hold weights but do not train (none in pre-training)."""

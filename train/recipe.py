@@ -220,3 +220,15 @@ def overrides_at(overrides: list[str], tokens: float) -> tuple[str, list[str]]:
     conf = compose(overrides)
     k = stage_at(stage_list(conf), tokens)
     return stage_name(conf, k), overrides + stage_overrides(conf, k)
+
+
+def stage_line(cfg: DictConfig, stage: int, next_tokens: float | None) -> str | None:
+    """The start-up line naming the recipe's stage a start runs, what it sets and the next one (`next_tokens`:
+    where it starts, None: `stage` is the last); None without a recipe."""
+    stages = stage_list(cfg)
+    if not stages:
+        return None
+    sets = " ".join(o for st in stages[:stage] for o in st.overrides) or "the exp as composed"
+    nxt = "the last stage" if next_tokens is None else \
+        f"next: {stage_name(cfg, stage + 1)!r} from {next_tokens:g} tokens"
+    return f"recipe stage {stage_name(cfg, stage)!r} ({stage + 1} of {len(stages) + 1}): {sets}; {nxt}"

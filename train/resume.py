@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from flashtrain.config.errors import CheckpointError, ConfigError
-from flashtrain.train.checkpoint import checkpoint_problem, latest_verified_checkpoint, weights_only
+from flashtrain.train.checkpoint import checkpoint_problem, latest_verified_checkpoint, load_data_states, weights_only
 
 log = logging.getLogger(__name__)
 
@@ -47,3 +47,21 @@ def check_model_config(saved: dict, current: dict, path) -> None:
     if diff:
         raise ConfigError(f"checkpoint {path} was written for a different model config (fields {diff} differ); "
                           f"use a new run directory, or the model config it was trained with")
+
+
+def restore_data_position(loader, state: dict | None, path, readers: int, data, is_main: bool) -> None:
+    """The loader's position from checkpoint `path`: this reader's own (`state`, the same layout: the same batches
+    follow), else every reader's re-split over this run's `readers` x workers and rows (another number of readers
+    or workers, another data.seq_len; data/loader.py relayout: each document read once, those in flight
+    included)."""
+    if state is not None and loader.same_layout(state):
+        loader.load_state_dict(state)
+        return
+    states = load_data_states(path)
+    loader.load_state_dict(states)
+    if is_main:
+        before = states[0]
+        log.info(f"the data position of {path} ({len(states)} reader(s) x {before['num_workers']} worker(s), "
+                 f"rows of {before.get('capacity', '?')} positions) re-split over {readers} reader(s) x "
+                 f"{max(1, data.num_workers)} worker(s), rows of {data.seq_len + 1}: each "
+                 f"document read once, those in flight included (data/loader.py relayout)")

@@ -183,13 +183,10 @@ def evaluate_dspark(cfg, path: str, prompts: int, prompt_len: int, new_tokens: i
     and the same for an untrained drafter (the seeded initialisation, model/init.py) and for a block of 1
     (the trained drafter proposing one token per step, an MTP-1-like baseline)."""
     from flashtrain.config.errors import ConfigError
-    from flashtrain.data.loader import data_sources, heldout_shards
     from flashtrain.parallel.construct import model_template
-    from flashtrain.parallel.dims import ParallelDims
-    from flashtrain.train.build import read_configs
+    from flashtrain.train.build import bring_up, read_configs
     from flashtrain.train.checkpoint import load_weights, read_meta
     from flashtrain.train.dspark import drafter_template, has_drafter, load_backbone
-    from flashtrain.train.engram_map import load_or_build_engram_map
 
     c = read_configs(cfg)
     meta = read_meta(path)
@@ -200,15 +197,11 @@ def evaluate_dspark(cfg, path: str, prompts: int, prompt_len: int, new_tokens: i
                               f"import of the release with its mtp.* tensors")
         backbone_path = path
     c.model.validate_drafter()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    _, tok = data_sources(c.data, c.spec)
-    shards = heldout_shards(c.data, c.spec)
+    run = bring_up(c, 1, checks=False).read_data(heldout=True)  # one process; the seed, the data, the Engram map
+    device, shards, tok = run.device, run.heldout, run.tokenizer
     if not shards:
         raise ConfigError("no held-out data: give data.val_shards=[...] (shards written by launch/prepare_data.py)")
-    token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
-    dims = ParallelDims.build(1, 0, 1, 1, c.model.n_layers, c.model.n_routed_experts)
-    torch.manual_seed(c.train.seed)
-    backbone = load_backbone(c, dims, device, model_template(c.model, token_map), backbone_path)
+    backbone = load_backbone(c, run.dims, device, model_template(c.model, run.token_map), backbone_path)
     trained = drafter_template(c.model).materialize(device, c.train.seed).eval()
     load_weights(path, trained)
     untrained = drafter_template(c.model).materialize(device, c.train.seed).eval()

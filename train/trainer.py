@@ -13,10 +13,11 @@
                        same step runner (train/evaluate.py), an eval event in the metrics
     checkpoint         every `train.checkpoint.interval` steps, at the end and on SIGTERM (train/checkpoint.py)
 
-The loop holds no parallelism and no model construction: `__init__` composes the plain functions of
-train/build.py (configs, layout, process group, parallel dimensions, this rank's model / pipeline /
-optimizers / step runner, loader) and resumes (train/resume.py); a collective that fails is reported by
-step and operation (train/collectives.py). docs/step_path.md lists the files one batch passes through.
+The loop holds no parallelism, no model and no stage: `__init__` brings the run up (train/build.py: configs,
+layout, process group, parallel dimensions, data), is given this rank's train module (train/module.py: model,
+pipeline, optimizers, gradient reduction, step runner, stability guard; the DSpark stage's, train/dspark.py) and
+its loader, and resumes (train/resume.py); each step is the module's `step`; a collective that fails is reported
+by step and operation (train/collectives.py). docs/step_path.md lists the files one batch passes through.
 """
 
 from __future__ import annotations
@@ -25,51 +26,36 @@ import datetime
 import logging
 import math
 import os
-import random
 import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from flashtrain.data.loader import data_sources, heldout_shards
 from flashtrain.parallel.construct import model_template
-from flashtrain.parallel.liveness import Liveness
-from flashtrain.parallel.nodes import STARTUP_TURNS, NodeTable, check_shared_run_dir, startup_turn
 from flashtrain.train import faults
 from flashtrain.train.build import (
-    ablation_line,
-    build_dims,
+    bring_up,
     build_evaluator,
     build_loader,
     build_module,
     check_shards_at_start,
-    check_start,
-    init_distributed,
     read_configs,
-    run_plan,
 )
-from flashtrain.train.checkpoint import (
-    CheckpointWriter,
-    latest_checkpoint,
-    load_data_states,
-    read_meta,
-)
-from flashtrain.train.collectives import CollectiveError, Operation, all_reduce, barrier, collective_error
+from flashtrain.train.checkpoint import CheckpointWriter, latest_checkpoint, read_meta
+from flashtrain.train.collectives import CollectiveError, Operation, all_reduce, collective_error
 from flashtrain.train.compile import compile_report
-from flashtrain.train.config import CheckpointConfig, TrainConfig, rounded_batch_note
-from flashtrain.train.data_trace import DataTrace, truncate_traces
-from flashtrain.train.engram_map import load_or_build_engram_map
+from flashtrain.train.config import CheckpointConfig, TrainConfig
+from flashtrain.train.data_trace import DataTrace, open_trace
 from flashtrain.train.flops import mfu, peak_flops
-from flashtrain.train.metrics import MetricsLogger, load_statistics, load_stats
+from flashtrain.train.metrics import MetricsLogger, load_stats
 from flashtrain.train.module import StepOutcome
 from flashtrain.train.profile import StepProfiler
-from flashtrain.train.recipe import check_stage, next_boundary, stage_list, stage_name, start_stage
-from flashtrain.train.resume import resume_path
-from flashtrain.train.run_guard import acquire_run_lock, die_with_launcher
+from flashtrain.train.recipe import check_stage, next_boundary, stage_line, stage_name, start_stage
+from flashtrain.train.resume import restore_data_position, resume_path
+from flashtrain.train.run_guard import die_with_launcher
 from flashtrain.train.spike import rng_state, set_rng_state
 from flashtrain.train.step_runner import StepBatches
 from flashtrain.train.step_values import loader_fields, padding_fraction, source_fields
@@ -91,57 +77,25 @@ class Trainer:
         self.next_stage_tokens = next_boundary(cfg, self.stage)  # None: the last stage
         self.crossed = False  # this run of the stage ended at the next one's boundary (saved there)
         c, self.schedule = self.cfg, self.cfg.schedule
-        self.plan = run_plan(c, world)
         self.max_steps = c.train.max_steps or self.schedule.total_steps
         self.step, self.tokens_seen, self._stop, self.op = 0, 0, False, Operation()
         self.source_tokens: dict[str, int] = {}  # per data source, the positions read so far (every dp rank)
-        check_start(c, self.plan.dp)  # the data and the resume point on disk, before anything is written
-        if int(os.environ.get("RANK", "0")) == 0:  # one job per run directory (held until this process ends)
-            self._run_lock = acquire_run_lock(self.run_dir)
-            if note := rounded_batch_note(c.train.global_batch_tokens, c.data.seq_len):
-                log.warning(note)
-
-        self.rank, world, self.device = init_distributed(c.parallel.timeout_s)
-        self.is_main = self.rank == 0
-        # the job's nodes (parallel/nodes.py): named in messages; every one must see the run directory
-        self.nodes = NodeTable.gather()
-        check_shared_run_dir(self.run_dir, self.nodes, self.rank)
-        self.liveness = Liveness.for_job(self.rank, world, c.parallel.peer_timeout_s, self.nodes.describe)
-        self.dims = build_dims(c, self.plan, self.rank, self.device.type)
+        # the plan, the start checks, the run lock, the process group, the nodes, the dims (train/build.py)
+        run = bring_up(c, world, self.run_dir)
+        self.plan, self.rank, self.device, self.dims, self.nodes = run.plan, run.rank, run.device, run.dims, run.nodes
+        self.liveness, self._run_lock, self.is_main = run.liveness, run.lock, run.is_main
         if self.is_main:
-            backend = f", process group {dist.get_backend()}" if dist.is_initialized() else ""
-            log.info(f"run directory {self.run_dir}: {world} process(es) on {self.device.type}, pp={self.dims.pp} "
-                     f"dp={self.dims.dp} ep={self.dims.ep} cp={self.dims.cp}, {self.max_steps} steps{backend}")
-            if stage_list(cfg):
-                log.info(self.stage_line())
-            if line := ablation_line(c):
-                log.info(line)
-            if len(self.nodes.nodes()) > 1:
-                log.info(f"{self.nodes.summary()}; a rank whose heartbeat stands still for parallel.peer_timeout_s="
-                         f"{c.parallel.peer_timeout_s:g} s is gone and ends the job")
-        torch.manual_seed(c.train.seed)
-        random.seed(c.train.seed)
-        np.random.seed(c.train.seed)
-        # the default corpus / engram map: rank 0 builds them first, then each other node's first rank (a node-local
-        # cache), then the rest find them cached (parallel/nodes.py startup_turn)
-        mine = startup_turn(self.rank, self.nodes.places[self.rank].local_rank)
-        for turn in range(STARTUP_TURNS):
-            if turn == mine:
-                sources, tok = data_sources(c.data, c.spec)
-                val = heldout_shards(c.data, c.spec) if c.train.eval.interval else []
-                token_map = load_or_build_engram_map(tok) if c.model.engram_layer_ids else None
-            barrier()
-        corrupt = check_shards_at_start(c, sources, self.dims, self.device, self.is_main)  # tar indexes, headers only
+            run.log_start(self.max_steps, stage_line(cfg, self.stage, self.next_stage_tokens))
+        run.read_data(heldout=bool(c.train.eval.interval))  # the seed; rank 0 first: the corpus, the Engram map
+        corrupt = check_shards_at_start(run)  # the shards' tar indexes, headers only
         # this rank's train module (train/module.py): model, optimizers, gradient reduction, step runner, guard
-        self.module = build_module(c, self.plan, self.dims, self.device, model_template(c.model, token_map), self.op,
-                                   self.device.type == "cuda", self.is_main)
-        self.loader = build_loader(c, sources, self.dims, corrupt)
+        self.module = build_module(run, model_template(c.model, run.token_map), self.op)
+        self.loader = build_loader(run, corrupt)
         # the MFU peak, once (rank 0 writes the records): configured, the GPU table, or this machine's cached
         # CPU measurement -- stated in the log (train/flops.py)
         self.peak = peak_flops(self.device, c.train.peak_tflops, True)[0] if self.is_main else None
         self.batches = StepBatches(self.loader, self.plan.accumulation)
-        self.evaluator = build_evaluator(c, self.dims, self.module.runner, val, tok, self.device, self.is_main) \
-            if self.module.evaluates else None
+        self.evaluator = build_evaluator(run, self.module.runner) if self.module.evaluates else None
         self.checkpoints = CheckpointWriter(self.run_dir, c.train.checkpoint.keep, c.train.checkpoint.async_save)
         self.trace: DataTrace | None = None  # data.trace: opened by `fit`
         self._resume()
@@ -159,17 +113,7 @@ class Trainer:
                 log.info(f"started from the weights in {path} ({meta.get('imported_from', 'imported')}): step 0, fresh "
                          f"optimizer state")
             return
-        if mine["data"] is not None and self.loader.same_layout(mine["data"]):
-            self.loader.load_state_dict(mine["data"])  # this reader's own position: the same batches follow
-        else:  # another number of readers or workers, another data.seq_len: the data position re-split
-            states = load_data_states(path)
-            self.loader.load_state_dict(states)
-            if self.is_main:
-                before = states[0]
-                log.info(f"the data position of {path} ({len(states)} reader(s) x {before['num_workers']} worker(s), "
-                         f"rows of {before.get('capacity', '?')} positions) re-split over {self.dims.dp} reader(s) x "
-                         f"{max(1, self.cfg.data.num_workers)} worker(s), rows of {self.cfg.data.seq_len + 1}: each "
-                         f"document read once, those in flight included (data/loader.py relayout)")
+        restore_data_position(self.loader, mine["data"], path, self.dims.dp, self.cfg.data, self.is_main)
         self.source_tokens = dict(meta.get("source_tokens", {}))
         set_rng_state(mine["rng"])
         self.module.load_state_dict(mine)
@@ -201,27 +145,18 @@ class Trainer:
         if cuda:  # the allocator's own counters: host-side, no synchronisation
             torch.cuda.reset_peak_memory_stats(self.device)
         out = self.forward_backward_update()
-        n_micro = self.plan.global_microbatches
         self.step += 1
         self.tokens_seen += self.schedule.tokens_per_step
         dt = time.perf_counter() - t0
         # the step's one read-back: its values, the gradient norm, the expert-load statistics
         v = out.sums.read(grad_norm=out.grad_norm, load_stats=load_stats(out.loads))
         record = {
-            "step": self.step, "loss": v["ce"] / n_micro, "balance_loss": v["balance_loss"] / n_micro,
-            "indexer_loss": v["indexer_loss"] / n_micro, "lr": lr, "grad_norm": v["grad_norm"],
-            "tokens_seen": self.tokens_seen, "tokens_per_s": self.schedule.tokens_per_step / dt, "step_time_s": dt,
+            "step": self.step, **self.module.record(out, v, self.step), "lr": lr, "tokens_seen": self.tokens_seen,
+            "tokens_per_s": self.schedule.tokens_per_step / dt, "step_time_s": dt,
             "padding_fraction": padding_fraction(v),
             # the loader's skips (cumulative, every dp rank): samples, the part of them skipped for an image, and
             # the distinct shards found corrupt (at start-up or while reading); train/step_values.py
-            **loader_fields(v),
-            "vit_trainable": bool(self.schedule.vit_trainable(self.step - 1)),
-            # train.spike / train.anticipatory_routing: this step's verdict (null: normal), whether its MoE
-            # layers routed by anticipated indices, and the run's totals
-            "spike": out.spike, "anticipatory_routing": out.routed,
-            "spikes_skipped": self.module.guard.counts["skipped"], "rollbacks": self.module.guard.counts["rolled_back"],
-            "expert_load": load_statistics(out.loads, v["load_stats"]),
-            "per_source": source_fields(self.loader.sources, v, self.source_tokens),
+            **loader_fields(v), "per_source": source_fields(self.loader.sources, v, self.source_tokens),
             # model FLOPs (forward + backward) per token at data.seq_len, and MFU = flops_per_token * tokens_per_s
             # / (peak per device * world), null without a known peak (train/flops.py; train.peak_tflops)
             "flops_per_token": (fpt := self.module.flops_per_token(self.cfg.data.seq_len)),
@@ -229,7 +164,7 @@ class Trainer:
             # CUDA: this rank's peak of allocated bytes during the step (torch.cuda.max_memory_allocated); null on CPU
             "memory_peak_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
         }
-        return self.module.record(record, v), out.loads
+        return record, out.loads
 
     def forward_backward_update(self) -> StepOutcome:
         """One optimizer step's computation, communication and update (the train module's `step`) on the step's
@@ -244,7 +179,8 @@ class Trainer:
         c = self.cfg
         metrics = MetricsLogger(self.run_dir, c.logging, c.cfg_dict, self.is_main, self.max_steps, self.step)
         profiler = StepProfiler.for_trainer(self)  # train.profile: traces / memory snapshots of chosen steps
-        self._open_trace()
+        reads = self.dims.pp_rank == 0 and self.module.counts_data  # each dp rank's batches traced once
+        self.trace = open_trace(self.cfg.data.trace, self.run_dir, self.step, self.loader.names, self.dims, reads)
         try:
             self._loop(metrics, profiler)
             self.op.name = "finishing the last checkpoint write"
@@ -280,26 +216,6 @@ class Trainer:
         if self.liveness is not None:
             self.liveness.stop()
             self.liveness = None
-
-    def stage_line(self) -> str:
-        """The start-up line naming the recipe's stage this start runs, what it sets and the next one."""
-        stages = stage_list(self.raw_cfg)
-        sets = " ".join(o for st in stages[:self.stage] for o in st.overrides) or "the exp as composed"
-        nxt = "the last stage" if self.next_stage_tokens is None else \
-            f"next: {stage_name(self.raw_cfg, self.stage + 1)!r} from {self.next_stage_tokens:g} tokens"
-        return (f"recipe stage {stage_name(self.raw_cfg, self.stage)!r} ({self.stage + 1} of {len(stages) + 1}): "
-                f"{sets}; {nxt}")
-
-    def _open_trace(self) -> None:
-        """data.trace: rank 0 removes what a lost start traced after the resumed step, then each reading rank
-        opens its file (train/data_trace.py)."""
-        if not self.cfg.data.trace:
-            return
-        if self.is_main:
-            truncate_traces(self.run_dir, self.step)
-        barrier()
-        if self.dims.pp_rank == 0 and self.module.counts_data:
-            self.trace = DataTrace(self.run_dir, self.loader.names, self.dims.dp_rank, self.dims.dp)
 
     def last_line(self) -> str:
         """The run's closing log line: where it stopped, what it read, how long this start took, and the
