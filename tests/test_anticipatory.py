@@ -41,7 +41,7 @@ def losses(run_dir):
 
 def finish(t):
     t.fit()
-    t._run_lock.close()  # the next trainer in this process may take the run directory
+    t.run.release()  # the next trainer in this process may take the run directory
 
 
 class Spy:

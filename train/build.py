@@ -219,6 +219,18 @@ class Run:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def stop_liveness(self) -> None:
+        if self.liveness is not None:
+            self.liveness.stop()
+            self.liveness = None
+
+    def release(self) -> None:
+        """Let go of what the next stage's run in this process takes again: the heartbeat and the job lock."""
+        self.stop_liveness()
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
+
     def log_start(self, max_steps: int, stage_line: str | None = None) -> None:
         """A training run's start-up lines (rank 0): where it runs and how, the recipe's stage, an ablation, the
         job's nodes."""

@@ -83,3 +83,10 @@ def collective_error(e: BaseException, op: Operation, rank: int, timeout_s: floa
         " (a rank stalled or is stuck)" if timed_out else ""
     return CollectiveError(f"{where}{hint}; the last checkpoint is intact -- restart in the run directory to resume "
                            f"(raise parallel.timeout_s if the step legitimately takes longer)")
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` is set on any rank: one max all-reduce, read once on the host."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    all_reduce(t, device, dist.ReduceOp.MAX if dist.is_initialized() else None)
+    return bool(t.item())

@@ -152,6 +152,11 @@ def inject(point: str, step: int, rank: int) -> None:
             time.sleep(f.seconds)
 
 
+def on_checkpoint_write(step: int, rank: int, tmp=None) -> None:
+    """The checkpoint writer's hook (train/checkpoint.py `fault_hook`): the `checkpoint_write` point of `step`."""
+    inject("checkpoint_write", step, rank)
+
+
 def spike_scale(step: int, rank: int) -> float | None:
     """The factor a `spike` fault puts on this rank's head input in `step` (None: no spike)."""
     for f in _faults():

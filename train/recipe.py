@@ -27,6 +27,7 @@ whole sequences of its `data.seq_len`, is the first stage's -- or the config is 
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass, field
 
@@ -232,3 +233,15 @@ def stage_line(cfg: DictConfig, stage: int, next_tokens: float | None) -> str | 
     nxt = "the last stage" if next_tokens is None else \
         f"next: {stage_name(cfg, stage + 1)!r} from {next_tokens:g} tokens"
     return f"recipe stage {stage_name(cfg, stage)!r} ({stage + 1} of {len(stages) + 1}): {sets}; {nxt}"
+
+
+def closing_line(how: str, cfg: DictConfig, stage: int, step: int, max_steps: int, tokens_seen: int, wall: float,
+                 newest) -> str:
+    """A run's closing log line: how it ended (`how`: "finished", "stopped by SIGTERM", or "ended stage", which
+    names the recipe's stage), where it stopped, what it read, how long this start took (`wall` seconds), and the
+    checkpoint a restart resumes from (`newest`)."""
+    if how == "ended stage":
+        how = f"ended stage {stage_name(cfg, stage)!r}"
+    return (f"{how} at step {step} of {max_steps}: {tokens_seen:,} tokens seen, {wall:.0f} s wall time in this start "
+            f"({datetime.timedelta(seconds=round(wall))}); newest checkpoint "
+            f"{newest if newest is not None else 'none'}")

@@ -22,7 +22,7 @@ by step and operation (train/collectives.py). docs/step_path.md lists the files 
 
 from __future__ import annotations
 
-import datetime
+import functools
 import logging
 import math
 import os
@@ -45,7 +45,7 @@ from flashtrain.train.build import (
     read_configs,
 )
 from flashtrain.train.checkpoint import CheckpointWriter, latest_checkpoint, read_meta
-from flashtrain.train.collectives import CollectiveError, Operation, all_reduce, collective_error
+from flashtrain.train.collectives import CollectiveError, Operation, any_rank, collective_error
 from flashtrain.train.compile import compile_report
 from flashtrain.train.config import CheckpointConfig, TrainConfig
 from flashtrain.train.data_trace import DataTrace, open_trace
@@ -53,7 +53,7 @@ from flashtrain.train.flops import mfu, peak_flops
 from flashtrain.train.metrics import MetricsLogger, load_stats
 from flashtrain.train.module import StepOutcome
 from flashtrain.train.profile import StepProfiler
-from flashtrain.train.recipe import check_stage, next_boundary, stage_line, stage_name, start_stage
+from flashtrain.train.recipe import check_stage, closing_line, next_boundary, stage_line, stage_name, start_stage
 from flashtrain.train.resume import restore_data_position, resume_path
 from flashtrain.train.run_guard import die_with_launcher
 from flashtrain.train.spike import rng_state, set_rng_state
@@ -81,9 +81,9 @@ class Trainer:
         self.step, self.tokens_seen, self._stop, self.op = 0, 0, False, Operation()
         self.source_tokens: dict[str, int] = {}  # per data source, the positions read so far (every dp rank)
         # the plan, the start checks, the run lock, the process group, the nodes, the dims (train/build.py)
-        run = bring_up(c, world, self.run_dir)
+        self.run = run = bring_up(c, world, self.run_dir)
         self.plan, self.rank, self.device, self.dims, self.nodes = run.plan, run.rank, run.device, run.dims, run.nodes
-        self.liveness, self._run_lock, self.is_main = run.liveness, run.lock, run.is_main
+        self.is_main = run.is_main
         if self.is_main:
             run.log_start(self.max_steps, stage_line(cfg, self.stage, self.next_stage_tokens))
         run.read_data(heldout=bool(c.train.eval.interval))  # the seed; rank 0 first: the corpus, the Engram map
@@ -121,20 +121,14 @@ class Trainer:
             log.info(f"resumed from {path} at step {self.step}")
 
     def save(self) -> None:
-        step = self.step  # a background write is finished during a later save: the hook names the step it wrote
-
-        def hook(tmp):
-            faults.inject("checkpoint_write", step, self.rank)
-
+        # a background write is finished during a later save: the hook names the step it wrote
+        hook = functools.partial(faults.on_checkpoint_write, self.step, self.rank)
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "config": self.cfg.cfg_dict,
                 "source_tokens": dict(self.source_tokens), **self.module.checkpoint_meta()}
         rank_state = {"data": self.loader.state_dict(), "rng": rng_state()}
         self.module.save(self.checkpoints, self.step, meta, rank_state, hook)
         if self.checkpoints.pending is not None:
             faults.inject("checkpoint_in_flight", self.step, self.rank)
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self._stop = True
 
     # --- the loop ----------------------------------------------------------------------------
     def train_step(self) -> tuple[dict, dict]:
@@ -175,7 +169,7 @@ class Trainer:
         return self.module.step(batches, routes, self.step, self.loader.counters)
 
     def fit(self) -> None:
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "_stop", True))
         c = self.cfg
         metrics = MetricsLogger(self.run_dir, c.logging, c.cfg_dict, self.is_main, self.max_steps, self.step)
         profiler = StepProfiler.for_trainer(self)  # train.profile: traces / memory snapshots of chosen steps
@@ -186,7 +180,7 @@ class Trainer:
             self.op.name = "finishing the last checkpoint write"
             self.checkpoints.wait()  # (a SIGTERM stop leaves the last one in flight)
         except RuntimeError as e:
-            raise collective_error(e, self.op, self.rank, self.cfg.parallel.timeout_s, self.liveness) from e
+            raise collective_error(e, self.op, self.rank, self.cfg.parallel.timeout_s, self.run.liveness) from e
         finally:
             profiler.close()  # a trace / memory history still open (SIGTERM, a stop, a short run): write what it has
             metrics.close()
@@ -196,37 +190,20 @@ class Trainer:
         if self.is_main:  # after the progress bar has closed: a line of its own
             if self.module.compiled:
                 log.info(compile_report())  # the graphs and where they break (train/compile.py)
-            log.info(self.last_line())
+            how = "stopped by SIGTERM" if self._stop else "ended stage" if self.crossed else "finished"
+            log.info(closing_line(how, self.raw_cfg, self.stage, self.step, self.max_steps, self.tokens_seen,
+                                  time.time() - self.started, latest_checkpoint(self.run_dir)))
         if dist.is_initialized():
             dist.barrier()
-            self._stop_liveness()
+            self.run.stop_liveness()
             if not self.crossed:  # at a stage boundary the next stage's trainer runs in the same processes
                 dist.destroy_process_group()
 
     def close(self) -> None:
         """Let go of what the next stage's trainer in this process takes again: the run directory's job lock and
         the loader's workers."""
-        self._stop_liveness()
-        lock = getattr(self, "_run_lock", None)
-        if lock is not None:
-            lock.close()
+        self.run.release()
         self.loader.close()
-
-    def _stop_liveness(self) -> None:
-        if self.liveness is not None:
-            self.liveness.stop()
-            self.liveness = None
-
-    def last_line(self) -> str:
-        """The run's closing log line: where it stopped, what it read, how long this start took, and the
-        checkpoint a restart resumes from."""
-        wall = time.time() - self.started
-        newest = latest_checkpoint(self.run_dir)
-        how = "stopped by SIGTERM" if self._stop else (
-            f"ended stage {stage_name(self.raw_cfg, self.stage)!r}" if self.crossed else "finished")
-        return (f"{how} at step {self.step} of {self.max_steps}: {self.tokens_seen:,} tokens seen, "
-                f"{wall:.0f} s wall time in this start ({datetime.timedelta(seconds=round(wall))}); newest "
-                f"checkpoint {newest if newest is not None else 'none'}")
 
     def _loop(self, metrics: MetricsLogger, profiler: StepProfiler) -> None:
         last_saved = self.step
@@ -265,11 +242,8 @@ class Trainer:
         self.op.step = self.step  # the stop flag and the checkpoint belong to the step just done
         faults.inject("after_step", self.step, self.rank)
         self.op.name = "the stop-flag all-reduce"
-        flag = torch.tensor([1.0 if self._stop else 0.0])
-        all_reduce(flag, self.device, dist.ReduceOp.MAX if dist.is_initialized() else None)
-        stop = bool(flag.item())  # every rank stops (and saves) together: read once
-        if stop:
-            self._stop = True  # (the rank that got the signal may be another: the flag is all-reduced)
+        stop = any_rank(self._stop, self.device)  # every rank stops (and saves) together
+        self._stop = stop or self._stop  # (the rank that got the signal may be another: the flag is all-reduced)
         # the next stage of the recipe (train/recipe.py): save here, end this stage's run (the launcher goes on)
         self.crossed = self.next_stage_tokens is not None and self.tokens_seen >= self.next_stage_tokens
         saved = self.step % self.cfg.train.checkpoint.interval == 0 or self.step == self.max_steps or stop or \
