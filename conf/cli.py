@@ -9,7 +9,7 @@ exits 2 too; normally torchrun has stopped it by then (SIGTERM, which torchrun's
 ranks). torchrun itself then exits 1 with its `ChildFailedError` report (whose root cause is rank 0,
 `exitcode: 2`): torchrun turns every failed worker into exit status 1, and nothing a worker does changes
 that (README). An error that names the rank to print it (`printed_by`: a lost peer, whose message the
-lowest rank still there prints, train/collectives.py) is printed by that rank alone, and every other rank
+lowest rank still there prints, train/runtime/collectives.py) is printed by that rank alone, and every other rank
 exits at once. `exit_with_help` / `overrides_help`: the --help of the tools (each says what it takes and
 what every default means)."""
 
@@ -40,7 +40,8 @@ def exit_on_user_error(main, *args, **kwargs):
         if any(os.environ.get(name) == "1" for name in DEBUG_ENV):
             raise
         rank = os.environ.get("RANK", "0")
-        printed_by = getattr(e, "printed_by", None)  # a lost peer: the lowest rank still there (train/collectives.py)
+        # a lost peer: the lowest rank still there (train/runtime/collectives.py)
+        printed_by = getattr(e, "printed_by", None)
         if printed_by is not None:
             if printed_by < 0 or rank == str(printed_by):
                 print(one_line(e), file=sys.stderr, flush=True)

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 def defined_in(cls: type) -> str:
-    """`train/spike.py (SpikeConfig)`: where a config class's fields are written, for messages."""
+    """`train/stability/spike.py (SpikeConfig)`: where a config class's fields are written, for messages."""
     module = sys.modules.get(cls.__module__)
     path = Path(getattr(module, "__file__", "") or "")
     parts = cls.__module__.split(".")

@@ -34,14 +34,14 @@ class DataConfig:
     batch_size: int = 2  # sequences per micro-batch on one rank
     text_shards: list[str] | None = None  # paths or globs of text shards; null with mm_shards null: default corpus
     mm_shards: list[str] | None = None  # paths or globs of multimodal shards
-    val_shards: list[str] | None = None  # held-out shards (train/evaluate.py); null: the default corpus's
+    val_shards: list[str] | None = None  # held-out shards (train/evaluation/heldout.py); null: the default corpus's
     tokenizer: str | None = None  # tokenizer.json; null: the one beside the shards (manifest) or the corpus'
     mix: list[int] | None = None  # text : multimodal in tokens, without data.sources; null: 7 : 1 (V41_SPEC §8)
     sources: list | None = None  # named weighted sources (data/sources.py); null: text_shards / mm_shards + mix
     pack_buffer: int = 64  # documents pieces held for best-fit packing
     num_workers: int = 0  # dataloader worker processes per rank (0: in the main process)
     seed: int = 0
-    trace: bool = False  # the data trace: the documents of every micro-batch (train/data_trace.py)
+    trace: bool = False  # the data trace: the documents of every micro-batch (data/trace.py)
     corpus_dir: str | None = None  # default corpus cache; null: $FLASHTRAIN_CACHE or ~/.cache/flashtrain
     corpus_text_bytes: int = 12_000_000  # stdlib source read for the default corpus
     corpus_mm_docs: int = 4000  # rendered image documents in the default corpus

@@ -7,7 +7,7 @@
   (b) a bar chart of 3-6 small numbers, target = "bar chart: " + the numbers.
 - A byte-level BPE tokenizer trained on both (data/tokenizer.py), saved as tokenizer.json.
 - A held-out part that training never reads (`val-text-*.tar`, `val-mm-*.tar`; the default
-  `data.val_shards`, train/evaluate.py): text from the stdlib folders the training stream leaves out
+  `data.val_shards`, train/evaluation/heldout.py): text from the stdlib folders the training stream leaves out
   (`HELDOUT_DIRS`: IDLE and lib2to3, ordinary library code), up to `corpus_val_text_bytes`, and
   `corpus_val_mm_docs` images rendered from that text (another seed for the bar charts). Where a Python
   installation lacks those folders, the last training files that add up to `corpus_val_text_bytes` are

@@ -1,5 +1,5 @@
 """The held-out set (DESIGN.md "Evaluation"): a fixed, deterministic list of micro-batches that the
-evaluation (train/evaluate.py) scores every time, the same on every rank and in every layout.
+evaluation (train/evaluation/heldout.py) scores every time, the same on every rank and in every layout.
 
 - Sources: the documents of `data.val_shards` (default: the default corpus's held-out part,
   data/corpus.py), read in sorted shard order from the start; a document with an image belongs to the

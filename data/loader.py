@@ -496,7 +496,7 @@ class PackedLoader:
     """Infinite iterator of packed batches for one data-parallel rank, with exact state_dict(), mixing
     `sources` (data/sources.py; `default_sources(text, mm, mix)` for the two unnamed streams).
     `worker_init_fn(worker_id)` runs first in each loader worker (the trainer binds its workers' lives to
-    its own: train/run_guard.py `die_with_parent`)."""
+    its own: train/runtime/run_guard.py `die_with_parent`)."""
 
     def __init__(self, cfg: DataConfig, spec: TokenSpec, sources: list[Source], rank: int = 0, world: int = 1,
                  state: dict | None = None, worker_init_fn=None, known_corrupt: set[str] | frozenset = frozenset()):

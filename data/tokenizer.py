@@ -76,7 +76,7 @@ def load_tokenizer(path: str | Path, spec: TokenSpec | None = None):
 
 
 def token_byte_counts(tok, vocab_size: int):
-    """int64 [vocab_size]: the UTF-8 bytes each id stands for, for bits per byte (train/evaluate.py). A
+    """int64 [vocab_size]: the UTF-8 bytes each id stands for, for bits per byte (train/evaluation/heldout.py). A
     byte-level BPE token's string holds one character per byte (the ByteLevel alphabet); another
     token's bytes are those of its decoded text; special / added tokens and ids past the tokenizer's
     size stand for none."""

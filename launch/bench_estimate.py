@@ -6,7 +6,7 @@
 Takes `+exp=NAME` and Hydra overrides (no default: name the exp); without `--real-only` both the real
 step and the estimate run.
 
-The estimator (train/estimate.py) simulates bf16 autocast on fake tensors with the CPU's autocast
+The estimator (train/plan/estimate.py) simulates bf16 autocast on fake tensors with the CPU's autocast
 lists; the test suite checks it against a real CPU step only (tests/test_estimate.py). Here the
 trainer's real step runs on CUDA (bf16 autocast, the Triton optimizer kernels): one step creates the
 optimizer state, then the next -- the first with the ViT unfrozen, as the estimator simulates -- is

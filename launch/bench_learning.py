@@ -14,7 +14,7 @@ the sweep's: each run gets `schedule.peak_lr=LR schedule.final_lr=LR/10`.
    MLP, RMSNorm, untied head; GPT-2 init), its peak LR swept over `--dense-lrs` (default the same), AdamW
    (betas 0.9 / 0.95, weight decay 0.1 on matrices, clip 1.0) on the runs' schedule shape, fp32, trained on
    the same batches (the run's loader, one process: the same rows in the same order) for the same steps,
-   scored on the same held-out micro-batches with train/evaluate.py's accounting at the same steps. Image
+   scored on the same held-out micro-batches with train/evaluation/heldout.py's accounting at the same steps. Image
    positions are inputs it cannot see into (the placeholder token); their labels are ignored, as for
    flashtrain. Its shape, by rule of thumb (`dense_shape`): the width and head size of Pythia-14M (Biderman
    et al. 2023; d_model 128, heads of 32), the smallest standard GPT shape; the Llama SwiGLU width 8/3 d; as
@@ -168,7 +168,7 @@ def unigram(heldout, token_bytes: np.ndarray, vocab: int) -> dict:
 
 
 def dense_eval(model: DenseDecoder, heldout, token_bytes: np.ndarray) -> dict:
-    """The held-out loss and bpb with train/evaluate.py's accounting (CE sums over scored positions; bpb
+    """The held-out loss and bpb with train/evaluation/heldout.py's accounting (CE sums over scored positions; bpb
     over those whose target stands for bytes)."""
     from flashtrain.data.loader import IGNORE
 

@@ -11,7 +11,7 @@ compile gate of every Triton kernel (`--compile-only`, no GPU needed; tests/test
 (default 4096); `--dtype` of the inputs (default float32); `--seed` of the random inputs (default 0);
 `--rounds` timed rounds per side (default 3); `--tol` the largest float32 difference allowed (default 1e-4).
 
-`--compile-only` (train/compile_gate.py): traces one simulated training step of each exp (default: flash,
+`--compile-only` (train/plan/compile_gate.py): traces one simulated training step of each exp (default: flash,
 flash_node and flash_small; `+exp=NAME`, repeatable, picks some) with the CUDA path's launches recorded,
 and compiles every kernel x autotune config the CUDA autotuner would try x architecture to cubin with the
 Triton wheel's ptxas; prints one line per compilation (registers per thread, spill stores, shared memory,
@@ -19,7 +19,7 @@ resident blocks and occupancy on H100 for sm_90a, on B200 for sm_100a), or with 
 object: {"entries": [{"kernel", "config", "arch", "registers", "spill_bytes", "shared_bytes", ...}, ...],
 "failures": [...], "timings": {...}, "devices": {...}}, or with `--markdown` the table of docs/kernels.md
 (one row per kernel x launch x config, the architectures side by side). Exits 1 when a kernel does not compile, a config
-cannot launch or a spill is not declared (train/compile_gate.py `failures`). `--arch` the architectures,
+cannot launch or a spill is not declared (train/plan/compile_gate.py `failures`). `--arch` the architectures,
 comma-separated (default sm_90a,sm_100a); `--jobs` compiles in that many worker processes (default: the
 CPU count); `--kernel` compiles only the named kernels' launches (comma-separated, e.g.
 `_fp8_block_gemm_kernel`; default: every kernel).
@@ -111,7 +111,7 @@ def compile_only(argv: list[str]) -> int:
     import dataclasses as dc
     import os
 
-    from flashtrain.train import compile_gate
+    from flashtrain.train.plan import compile_gate
 
     as_json, as_markdown = "--json" in argv, "--markdown" in argv
     argv = [a for a in argv if a not in ("--compile-only", "--json", "--markdown")]

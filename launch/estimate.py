@@ -1,4 +1,4 @@
-"""Per-GPU memory of a real training step, simulated on a laptop (train/estimate.py).
+"""Per-GPU memory of a real training step, simulated on a laptop (train/plan/estimate.py).
 
     python launch/estimate.py +exp=flash --world 1024 parallel.pp=16 parallel.ep=64 train.recompute=full
     python launch/estimate.py +exp=flash_tiny --world 2 parallel.pp=2 --rank 1 --json
@@ -70,7 +70,7 @@ def default_ranks(overrides: list[str], world: int) -> list[int]:
 def run_one(overrides: list[str], world: int, rank: int, device: str, phases: bool = False) -> dict:
     """One rank's simulation, in this process."""
     from flashtrain.train.config import compose
-    from flashtrain.train.estimate import estimate_rank
+    from flashtrain.train.plan.estimate import estimate_rank
 
     return estimate_rank(compose(overrides), world, rank, device, phases).as_dict()
 

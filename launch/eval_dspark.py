@@ -1,5 +1,5 @@
 """Measure a DSpark drafter: greedy speculative decoding with its frozen backbone as the verifier on
-held-out prompts, deterministic (train/speculative.py): the mean accepted length per verification step,
+held-out prompts, deterministic (train/dspark/speculative.py): the mean accepted length per verification step,
 the per-position acceptance and the confidence head's calibration (ECE), against an untrained drafter and
 a block of 1 (an MTP-1-like baseline).
 
@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args, overrides = ap.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from flashtrain.train.evaluate import checkpoint_config
-    from flashtrain.train.speculative import evaluate_dspark
+    from flashtrain.train.dspark.speculative import evaluate_dspark
+    from flashtrain.train.evaluation.checkpoint import checkpoint_config
 
     cfg, _ = checkpoint_config(args.checkpoint, overrides)
     result = evaluate_dspark(cfg, args.checkpoint, args.prompts, args.prompt_len, args.new_tokens, args.check_greedy,

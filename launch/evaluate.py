@@ -1,5 +1,5 @@
 """Score a checkpoint on held-out data: the mean loss and bits per byte, overall and per source and
-modality (train/evaluate.py), the same numbers a run logs in its eval records.
+modality (train/evaluation/heldout.py), the same numbers a run logs in its eval records.
 
     python launch/evaluate.py RUN/checkpoints/step_00000100 [--shards S ...] [--tokens N] [--json]
     torchrun --standalone --nproc_per_node=2 launch/evaluate.py CKPT parallel.pp=2
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="score a checkpoint whose files fail their checksums, with a warning (default: refuse it)")
     args, overrides = ap.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from flashtrain.train.evaluate import checkpoint_config, checkpoint_label, evaluate_checkpoint
+    from flashtrain.train.evaluation.checkpoint import checkpoint_config, checkpoint_label, evaluate_checkpoint
 
     if args.shards:
         overrides.append("data.val_shards=[" + ",".join(json.dumps(s) for s in args.shards) + "]")

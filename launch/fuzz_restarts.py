@@ -15,9 +15,9 @@ Kills (one kind per restart, in a seeded random order that visits every kind onc
 - `worker`: SIGKILL of one random worker (a child of the torchrun launcher); the launcher stops the rest;
 - `job`: SIGKILL of the launcher and every worker at once;
 - `launcher`: SIGKILL of the launcher alone; the workers must die by themselves (PR_SET_PDEATHSIG,
-  train/run_guard.py) and the run directory's lock must be free afterwards -- both checked;
+  train/runtime/run_guard.py) and the run directory's lock must be free afterwards -- both checked;
 - `ckpt_write_sync` / `ckpt_write_async`: a random rank SIGKILLs itself (FLASHTRAIN_FAULT,
-  train/faults.py, point=checkpoint_write) while the next checkpoint is on disk with its manifest but not
+  train/runtime/faults.py, point=checkpoint_write) while the next checkpoint is on disk with its manifest but not
   yet renamed complete, written synchronously / in the background;
 - `ckpt_in_flight`: the same at point=checkpoint_in_flight, right after a background write started.
 - `node` (with `--nodes N`, N >= 2: every start is N torchrun launchers with `--nnodes=N` and a c10d
@@ -179,7 +179,7 @@ def wait_dead(procs, timeout: float) -> list[Proc]:
 
 
 def lock_free(run_dir: Path, wait: float = 2.0) -> bool:
-    """Whether another process can take the run directory's job lock (train/run_guard.py), trying for up to
+    """Whether another process can take the run directory's job lock (train/runtime/run_guard.py), trying for up to
     `wait` seconds (the kernel drops a dead holder's lock as its last thread exits)."""
     path = run_dir / ".job.lock"
     if not path.exists():

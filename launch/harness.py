@@ -1,4 +1,4 @@
-"""lm-evaluation-harness with the `flashtrain` model (train/harness.py): the harness's own command line,
+"""lm-evaluation-harness with the `flashtrain` model (train/evaluation/harness.py): the harness's own command line,
 `lm_eval ...` with the same arguments, after registering the model (lm-eval 0.4 finds models only in
 its own registry). Needs the optional extra: `pip install -e '.[eval]'`.
 
@@ -30,7 +30,7 @@ def main() -> None:
         raise ConfigError("lm-eval is not installed: pip install -e '.[eval]' (lm-eval 0.4.x)") from None
     from lm_eval.__main__ import cli_evaluate
 
-    import flashtrain.train.harness  # noqa: F401 - registers the `flashtrain` model
+    import flashtrain.train.evaluation.harness  # noqa: F401 - registers the `flashtrain` model
 
     cli_evaluate()
 

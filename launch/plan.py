@@ -22,7 +22,7 @@ partition (layers, the partitioner's cost-model bytes and compute per stage unde
 imbalance) for a CUDA run (bf16 autocast) unless `--device cpu`.
 
 With --gpus N --gpu-memory GB: for each stage of the recipe (`train.recipe`, train/recipe.py: exp=flash's
-64K stage, then its 1M stage from 34T), the layout search of train/layouts.py over pp x cp x ep x dp x pipeline
+64K stage, then its 1M stage from 34T), the layout search of train/plan/layouts.py over pp x cp x ep x dp x pipeline
 schedule x recompute mode with the partitioner's cost model. It prints the fastest layouts that fit
 (`plan.show`) as ready-to-paste overrides, each with its per-GPU memory (cost model), pipeline compute
 imbalance, bubble fraction and step time relative to the fastest (parallel/step_time.py; assumptions in
@@ -69,7 +69,7 @@ def build_report(overrides: list[str], device: str = "cuda", world: int | None =
     from flashtrain.parallel.pipeline import stage_ids
     from flashtrain.train.config import compose, global_sequences, model_config, optim_config, schedule
     from flashtrain.train.optim.routing import route_parameters, routing_summary
-    from flashtrain.train.stages import plan_stages, stage_units
+    from flashtrain.train.plan.stages import plan_stages, stage_units
 
     conf = compose(overrides)
     cfg, ocfg = model_config(conf), optim_config(conf)
@@ -191,16 +191,16 @@ def _row(i: int, x: dict, best: float) -> str:
 
 
 def gb(n: float) -> str:
-    from flashtrain.train.layouts import gb as layouts_gb
+    from flashtrain.train.plan.layouts import gb as layouts_gb
 
     return layouts_gb(n)
 
 
 def propose(overrides: list[str], gpus: int, gpu_memory_gb: float, seq: int | None) -> dict:
-    """The layout search (train/layouts.py) as a report: the layouts that fit, the config's own, what rules
+    """The layout search (train/plan/layouts.py) as a report: the layouts that fit, the config's own, what rules
     out the rest, and -- when nothing fits -- the smallest GPU count and memory that would."""
     from flashtrain.train.config import compose
-    from flashtrain.train.layouts import LayoutSearch
+    from flashtrain.train.plan.layouts import LayoutSearch
 
     if gpus < 1 or gpu_memory_gb <= 0:
         raise ConfigError(f"--gpus {gpus} --gpu-memory {gpu_memory_gb:g}: give a positive number of GPUs and GB")
@@ -234,7 +234,7 @@ def _closest(layouts):
 
 
 def format_proposals(r: dict) -> str:
-    from flashtrain.train.layouts import REASONS
+    from flashtrain.train.plan.layouts import REASONS
 
     low = r["cost_model_error"][0]
     lines = [f"layouts for {r['gpus']} GPUs of {r['gpu_memory_gb']:g} GB, data.seq_len={r['seq_len']}, global batch "
@@ -286,7 +286,7 @@ def verify(r: dict, overrides: list[str], device: str, jobs: int = 2) -> dict:
     position hold equal shares), `jobs` simulations side by side: each position's simulated peak against
     its cost-model figure, and whether the simulated peaks fit the GPU less `plan.headroom`. The
     estimator's per-rank lines are passed on as they come (prefixed `verify:`)."""
-    from flashtrain.train.estimate import shortened_round
+    from flashtrain.train.plan.estimate import shortened_round
 
     x = r["layouts"][0]
     cmd = [sys.executable, str(ROOT / "launch" / "estimate.py"), *overrides, *x["overrides"], "--world",

@@ -13,7 +13,7 @@ The run directory (`hydra.run.dir`, default runs/<model>) holds the resolved con
 metrics.jsonl, checkpoints/, the wandb run and the job log (`pretrain.log`, the trainer's log lines);
 starting again in a directory with checkpoints resumes from the newest. A start writes there only once
 it is admitted (its config, data, the directory's job lock and its resume point checked:
-train/run_record.py): a refused start leaves the directory as it found it.
+train/runtime/run_record.py): a refused start leaves the directory as it found it.
 
 torchrun conventions: the run is wrapped in torch.distributed.elastic's `record`, so a rank that fails
 with an unexpected error writes its error file for the launcher; `parallel.timeout_s` is the process
@@ -38,8 +38,8 @@ if __name__ == "__main__":
     exit_with_help(__doc__, sys.argv[1:])  # --help: this docstring, before the slow imports
 
 # Under torchrun: die with the launcher from before the slow imports on (a launcher killed during start-up
-# must not leave workers behind holding the run directory); train/run_guard.py imports nothing heavy.
-from flashtrain.train.run_guard import die_with_launcher  # noqa: E402
+# must not leave workers behind holding the run directory); train/runtime/run_guard.py imports nothing heavy.
+from flashtrain.train.runtime.run_guard import die_with_launcher  # noqa: E402
 
 die_with_launcher()
 
@@ -52,7 +52,7 @@ from flashtrain.config.cli import exit_on_user_error  # noqa: E402
 from flashtrain.config.errors import USER_ERRORS  # noqa: E402
 from flashtrain.train.config import compose_with_run_dir  # noqa: E402
 from flashtrain.train.recipe import other_world_stage  # noqa: E402
-from flashtrain.train.run_record import StartRecord, new_directories  # noqa: E402
+from flashtrain.train.runtime.run_record import StartRecord, new_directories  # noqa: E402
 
 NEW_DIRECTORIES: list = []  # what Hydra will create for the run directory: a refused start removes it again
 

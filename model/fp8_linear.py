@@ -25,7 +25,7 @@ a_scale x b_scale x (A block . B block): the Triton kernel on CUDA (model/kernel
 (dequantise, fp32 matmul: the same products, which E4M3 x E4M3 x powers of two make exact in fp32) on the
 CPU and wherever `model.use_triton=false`, and a shape function for the memory estimator's fake tensors
 (while the offline compile gate records launches, model/kernels/select.py `recording`, the Triton path's
-host code instead: its launch is recorded at the exp's shapes, train/compile_gate.py).
+host code instead: its launch is recorded at the exp's shapes, train/plan/compile_gate.py).
 Selective recomputation keeps its output as it keeps every matmul's (model/recompute.py).
 """
 
@@ -66,8 +66,9 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
 
 @fp8_block_gemm.register_fake
 def _(a, a_scale, b, b_scale, out_dtype, kernel):
-    if kernel and is_recording():  # the compile gate (train/compile_gate.py): the CUDA path's host code, its launch
-        from flashtrain.model.kernels.fp8_gemm import fp8_block_gemm_triton  # recorded (select.py `launch`)
+    # the compile gate (train/plan/compile_gate.py): the CUDA path's host code, its launch recorded (select.py `launch`)
+    if kernel and is_recording():
+        from flashtrain.model.kernels.fp8_gemm import fp8_block_gemm_triton
 
         return fp8_block_gemm_triton(a, a_scale, b, b_scale, out_dtype)
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)

@@ -59,7 +59,7 @@ def seeded_normal_(p: torch.Tensor, std: float, seed: int, name: str, row_offset
     """Fill p, which holds global rows [row_offset, row_offset + p.shape[0]) of a `global_rows`-row
     tensor (default: p is the whole tensor), with N(0, std^2): block b (rows [b per, (b+1) per) of the
     global tensor, the last one cut at global_rows) from its own generator, so the values depend on the
-    global name, shape and row only. A fake tensor (train/estimate.py) has no values to fill."""
+    global name, shape and row only. A fake tensor (train/plan/estimate.py) has no values to fill."""
     if simulated(p):
         return
     if p.dim() == 0:

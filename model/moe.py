@@ -45,7 +45,7 @@ def expert_sizes(flat_indices: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 def host_sizes(sizes: torch.Tensor, total: int) -> list[int]:
     """The per-expert row counts of `total` rows as Python ints: a host synchronisation, taken by the
-    looped reference path only. A fake tensor (the memory estimator, train/estimate.py) has no values:
+    looped reference path only. A fake tensor (the memory estimator, train/plan/estimate.py) has no values:
     it gets the balanced split that the bias update steers routing towards."""
     if simulated(sizes):
         return balanced_split(total, sizes.shape[0])
@@ -259,7 +259,8 @@ class MoE(nn.Module):
                 routes: dict[int, torch.Tensor] | None = None,
                 recorded: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """routes: cached routing indices by layer id, used instead of this layer's top-k; recorded: a
-        dict this layer's indices [B x S, k] are written into (both Anticipatory Routing, train/anticipatory.py)."""
+        dict this layer's indices [B x S, k] are written into (both Anticipatory Routing,
+        train/stability/anticipatory.py)."""
         B, S, D = x.shape
         flat = x.reshape(-1, D)
         flat_mask = None if image_mask is None else image_mask.reshape(-1)

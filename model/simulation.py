@@ -1,4 +1,4 @@
-"""The memory estimator's one seam into the model and the training step (train/estimate.py;
+"""The memory estimator's one seam into the model and the training step (train/plan/estimate.py;
 DESIGN.md "Memory": memory is measured by running the real step on fake tensors).
 
 `simulated(t)`: whether `t` is a fake tensor (torch's FakeTensorMode: shapes, dtypes and storage
@@ -20,10 +20,10 @@ allocates (that is what the estimate counts):
 | train/balancing.py | which layers reported loads, empty counts | every layer |
 | train/loss.py | the number of label tokens | every position |
 
-The rest of the estimator's differences live in train/estimate.py: the rank is built under its
+The rest of the estimator's differences live in train/plan/estimate.py: the rank is built under its
 FakeTensorMode (train/build.py `build_rank(tensor_mode=...)`), on a fake process group, and the
 pipeline schedule's warm-up vote is replaced (it reads a tensor on the host). While the offline compile gate
-records kernel launches (model/kernels/select.py `recording`, train/compile_gate.py), the Triton path's host
+records kernel launches (model/kernels/select.py `recording`, train/plan/compile_gate.py), the Triton path's host
 code runs on fake tensors instead of the reference, its launches recorded instead of run. The Sinkhorn optimizer
 (train/optim/sinkhorn.py) asks torch's `is_fake` directly.
 """

@@ -60,7 +60,7 @@ class ForwardContext:
     aux_grad_scale: float = 1.0
     engram_requests: dict = field(default_factory=dict)  # layer id -> a row-sharded table's lookup in flight
     split: SequenceSplit | None = None  # context parallelism: this rank's positions (model/sequence_split.py)
-    # Anticipatory Routing (train/anticipatory.py): routing indices to use, by layer id; a dict to record into
+    # Anticipatory Routing (train/stability/anticipatory.py): routing indices to use, by layer id; a dict to record into
     routes: dict[int, torch.Tensor] | None = None
     recorded: dict[int, torch.Tensor] | None = None
     # DSpark (model/dspark.py): layer id -> the layer's attention input averaged over the hc streams, filled

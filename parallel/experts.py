@@ -50,7 +50,7 @@ class AllToAllDispatch:
     def _exchange_plan(self, flat: torch.Tensor, E: int, e_local: int):
         """(rows sent to each EP rank, rows received from each, the permutation that regroups the received
         rows by local expert, rows per local expert as a device tensor). The split sizes are the one host
-        synchronisation of the layer: a single `tolist` of both lists. Fake tensors (train/estimate.py)
+        synchronisation of the layer: a single `tolist` of both lists. Fake tensors (train/plan/estimate.py)
         carry no values: every rank then sends and receives the balanced split, without exchanging counts."""
         ep = self.ep
         if simulated(flat):

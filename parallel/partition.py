@@ -268,7 +268,7 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
     (`attention_flops_per_token`: what `train.recompute=selective` runs again in backward), with the
     embedding/vision unit folded into block 0 and the head into the last block. `local_len`: this
     rank's positions of each sequence under context parallelism. (`UnitInventory` once, then its
-    `costs` for many layouts: the layout search of train/layouts.py.)"""
+    `costs` for many layouts: the layout search of train/plan/layouts.py.)"""
     return UnitInventory(model, cfg, optimizer_of).costs(seq_len, micro_batch, costs, local_len)
 
 
@@ -510,7 +510,7 @@ def _stage_cost(units: list[dict], a: int, b: int, in_flight: int) -> float:
 def _cost_table(units: list[dict], pp: int, in_flight: list[int]) -> dict:
     """`_stage_cost` of every (stage s, first unit i, end j) a split of the units into `pp` stages can
     use. Integer costs (the cost model's) come from prefix sums -- the same integers, O(1) each, which is
-    what makes the layout search (train/layouts.py) affordable; other values are summed directly."""
+    what makes the layout search (train/plan/layouts.py) affordable; other values are summed directly."""
     n = len(units)
     keys = [(s, i, j) for s in range(1, pp + 1) for j in range(s, n - (pp - s) + 1) for i in range(s - 1, j)]
     first = [_held(u, True) for u in units]

@@ -229,7 +229,7 @@ class StageModule(nn.Module):
         self.engram_requests: list[dict] = []
         self.microbatch = 0  # the micro-batch being run (set by LeanPipelineStage)
         self.aux_grad_scale = 1.0
-        # Anticipatory Routing (train/anticipatory.py), per micro-batch of the round: cached routing indices
+        # Anticipatory Routing (train/stability/anticipatory.py), per micro-batch of the round: cached routing indices
         # of this stage's MoE layers to follow, or dicts the forward records them into
         self.routes: list[dict] | None = None
         self.recorded: list[dict] | None = None

@@ -1,5 +1,5 @@
 """A step-time estimate of a process layout, for ranking layouts against each other (the layout search,
-train/layouts.py; docs/parallelism.md "Choosing a layout"). Analytic, from the partitioner's per-block
+train/plan/layouts.py; docs/parallelism.md "Choosing a layout"). Analytic, from the partitioner's per-block
 costs (parallel/partition.py `unit_costs`) and stated hardware assumptions (`Hardware`, the `plan`
 config group); a relative figure, not a measurement.
 

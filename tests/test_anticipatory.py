@@ -1,4 +1,4 @@
-"""Anticipatory Routing (train/anticipatory.py, V41_SPEC §9): with delta_steps=0 training is unchanged;
+"""Anticipatory Routing (train/stability/anticipatory.py, V41_SPEC §9): with delta_steps=0 training is unchanged;
 with delta_steps > 0 the indices every MoE gate uses at step t are those the parameters of step t - Δt
 pick for step t's batch (recomputed here from parameters copied at that step), on 1 process and on pp=2
 and ep=2; the look-ahead buffer and the cached indices survive a checkpoint exactly."""
@@ -196,7 +196,7 @@ def test_a_second_spike_while_active_drops_the_cached_routes():
     look-ahead batches keep their place in the data stream, but every cached route was computed with
     parameters the rollback undid, so each is recomputed with the restored ones before it is used.
     Batches are integers and a route is (batch, parameter version) here, the expectation by hand."""
-    from flashtrain.train.anticipatory import AnticipatoryRouting, AnticipatoryRoutingConfig
+    from flashtrain.train.stability.anticipatory import AnticipatoryRouting, AnticipatoryRoutingConfig
 
     stream = iter(range(1, 100))
     version = ["v0"]
@@ -232,7 +232,7 @@ def test_the_pipeline_route_recording_keeps_no_statistics():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from flashtrain.train.estimate import SimulatedRank
+    from flashtrain.train.plan.estimate import SimulatedRank
 
     cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, "parallel.pp=2", "data.batch_size=1"])
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)

@@ -106,7 +106,7 @@ def test_the_tools_refuse_a_damaged_checkpoint_as_a_resume_would(tmp_path, capsy
     checks every file's size."""
     import importlib.util
 
-    from flashtrain.train.evaluate import checkpoint_config
+    from flashtrain.train.evaluation.checkpoint import checkpoint_config
 
     _save(tmp_path, [1])
     path = ck.step_dir(tmp_path, 1)

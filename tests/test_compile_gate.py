@@ -1,4 +1,4 @@
-"""The offline compile gate (train/compile_gate.py, `launch/check_kernels.py --compile-only`): every Triton
+"""The offline compile gate (train/plan/compile_gate.py, `launch/check_kernels.py --compile-only`): every Triton
 kernel of the project compiles to cubin for sm_90a and sm_100a with the Triton wheel's ptxas, no GPU, for
 every autotune config the CUDA autotuner would try at exp=flash's shapes (the largest) and dtypes; the
 gate fails on a kernel that does not compile, on a config that cannot launch and on an undeclared spill.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashtrain.train import compile_gate as gate
+from flashtrain.train.plan import compile_gate as gate
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"kernel", "config", "arch", "registers", "spill_bytes", "shared_bytes"}

@@ -1,4 +1,4 @@
-"""Speculative decoding with the frozen backbone as the greedy verifier (train/speculative.py,
+"""Speculative decoding with the frozen backbone as the greedy verifier (train/dspark/speculative.py,
 launch/eval_dspark.py): the verified output equals the backbone's own greedy decoding token for token;
 the accepted lengths and per-position counts of a drafter that always agrees, one that never does and
 one right for exactly two positions, against hand counts; the calibration error by hand; and, on a hand-built
@@ -13,8 +13,7 @@ from layer_plans import FOUR_LAYERS
 from flashtrain.model import Transformer
 from flashtrain.model.dspark import DSpark
 from flashtrain.train.config import compose, model_config
-from flashtrain.train.dspark import freeze
-from flashtrain.train.speculative import (
+from flashtrain.train.dspark.speculative import (
     Acceptance,
     backbone_pass,
     drafter_proposal,
@@ -22,6 +21,7 @@ from flashtrain.train.speculative import (
     greedy_decode,
     speculative_decode,
 )
+from flashtrain.train.dspark.stage import freeze
 
 TARGETS = [1, 2, 3]  # the last layers of the 4-layer plan
 P, N = 12, 10

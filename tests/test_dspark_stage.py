@@ -1,4 +1,4 @@
-"""The DSpark stage (train/dspark.py, train/dspark_loss.py): the objective against a literal transcription of
+"""The DSpark stage (train/dspark/stage.py, train/dspark/loss.py): the objective against a literal transcription of
 DeepSpec's `compute_dspark_loss`, the statistics by hand, the draft loss falling on a fixed batch with the
 backbone bit-identical and outside every autograd graph; end to end through launch/pretrain.py: exact
 resume, and a resume against another backbone refused naming both."""
@@ -17,7 +17,7 @@ from flashtrain.data.loader import IGNORE
 from flashtrain.model import Transformer
 from flashtrain.model.dspark import DSpark
 from flashtrain.train.config import compose, model_config
-from flashtrain.train.dspark_loss import DSparkLossConfig, dspark_loss, read_stats, stat_layout, supervision
+from flashtrain.train.dspark.loss import DSparkLossConfig, dspark_loss, read_stats, stat_layout, supervision
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ["model.dspark_target_layer_ids=[1,2,3]"]  # the last layers of the 4-layer plan
@@ -171,9 +171,9 @@ def test_fixed_batch_draft_loss_falls_and_the_backbone_never_changes(cfg):
     from flashtrain.model.aux import StepStats
     from flashtrain.parallel.dims import ParallelDims
     from flashtrain.train.build import read_configs
-    from flashtrain.train.collectives import Operation
-    from flashtrain.train.dspark import DSparkRunner, freeze
+    from flashtrain.train.dspark.stage import DSparkRunner, freeze
     from flashtrain.train.optim import build_optimizers
+    from flashtrain.train.runtime.collectives import Operation
     from flashtrain.train.step_values import StepValues
 
     c = read_configs(compose(["+exp=flash_tiny", *FOUR_LAYERS, *TARGETS]))  # the optimizer settings
@@ -272,7 +272,7 @@ def test_stage_resumes_exactly_and_refuses_another_backbone(tmp_path, corpus_arg
     other weights refused, naming both; checkpoints hold the drafter's mtp.* tensors and no backbone tensor."""
     from test_trainer import final_model, records
 
-    from flashtrain.train.dspark import backbone_pointer
+    from flashtrain.train.dspark.stage import backbone_pointer
 
     d, backbone = reference
     other = write_backbone(tmp_path / "other", ["+exp=flash_tiny", *FOUR_LAYERS], seed=12)
@@ -349,7 +349,7 @@ def test_stage_parity_with_one_process(tmp_path, corpus_args, reference, layout)
 def test_frozen_backbone_in_low_precision_keeps_the_release_fp32_tensors(cfg):
     """On CUDA the frozen backbone needs no fp32 master weights: bf16, but for what the release keeps in FP32
     (sinks, mHC); buffers (RoPE tables, gate biases) untouched."""
-    from flashtrain.train.dspark import freeze
+    from flashtrain.train.dspark.stage import freeze
 
     model = freeze(Transformer(cfg, seed=1), low_precision=True)
     dtypes = {n: p.dtype for n, p in model.named_parameters()}

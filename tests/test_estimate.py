@@ -72,7 +72,7 @@ def test_skipping_repeated_chunks_keeps_the_simulated_memory(mode, monkeypatch):
     roles with chunk loops: Full (indexer selection, KL logits, sparse attention), Reuse, Reindex."""
     from flashtrain.model import chunks
     from flashtrain.train.config import compose
-    from flashtrain.train.estimate import probe_block
+    from flashtrain.train.plan.estimate import probe_block
 
     cfg = compose(["+exp=flash_tiny", "data.seq_len=1024"])
     for layer in (2, 21, 24):
@@ -89,7 +89,7 @@ def test_step_tracker_keeps_no_graph_alive():
     import gc
     import weakref
 
-    from flashtrain.train.estimate import _step_tracker
+    from flashtrain.train.plan.estimate import _step_tracker
 
     block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
     tracker = _step_tracker()
@@ -119,7 +119,7 @@ def test_the_shortened_step_has_the_peak_of_the_whole_accumulation(monkeypatch, 
     here without a pipeline) are bookkeeping that the shortened step does not repeat; one micro-batch too
     few would leave out the gradients or a micro-batch's activations (> 10% here). `whole`: more than any
     shortened step keeps, few enough to simulate quickly."""
-    import flashtrain.train.estimate as estimate
+    import flashtrain.train.plan.estimate as estimate
     from flashtrain.train.config import compose
 
     cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, f"parallel.pp={pp}", f"train.global_batch_tokens={128 * whole}",
@@ -149,8 +149,8 @@ def test_the_shortened_step_has_the_peak_of_the_whole_accumulation(monkeypatch, 
 def test_the_shortened_step_is_partitioned_as_the_whole_round(monkeypatch):
     """The estimator's rank runs 3 of stage 0's 5 micro-batches, but the partition it builds prices the whole
     round's inputs, as the trainer's does (`BatchPlan.round_inputs`): the same stages whatever the shortening."""
-    import flashtrain.train.estimate as estimate
     import flashtrain.train.module as module
+    import flashtrain.train.plan.estimate as estimate
     from flashtrain.train.config import compose
 
     plans = []
@@ -181,7 +181,7 @@ def test_which_steps_the_estimator_shortens(pp, schedule, accumulation, round_mi
     from types import SimpleNamespace
 
     from flashtrain.train.config import BatchPlan
-    from flashtrain.train.estimate import _peak_preserving_microbatches
+    from flashtrain.train.plan.estimate import _peak_preserving_microbatches
 
     plan = BatchPlan(SimpleNamespace(pp=pp), accumulation, 1, accumulation, round_microbatches)
     got = _peak_preserving_microbatches(plan, schedule, rank)
@@ -199,7 +199,7 @@ def test_the_step_phase_by_phase_follows_the_1f1b_schedule():
     without a pipeline is refused in one line."""
     import dataclasses
 
-    import flashtrain.train.estimate as estimate
+    import flashtrain.train.plan.estimate as estimate
     from flashtrain.config.errors import ConfigError
     from flashtrain.train.config import compose
 
@@ -238,7 +238,7 @@ def test_under_recomputation_each_backward_lists_its_blocks_rebuilds():
     phase lists the stage's blocks in reverse, each record from its rebuild's first module to the next block's
     rebuild (start = the previous record's end) and the last to the phase's end; the phase's peak is a block's,
     as the blocks' rebuilds and backwards are everything a backward phase runs before the optimizer."""
-    import flashtrain.train.estimate as estimate
+    import flashtrain.train.plan.estimate as estimate
     from flashtrain.train.config import compose
 
     cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, "parallel.pp=2", "parallel.stage_layers=[1,3]",
@@ -266,7 +266,7 @@ def test_selective_recompute_keeps_the_expert_exchange_as_the_cost_model_prices_
     the exchange): the simulated step's per-block records (`--phases`) of flash_tiny at ep=2 and ep=1 differ by
     exactly what the cost model adds for it -- per (token, expert) pair the fp32 MoE input as sent (4 D), the
     bf16 expert outputs sent back (2 D) and the bf16 routing weight (2): 64 tokens x 2 picks x 386 bytes."""
-    import flashtrain.train.estimate as estimate
+    import flashtrain.train.plan.estimate as estimate
     from flashtrain.parallel.partition import PartitionCosts, block_activations
     from flashtrain.train.config import compose, model_config
 
@@ -288,3 +288,32 @@ def test_selective_recompute_keeps_the_expert_exchange_as_the_cost_model_prices_
         kept = [block_activations(m, r, 0, 0, 0, 64, 1, PartitionCosts(recompute="selective", ep=ep))["kept"]
                 for ep in (2, 1)]
         assert kept[0] - kept[1] == 64 * 2 * 386, r
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "dspark"])
+def test_the_stages_a_rank_runs(stage):
+    """What the estimator reports as a rank's pipeline stages (`TrainModule.stages`) and holds frozen (`frozen()`),
+    on each rank of pp=2: pre-training's pipeline stages of the rank; the DSpark stage's, the stage of the frozen
+    backbone's forward pipeline (its drafter on the last), the backbone the one frozen module."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import flashtrain.train.plan.estimate as estimate
+    from flashtrain.train.config import compose
+
+    extra = ["train.stage=dspark", "train.backbone=/nonexistent", "model.dspark_target_layer_ids=[1,2,3]"] \
+        if stage == "dspark" else []
+    cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, "model.vision_n_layers=0", "parallel.pp=2", "data.batch_size=1",
+                   *extra])
+    seen = []
+    for rank in (0, 1):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+        try:
+            sim = estimate.SimulatedRank(cfg, 2, rank, "cpu", FakeTensorMode(allow_non_fake_inputs=True))
+            frozen = sim.module.frozen()
+            seen.append((sim.module.stages(), len(frozen), all(not p.requires_grad for m in frozen
+                                                               for p in m.parameters())))
+        finally:
+            dist.destroy_process_group()
+    assert seen == [([0], int(stage == "dspark"), True), ([1], int(stage == "dspark"), True)]

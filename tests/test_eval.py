@@ -1,4 +1,4 @@
-"""Held-out evaluation (train/evaluate.py, data/heldout.py) against independent references: the UTF-8
+"""Held-out evaluation (train/evaluation/heldout.py, data/heldout.py) against independent references: the UTF-8
 length of text, a literal log-softmax, hand-counted shares and sums. The trainer and layout parity
 of the eval records are in tests/test_trainer.py, the command in tests/test_launch.py."""
 
@@ -17,7 +17,7 @@ from flashtrain.data.images import ImageProcessorConfig
 from flashtrain.data.loader import IGNORE, collate
 from flashtrain.data.shards import Document, write_shards
 from flashtrain.data.tokenizer import token_byte_counts, train_tokenizer
-from flashtrain.train.evaluate import EvalConfig, Evaluator, eval_record
+from flashtrain.train.evaluation.heldout import EvalConfig, Evaluator, eval_record
 from flashtrain.train.loss import heldout_sums
 from flashtrain.train.metrics import resumed_lines
 
@@ -201,7 +201,7 @@ def test_a_checkpoint_is_scored_in_the_launchs_layout_and_named_for_what_it_is()
     again; 4 on 2 x 2: unchanged); and the lines name a run's step, or an import's source."""
     from types import SimpleNamespace as NS
 
-    from flashtrain.train.evaluate import checkpoint_label, scoring_batch_tokens
+    from flashtrain.train.evaluation.checkpoint import checkpoint_label, scoring_batch_tokens
 
     def run(batch_size, pp=1, cp=1, tokens=512.0):
         return NS(data=NS(seq_len=128, batch_size=batch_size), parallel=NS(pp=pp, cp=cp),

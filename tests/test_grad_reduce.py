@@ -47,7 +47,7 @@ def test_a_pipeline_stage_starts_the_reduction_only_in_the_steps_last_backward(m
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import flashtrain.train.estimate as estimate
+    import flashtrain.train.plan.estimate as estimate
     from flashtrain.train.config import compose
 
     monkeypatch.setattr(estimate, "_peak_preserving_microbatches", lambda *a: {})  # every micro-batch
@@ -89,7 +89,7 @@ def test_without_a_pipeline_every_bucket_starts_during_the_last_micro_batch(monk
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import flashtrain.train.estimate as estimate
+    import flashtrain.train.plan.estimate as estimate
     from flashtrain.train.config import compose
 
     monkeypatch.setattr(estimate, "_peak_preserving_microbatches", lambda *a: {})

@@ -9,7 +9,7 @@ images (data.mix [1, 1]).
 Every place that reads a value back is listed below with its reason, and the count of each rank's
 device synchronisations is pinned; a new one fails the test until it is removed or given a reason here.
 What the counter cannot see on the CPU: a copy into a host tensor (`host.copy_(device)`, the stop flag's
-way back, train/collectives.py `all_reduce`), counted here with the read that follows it."""
+way back, train/runtime/collectives.py `all_reduce`), counted here with the read that follows it."""
 
 import collections
 import json

@@ -1,4 +1,4 @@
-"""The layout search of launch/plan.py --gpus N --gpu-memory GB (issue 32 item 1; train/layouts.py,
+"""The layout search of launch/plan.py --gpus N --gpu-memory GB (issue 32 item 1; train/plan/layouts.py,
 parallel/step_time.py): the bubble and step-time formulas by hand; the proposals for exp=flash on 2048 GPUs
 of 80 GB at 64K and for exp=flash_node on one node, each checked through the trainer's own construction
 functions (the partition train/build.py builds for the pasted overrides, and its cost-model bytes per
@@ -73,7 +73,7 @@ def trainer_rank_bytes(overrides: list[str], world: int) -> list[int]:
     from flashtrain.parallel.pipeline import stage_ids
     from flashtrain.train.build import read_configs, run_plan
     from flashtrain.train.config import compose
-    from flashtrain.train.stages import plan_stages, stage_units
+    from flashtrain.train.plan.stages import plan_stages, stage_units
 
     c = read_configs(compose(overrides))
     plan = run_plan(c, world)
@@ -111,7 +111,7 @@ def test_flash_on_2048_gpus_of_80gb_at_64k():
     ep=64, 1F1B, full recomputation; measured 69.6 GB), evaluated by the same search with that exp's own
     budget (74 GB of cost model)."""
     from flashtrain.train.config import compose
-    from flashtrain.train.layouts import LayoutSearch
+    from flashtrain.train.plan.layouts import LayoutSearch
 
     report = plan_tool.propose(["+exp=flash"], 2048, 80, 65536)
     assert report["budget_gb"] == 64.8 and report["usable_gb"] == pytest.approx(72) \
@@ -219,7 +219,7 @@ def test_the_prefix_sum_cost_table_is_the_stage_cost():
     from flashtrain.parallel.construct import model_template
     from flashtrain.parallel.partition import PartitionCosts, _cost_table, _stage_cost, unit_costs
     from flashtrain.train.config import compose, model_config, optim_config
-    from flashtrain.train.stages import optimizers_of
+    from flashtrain.train.plan.stages import optimizers_of
 
     conf = compose(["+exp=flash_tiny"])
     m = model_config(conf)
@@ -294,7 +294,7 @@ def test_the_search_leaves_out_recomputation_with_a_split_backward():
     raises) and full recomputation is left unpriced, so the search proposes them without recomputation only;
     the one-pass schedules keep every mode, and without a pipeline the V-shaped names never arise."""
     from flashtrain.train.config import compose
-    from flashtrain.train.layouts import LayoutSearch
+    from flashtrain.train.plan.layouts import LayoutSearch
 
     groups = {(pp, recompute, schedule) for pp, recompute, schedule, _ in
               LayoutSearch(compose(["+exp=flash_tiny"]), 80).groups(4)}
@@ -312,7 +312,7 @@ def test_the_smallest_memory_fits_after_the_budget_is_rounded_down():
     74.2 GB, leaves 60.1."""
     from types import SimpleNamespace
 
-    from flashtrain.train.layouts import PlanConfig, SearchResult, budget_bytes
+    from flashtrain.train.plan.layouts import PlanConfig, SearchResult, budget_bytes
 
     plan = PlanConfig()
     assert (plan.headroom, plan.cost_model_error[0]) == (0.1, -0.1)

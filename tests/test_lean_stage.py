@@ -19,7 +19,7 @@ def test_middle_stage_holds_only_the_boundary_tensors_in_use():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from flashtrain.train.estimate import SimulatedRank
+    from flashtrain.train.plan.estimate import SimulatedRank
 
     cfg = compose(["+exp=flash_tiny", *EIGHT_LAYERS, "parallel.pp=3", "data.batch_size=1"])
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=3)
@@ -84,7 +84,7 @@ def test_last_stage_frees_each_micro_batch_after_its_backward(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import flashtrain.train.estimate as estimate
+    import flashtrain.train.plan.estimate as estimate
 
     monkeypatch.setattr(estimate, "_peak_preserving_microbatches", lambda *a: {})
     cfg = compose(["+exp=flash_tiny", *EIGHT_LAYERS, "parallel.pp=2", "data.batch_size=1"])

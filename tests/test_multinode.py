@@ -21,7 +21,7 @@ import pytest
 import warm_launch
 from layer_plans import FOUR_LAYERS
 
-from flashtrain.train import faults
+from flashtrain.train.runtime import faults
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multinode")]
 

@@ -1,5 +1,6 @@
 """The job's nodes and the liveness of its ranks, piece by piece (issue 49; parallel/nodes.py,
-parallel/liveness.py, train/collectives.py). The end-to-end runs on two launchers are tests/test_multinode.py."""
+parallel/liveness.py, train/runtime/collectives.py). The end-to-end runs on two launchers are
+tests/test_multinode.py."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from flashtrain.config.cli import exit_on_user_error
 from flashtrain.config.errors import ConfigError
 from flashtrain.parallel import liveness as lv
 from flashtrain.parallel.nodes import NodeTable, RankPlace, check_shared_run_dir, cuda_device_index, startup_turn
-from flashtrain.train import faults
-from flashtrain.train.collectives import CollectiveError, Operation, collective_error
-from flashtrain.train.run_record import job_log_name
+from flashtrain.train.runtime import faults
+from flashtrain.train.runtime.collectives import CollectiveError, Operation, collective_error
+from flashtrain.train.runtime.run_record import job_log_name
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -303,7 +303,7 @@ def drafter_release(tmp_path_factory):
     from omegaconf import OmegaConf
 
     from flashtrain.model.dspark import DSpark
-    from flashtrain.train.dspark import backbone_pointer
+    from flashtrain.train.dspark.stage import backbone_pointer
     from flashtrain.train.official.convert import export_official
     from flashtrain.train.official.dcp_parts import PartsWriter
 
@@ -342,10 +342,10 @@ def test_drafter_round_trip_names_dtypes_and_config(drafter_release):
     """Export of a DSpark-stage checkpoint -> import: the backbone and the drafter back within the format
     bounds (FP32 exactly, BF16 as its rounding, FP8 / FP4 within the bound of the stored scales); the drafter's
     tensors under the release's names and dtypes; config.json with the drafter's fields; the stage starts its
-    drafter from the import (train/dspark.py `has_drafter`)."""
+    drafter from the import (train/dspark/stage.py `has_drafter`)."""
     from flashtrain.model.dspark import DSpark
     from flashtrain.train.checkpoint import load_weights
-    from flashtrain.train.dspark import has_drafter
+    from flashtrain.train.dspark.stage import has_drafter
     from flashtrain.train.official.convert import model_layout
 
     d, cfg, backbone, drafter = drafter_release
@@ -407,7 +407,7 @@ def test_drafter_round_trip_names_dtypes_and_config(drafter_release):
 
 
 def test_drafter_import_can_leave_the_drafter_out_and_export_checks_the_backbone(drafter_release, tmp_path):
-    from flashtrain.train.dspark import has_drafter
+    from flashtrain.train.dspark.stage import has_drafter
     from flashtrain.train.official.convert import export_official
 
     d, cfg, _, _ = drafter_release

@@ -171,7 +171,7 @@ def test_a_ranks_cost_holds_its_stages_at_the_schedules_worst_point_and_one_back
 
 def test_the_rounds_inputs_are_priced_with_a_pipeline_only():
     from flashtrain.train.config import compose, model_config, optim_config
-    from flashtrain.train.stages import partition_costs
+    from flashtrain.train.plan.stages import partition_costs
 
     cfg = compose(["+exp=flash_tiny"])
     m, o = model_config(cfg), optim_config(cfg)
@@ -270,7 +270,7 @@ def test_cost_model_matches_the_measured_block_activations(tiny_template, mode, 
     with FP8 GEMMs and the weight switches on, where the kept inputs (FP8 codes) and the weight copies each
     micro-batch saves (quantised, FP8) change most."""
     from flashtrain.parallel.partition import weight_copy_bytes
-    from flashtrain.train.estimate import probe_block
+    from flashtrain.train.plan.estimate import probe_block
 
     cfg, m, model, optimizer_of = _template(FORMATS) if formats else tiny_template
     costs = PartitionCosts(recompute=mode, mixed_precision=device == "cuda")
@@ -374,7 +374,7 @@ def test_the_trainers_partition_uses_the_rounds_in_flight_counts():
     a round of 2 runs every forward of rank 0 before a backward -- (2, 2) in flight, and (2, 1) on rank 1 --, so
     12 equal blocks (1 byte kept each) split 3 / 3 / 3 / 3 (largest stage 2 x 3); with the default round of 4
     (in flight 4, 3, 2, 1), 1 / 2 / 3 / 6."""
-    from flashtrain.train.stages import plan_stages
+    from flashtrain.train.plan.stages import plan_stages
 
     units = [{"state_bytes": 0, "activation_bytes": 1, "work_bytes": 0, "flops_per_token": 1} for _ in range(12)]
     parallel = ParallelConfig(pp=2, pipeline_schedule="interleaved_1f1b")
@@ -501,7 +501,7 @@ def test_unit_costs_give_the_attention_the_whole_sequence_kv_it_reads():
     from flashtrain.parallel.config import ParallelConfig
     from flashtrain.parallel.partition import unit_costs
     from flashtrain.train.config import optim_config
-    from flashtrain.train.stages import partition_costs
+    from flashtrain.train.plan.stages import partition_costs
 
     sys.path.insert(0, str(ROOT / "tests"))
     from layer_plans import FOUR_LAYERS

@@ -132,7 +132,7 @@ def test_why_a_split_backward_refuses_selective_recomputation(monkeypatch):
     tensors), where interleaved 1F1B (one backward pass) runs."""
     import flashtrain.train.build as build
     from flashtrain.train.config import compose
-    from flashtrain.train.estimate import estimate_rank
+    from flashtrain.train.plan.estimate import estimate_rank
 
     def cfg(schedule):
         return compose(["+exp=flash_tiny", *FOUR_LAYERS, "parallel.pp=2", "train.global_batch_tokens=512",

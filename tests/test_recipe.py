@@ -1,7 +1,7 @@
 """The whole recipe in one run (issue 48): the stages of train.recipe crossed by one command in the same
 processes, a node lost and the run continued on fewer, with the data trace (data.trace) showing every
 document read once -- checked against the shards' contents -- and the LR of every step the schedule's
-value for the tokens seen. train/recipe.py, data/loader.py `relayout`, train/data_trace.py."""
+value for the tokens seen. train/recipe.py, data/loader.py `relayout`, data/trace.py."""
 
 import json
 import math

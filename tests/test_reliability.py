@@ -1,4 +1,4 @@
-"""Reliability (issue 18 items 4, 5, 8): fault-injection specs (train/faults.py), the crash fuzz
+"""Reliability (issue 18 items 4, 5, 8): fault-injection specs (train/runtime/faults.py), the crash fuzz
 (launch/fuzz_restarts.py: 20 SIGKILLs of workers, whole jobs, the launcher alone and checkpoint writes,
 then bit-exact against an uninterrupted run), an elastic restart under `torchrun --max-restarts=1`, and a
 hung collective that fails the job within the process-group timeout, naming the step and the operation.
@@ -22,7 +22,7 @@ import warm_launch
 from test_trainer import corpus_args  # noqa: F401 - the shared corpus fixture
 
 from flashtrain.config.errors import ConfigError
-from flashtrain.train import faults
+from flashtrain.train.runtime import faults
 
 ROOT = Path(__file__).resolve().parent.parent
 

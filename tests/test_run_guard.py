@@ -1,5 +1,5 @@
 """One job per run directory and workers that die with their launcher (issue 18 item 7,
-train/run_guard.py)."""
+train/runtime/run_guard.py)."""
 
 import getpass
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from layer_plans import EIGHT_LAYERS
 
-from flashtrain.train.run_guard import RunDirectoryBusy, acquire_run_lock
+from flashtrain.train.runtime.run_guard import RunDirectoryBusy, acquire_run_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.heatmap_interval=0",
@@ -67,7 +67,7 @@ def _alive(pid: int) -> bool:
 LOADER_WORKERS = """
 import functools, os, sys, time
 import torch
-from flashtrain.train.run_guard import acquire_run_lock, die_with_parent
+from flashtrain.train.runtime.run_guard import acquire_run_lock, die_with_parent
 
 class Pids(torch.utils.data.IterableDataset):
     def __iter__(self):

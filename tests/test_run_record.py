@@ -1,4 +1,4 @@
-"""What a start writes into its run directory, and when (issue 47 item 2, train/run_record.py): nothing until
+"""What a start writes into its run directory, and when (issue 47 item 2, train/runtime/run_record.py): nothing until
 it is admitted; then the config record (.hydra/) and the job log with the start-up lines it held; a refused
 start removes the directories it created and leaves an existing directory as it was."""
 
@@ -7,8 +7,8 @@ import logging
 from omegaconf import OmegaConf
 
 from flashtrain.config import CONF_DIR
-from flashtrain.train.run_guard import LOCK_NAME, acquire_run_lock
-from flashtrain.train.run_record import StartRecord, new_directories
+from flashtrain.train.runtime.run_guard import LOCK_NAME, acquire_run_lock
+from flashtrain.train.runtime.run_record import StartRecord, new_directories
 
 
 def _hydra(run_dir):

@@ -1,4 +1,4 @@
-"""Loss-spike detection (train/spike.py): the rule on hand-computed histories, its config errors, and the
+"""Loss-spike detection (train/stability/spike.py): the rule on hand-computed histories, its config errors, and the
 in-memory snapshots a rollback restores."""
 
 import json
@@ -14,7 +14,7 @@ from layer_plans import FOUR_LAYERS
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.config.typed import typed_config
-from flashtrain.train.spike import Snapshots, SpikeConfig, SpikeDetector
+from flashtrain.train.stability.spike import Snapshots, SpikeConfig, SpikeDetector
 
 
 def detector(**kw):
@@ -130,7 +130,7 @@ def test_the_rollback_target_is_at_least_rollback_steps_back():
     assert snaps.target(12).step == 15  # none far enough back: the oldest there is
 
 
-# --- the loop: skip and rollback with a spike injected (FLASHTRAIN_FAULT=spike:..., train/faults.py) -----------
+# --- the loop: skip and rollback with a spike injected (FLASHTRAIN_FAULT=spike:..., train/runtime/faults.py) ---
 ROOT = Path(__file__).resolve().parent.parent
 DETECT = ["train.spike.min_history=3", "train.spike.window=20", "train.spike.loss_sigmas=3",
           "train.spike.rollback_steps=2", "train.spike.snapshot_interval=2",

@@ -9,11 +9,11 @@ import random
 import numpy as np
 import torch
 
-from flashtrain.train.anticipatory import AnticipatoryRoutingConfig
 from flashtrain.train.checkpoint import _blob, _unblob
-from flashtrain.train.collectives import Operation
-from flashtrain.train.spike import Snapshots, SpikeConfig, SpikeDetector
-from flashtrain.train.stability import StabilityGuard
+from flashtrain.train.runtime.collectives import Operation
+from flashtrain.train.stability.anticipatory import AnticipatoryRoutingConfig
+from flashtrain.train.stability.guard import StabilityGuard
+from flashtrain.train.stability.spike import Snapshots, SpikeConfig, SpikeDetector
 
 
 def test_the_grad_norm_history_survives_the_checkpoint():

@@ -18,7 +18,7 @@ import torch
 from flashtrain.data.config import TokenSpec
 from flashtrain.data.images import TEXT
 from flashtrain.data.loader import Piece, collate
-from flashtrain.train.collectives import Operation
+from flashtrain.train.runtime.collectives import Operation
 from flashtrain.train.step_runner import LocalRunner
 from flashtrain.train.step_values import padding_fraction, source_fields
 

@@ -111,7 +111,7 @@ def assert_records_match(ref, got):
 
 
 def assert_evals_match(ref_run, run, steps):
-    """The eval records of a run in another layout (train/evaluate.py): the reference's at `steps`, within
+    """The eval records of a run in another layout (train/evaluation/heldout.py): the reference's at `steps`, within
     1e-5 relative (summation order), the scored tokens exactly."""
     ref, got = evals(ref_run), evals(run)
     assert [e["step"] for e in got] == list(steps)
@@ -307,7 +307,7 @@ def test_keep_last_k_and_resume_from(tmp_path, corpus_args, async_save):
     assert records(other)[-1]["loss"] == records(run)[-1]["loss"]
     job_log = (other / "pretrain.log").read_text()  # the job log receives the trainer's log lines, those of the
     assert "resumed from" in job_log and f"run directory {other}: 1 process(es)" in job_log  # start-up too
-    # the admitted start's config record (train/run_record.py): what Hydra wrote before
+    # the admitted start's config record (train/runtime/run_record.py): what Hydra wrote before
     assert f"- train.resume_from={run}/checkpoints/step_00000002\n" in (other / ".hydra" / "overrides.yaml").read_text()
     assert "max_steps: 3" in (other / ".hydra" / "config.yaml").read_text()
     assert "job:\n    name: pretrain" in (other / ".hydra" / "hydra.yaml").read_text()
@@ -426,7 +426,7 @@ LOCAL_DOCS = [{"question": "def f(x):\n    return", "choices": [" x * 2", " √ºn√
 @pytest.mark.slow
 @pytest.mark.xdist_group("trainer_one_sequence_reference")
 def test_lm_eval_adapter_scores_literally_and_runs_a_local_task(tmp_path, one_sequence_reference):
-    """The lm-evaluation-harness model `flashtrain` (train/harness.py) on the reference's step-4 checkpoint:
+    """The lm-evaluation-harness model `flashtrain` (train/evaluation/harness.py) on the reference's step-4 checkpoint:
     `loglikelihood` of hand-made requests (batched, so the shorter row is padded) equals the sum of the
     continuation's log-probabilities taken literally from the model's logits of the unpadded row; then
     `launch/harness.py` (the harness's command line) runs a local multiple-choice task end to end
@@ -435,7 +435,7 @@ def test_lm_eval_adapter_scores_literally_and_runs_a_local_task(tmp_path, one_se
     from tokenizers import Tokenizer
 
     from flashtrain.model.aux import StepStats
-    from flashtrain.train.harness import FlashtrainLM
+    from flashtrain.train.evaluation.harness import FlashtrainLM
 
     straight, _ = one_sequence_reference
     ckpt = f"{straight}/checkpoints/step_00000004"

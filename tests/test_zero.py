@@ -227,7 +227,7 @@ def test_pipeline_sends_each_micro_batchs_engram_ids_during_the_previous_forward
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import flashtrain.parallel.engram_shard as engram_shard
-    import flashtrain.train.estimate as estimate
+    import flashtrain.train.plan.estimate as estimate
     from flashtrain.train.config import compose
 
     monkeypatch.setattr(estimate, "_peak_preserving_microbatches", lambda *a: {})

@@ -39,7 +39,7 @@ from pathlib import Path
 # the modules a launch of the project's scripts imports before its first line of work (the zygote's)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.elastic.multiprocessing.errors", "torch.distributed.pipelining", "torch._dynamo",
-           "hydra", "omegaconf", "flashtrain.train.trainer", "flashtrain.train.evaluate")
+           "hydra", "omegaconf", "flashtrain.train.trainer", "flashtrain.train.evaluation.heldout")
 # environment variables read at import time (by torch, dynamo / inductor, Triton, OpenMP, the interpreter);
 # except PYTHONPATH (a forked launch puts its entries on sys.path as the interpreter would) and torchrun's
 # TORCHELASTIC_* (read when used: the error file of `record`)
@@ -92,7 +92,7 @@ class _Zygote:
     def __init__(self, env: dict):
         here = str(Path(__file__).resolve().parent)
         # "torch" in its command line: a worker under torchrun checks that its parent is a torch process
-        # (train/run_guard.py die_with_launcher)
+        # (train/runtime/run_guard.py die_with_launcher)
         code = f"import sys, torch; sys.path.insert(0, {here!r}); import warm_launch; warm_launch.serve({here!r})"
         self.env = dict(env)
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

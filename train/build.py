@@ -1,5 +1,5 @@
 """Construction of a training run as plain functions (DESIGN.md "Training", "Construction at scale"),
-composed by the trainer (train/trainer.py) and the memory estimator (train/estimate.py) alike:
+composed by the trainer (train/trainer.py) and the memory estimator (train/plan/estimate.py) alike:
 
     read_configs(cfg)              every typed config of the run, validated (train/config.py)
     plan_layout(...)               the degrees (ParallelDims.plan) and the batch arithmetic (BatchPlan),
@@ -7,15 +7,15 @@ composed by the trainer (train/trainer.py) and the memory estimator (train/estim
     init_distributed(timeout_s)    the process group (gloo on CPU, NCCL on CUDA) and this rank's device
     build_dims(...)                the parallel dimensions: mesh, groups, this rank's coordinates
     build_module(...)              this rank's train module (train/module.py; the DSpark stage's,
-                                   train/dspark.py): model, pipeline stages, optimizers, gradient reducer,
+                                   train/dspark/stage.py): model, pipeline stages, optimizers, gradient reducer,
                                    step runner, from the whole model's meta-device template
     build_loader(...)              the packed data loader of this rank's dp slice
-    build_evaluator(...)           the held-out set and this rank's share of it (train/evaluate.py)
+    build_evaluator(...)           the held-out set and this rank's share of it (train/evaluation/heldout.py)
 
 The estimator's one seam is `build_module`'s `tensor_mode`: the memory estimator passes its
 FakeTensorMode, under which the model is materialised and the pipeline, optimizers and reducer are
 built (the pruning stays on plain meta tensors); the trainer passes nothing. What else differs when
-simulating (values that do not exist on fake tensors) is listed in train/estimate.py.
+simulating (values that do not exist on fake tensors) is listed in train/plan/estimate.py.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ from flashtrain.data.loader import (
 from flashtrain.data.tokenizer import load_tokenizer, token_byte_counts
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.recompute import validate_recompute
+from flashtrain.model.sequence_split import chunk_ranges
 from flashtrain.parallel.config import ParallelConfig, check_recompute_with_schedule
 from flashtrain.parallel.dims import ParallelDims
 from flashtrain.parallel.liveness import Liveness
 from flashtrain.parallel.nodes import STARTUP_TURNS, NodeTable, check_shared_run_dir, cuda_device_index, startup_turn
-from flashtrain.train.collectives import Operation, all_reduce, barrier
 from flashtrain.train.compile import check_backend, compile_enabled
 from flashtrain.train.config import (
     BatchPlan,
@@ -65,13 +65,14 @@ from flashtrain.train.config import (
     schedule,
     token_spec,
 )
-from flashtrain.train.dspark import DSparkModule, check_backbone_path, validate_stage
+from flashtrain.train.dspark.stage import DSparkModule, check_backbone_path, validate_stage
 from flashtrain.train.engram_map import load_or_build_engram_map
-from flashtrain.train.evaluate import Evaluator
+from flashtrain.train.evaluation.heldout import Evaluator
 from flashtrain.train.metrics import LoggingConfig
 from flashtrain.train.module import TrainModule, counts_data
 from flashtrain.train.optim.config import OptimConfig
-from flashtrain.train.run_guard import acquire_run_lock, die_with_parent
+from flashtrain.train.runtime.collectives import Operation, all_reduce, barrier
+from flashtrain.train.runtime.run_guard import acquire_run_lock, die_with_parent
 from flashtrain.train.schedule import Schedule
 from flashtrain.train.step_runner import StepRunner
 
@@ -162,8 +163,6 @@ def plan_layout(train: TrainConfig, seq_len: int, micro_batch: int, parallel: Pa
     if train.checkpoint.interval <= 0 or train.checkpoint.keep <= 0:
         raise ConfigError("train.checkpoint.interval and train.checkpoint.keep must be positive")
     if parallel.cp > 1:
-        from flashtrain.model.sequence_split import chunk_ranges
-
         chunk_ranges(seq_len, parallel.cp, parallel.cp_balance)  # a sequence too short for the split fails here
     return plan
 
@@ -207,7 +206,7 @@ class Run:
     dims: ParallelDims
     nodes: NodeTable | None = None
     liveness: Liveness | None = None
-    lock: object | None = None  # the run directory's job lock (train/run_guard.py; rank 0 of a training run)
+    lock: object | None = None  # the run directory's job lock (train/runtime/run_guard.py; rank 0 of a training run)
     tokenizer: str | None = None  # `read_data`: the tokenizer's path
     sources: list | None = None  # the training data sources (data/loader.py `data_sources`)
     heldout: list[str] | None = None  # the held-out shards (data/loader.py `heldout_shards`)
@@ -266,10 +265,11 @@ class Run:
 
 def bring_up(c: RunConfigs, world: int, run_dir: Path | None = None, rank: int | None = None,
              checks: bool = True) -> Run:
-    """One bring-up for the trainer, the checkpoint scorer (train/evaluate.py), speculative decoding
-    (train/speculative.py) and the memory estimator (train/estimate.py), before any model exists: the run plan
-    (`run_plan`), what the start needs on disk (`check_start`; `checks`), the process group (`init_distributed`;
-    `rank` given: the caller's own, the estimator's fake one, on the CPU), the job's nodes, the connected dims.
+    """One bring-up for the trainer, the checkpoint scorer (train/evaluation/checkpoint.py), speculative
+    decoding (train/dspark/speculative.py) and the memory estimator (train/plan/estimate.py), before any model
+    exists: the run plan (`run_plan`), what the start needs on disk (`check_start`; `checks`), the process group
+    (`init_distributed`; `rank` given: the caller's own, the estimator's fake one, on the CPU), the job's nodes,
+    the connected dims.
     A training run (`run_dir`) also takes the run directory's lock (rank 0), checks every node sees the
     directory and starts the job's liveness heartbeat. `Run.read_data` then reads the data."""
     plan = run_plan(c, world)
@@ -295,7 +295,7 @@ def bring_up(c: RunConfigs, world: int, run_dir: Path | None = None, rank: int |
 def build_module(run: Run, template, op: Operation, mixed_precision: bool | None = None,
                  tensor_mode=None) -> TrainModule:
     """This rank's train module for the run's `train.stage` (train/module.py): pre-training's, or the DSpark
-    stage's (train/dspark.py), built from the whole model's meta-device template; `mixed_precision` (default: on
+    stage's (train/dspark/stage.py), built from the whole model's meta-device template; `mixed_precision` (default: on
     CUDA) bf16 autocast. `tensor_mode`: the estimator's seam (module docstring); the module it builds has no
     stability guard."""
     c = run.c
@@ -339,7 +339,7 @@ def check_shards_at_start(run: Run) -> set[str]:
 
 
 def build_evaluator(run: Run, runner: StepRunner, periodic: bool = True) -> Evaluator | None:
-    """The run's held-out evaluation (train/evaluate.py) through `runner` from the run's held-out shards
+    """The run's held-out evaluation (train/evaluation/heldout.py) through `runner` from the run's held-out shards
     (data/loader.py `heldout_shards`); None with `train.eval.interval` 0, or without held-out shards (logged).
     `periodic`: a run's, every `train.eval.interval` steps (False: one scoring of a checkpoint, launch/evaluate.py)."""
     c, dims, shards, is_main = run.c, run.dims, run.heldout, run.is_main

@@ -34,7 +34,8 @@ Contents (DCP keys):
 - `dp<r>`: data-parallel rank r's data-loader state and RNG states (the ranks of one pipeline read the
   same batches; any of them writes it), so resuming needs the same number of data-parallel readers
   (the loader's state is per reader); pp and ep may change; the rank state also holds the spike
-  detector's history and Anticipatory Routing's look-ahead batches (train/spike.py, train/anticipatory.py);
+  detector's history and Anticipatory Routing's look-ahead batches (train/stability/spike.py,
+  train/stability/anticipatory.py);
 - `rank<r>`: what only global rank r holds -- while Anticipatory Routing is active, the routing indices
   cached for its stage's MoE layers; written only then, and read back only by the same rank.
 
@@ -62,12 +63,15 @@ import shutil
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from flashtrain.config.errors import (
     CheckpointError,  # noqa: F401 (re-exported)
@@ -106,8 +110,6 @@ def _blob(obj) -> bytes:
 
 def _numpy_globals() -> list:
     """What a pickled numpy array needs (the data-loader state holds token arrays, the RNG state numpy's)."""
-    import numpy as np
-
     core = getattr(np, "_core", None) or np.core
     dtypes = [type(np.dtype(t)) for t in (bool, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
                                           np.uint32, np.uint64, np.float16, np.float32, np.float64)]
@@ -159,8 +161,6 @@ class SafeReader(dcp.FileSystemReader):
     """DCP's file reader with `.metadata` read by `_MetadataUnpickler` instead of `pickle.load`."""
 
     def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             try:
@@ -186,8 +186,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as e:
             raise _refused(f"checkpoint entry {read_item.dest_index.fqn!r}", e) from None
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
@@ -707,7 +705,7 @@ def read_meta(path: str | Path) -> dict:
 
 def load_weights(path: str | Path, model: nn.Module, layout: dict | None = None) -> dict:
     """The model's parameters and buffers alone, into any layout and any number of data-parallel ranks
-    (evaluation, train/evaluate.py); returns the checkpoint's meta."""
+    (evaluation, train/evaluation/heldout.py); returns the checkpoint's meta."""
     return _load_weights_only(Path(path), model, layout or {})
 
 

@@ -24,7 +24,7 @@ partition and the optimizer routing see the model they always see.
   generation, to tell a tracing problem from a compiler one (the parallel test uses eager).
 - The Triton kernels are torch.library custom ops (model/kernels/select.py `kernel_op`): compile treats
   each as one opaque operator and never traces into Triton.
-- The memory estimator (train/estimate.py) builds its rank with a fake-tensor mode and never compiles.
+- The memory estimator (train/plan/estimate.py) builds its rank with a fake-tensor mode and never compiles.
 
 Every block is a separate compiled region (its role, layer id and Engram table specialise its graph), so
 dynamo's per-function recompile limit is raised to the number of blocks.
@@ -40,6 +40,8 @@ import re
 import torch
 
 from flashtrain.config.errors import ConfigError
+from flashtrain.model.transformer import Block
+from flashtrain.train import loss
 
 
 def compile_enabled(setting: bool | None, device_type: str, defaults: dict) -> bool:
@@ -66,9 +68,6 @@ def check_backend(backend: str) -> None:
 def apply_compile(model: torch.nn.Module, backend: str = "inductor") -> int:
     """Compile every block's body and the loss tile in place with `backend` (`train.compile_backend`);
     returns the number of blocks compiled."""
-    from flashtrain.model.transformer import Block
-    from flashtrain.train import loss
-
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, len(blocks) + 8)

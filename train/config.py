@@ -13,7 +13,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from omegaconf import DictConfig, OmegaConf
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from flashtrain.config import CONF_DIR
 from flashtrain.config.errors import ConfigError
@@ -23,14 +28,14 @@ from flashtrain.data.images import ImageProcessorConfig
 from flashtrain.model.config import ModelConfig
 from flashtrain.parallel.config import ParallelConfig
 from flashtrain.parallel.dims import ParallelDims
-from flashtrain.train.anticipatory import AnticipatoryRoutingConfig
-from flashtrain.train.dspark_loss import DSparkLossConfig
-from flashtrain.train.evaluate import EvalConfig
+from flashtrain.train.dspark.loss import DSparkLossConfig
+from flashtrain.train.evaluation.heldout import EvalConfig
 from flashtrain.train.flops import PeakTflops
 from flashtrain.train.optim.config import OptimConfig
 from flashtrain.train.profile import ProfileConfig
-from flashtrain.train.recipe import RecipeConfig
-from flashtrain.train.spike import SpikeConfig
+from flashtrain.train.schedule import Schedule, ScheduleConfig
+from flashtrain.train.stability.anticipatory import AnticipatoryRoutingConfig
+from flashtrain.train.stability.spike import SpikeConfig
 
 
 @dataclass
@@ -38,6 +43,22 @@ class CheckpointConfig:
     interval: int = 50
     keep: int = 3
     async_save: bool = False
+
+
+@dataclass
+class RecipeConfig:
+    """The `train.recipe` group: the first stage's name and the stages after it (train/recipe.py). Read
+    by `stage_list` from the raw config, before the typed configs exist (a stage changes them)."""
+    first: str = "first"
+    stages: list = field(default_factory=list)
+
+
+@dataclass
+class StageConfig:
+    """One entry of `train.recipe.stages`."""
+    name: str = ""
+    from_tokens: float = 0.0
+    overrides: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -58,12 +79,12 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peak_tflops: PeakTflops = field(default_factory=PeakTflops)  # MFU peak per device type (train/flops.py)
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # traces / memory snapshots (train/profile.py)
-    spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike detection and rollback (train/spike.py)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)  # spike detection, rollback (train/stability/spike.py)
     anticipatory_routing: AnticipatoryRoutingConfig = field(default_factory=AnticipatoryRoutingConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (train/evaluate.py)
-    stage: str = "pretrain"  # pretrain | dspark: the frozen backbone, the drafter trained (train/dspark.py)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (train/evaluation/heldout.py)
+    stage: str = "pretrain"  # pretrain | dspark: the frozen backbone, the drafter trained (train/dspark/stage.py)
     backbone: str | None = None  # the DSpark stage's backbone checkpoint
-    dspark: DSparkLossConfig = field(default_factory=DSparkLossConfig)  # its objective (train/dspark_loss.py)
+    dspark: DSparkLossConfig = field(default_factory=DSparkLossConfig)  # its objective (train/dspark/loss.py)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)  # the recipe's stages (train/recipe.py)
 
 
@@ -148,9 +169,6 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 def compose_with_run_dir(overrides: list[str] | tuple[str, ...] = ()) -> tuple[DictConfig, str | None]:
     """`compose`, and the run directory a Hydra app would use for these overrides (`hydra.run.dir`
     resolved; None when it interpolates what only a running app knows)."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     overrides = list(overrides)
     try:
         cfg, run_dir = _hydra_compose(overrides)
@@ -164,11 +182,6 @@ def _hydra_compose(overrides: list[str]) -> tuple[DictConfig, str | None]:
     """Hydra's compose, outside a Hydra app, and the resolved `hydra.run.dir` (or None): `run_name`, which
     interpolates the Hydra runtime by default (`${hydra:runtime.choices.model}`), is resolved here to the
     chosen model, so the config resolves whole (train/build.py `read_configs`)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import open_dict
-    from omegaconf.errors import OmegaConfBaseException
-
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
     model = cfg.hydra.runtime.choices.get("model")
@@ -242,8 +255,6 @@ def _missing_key(path: str, overrides: list[str]) -> str:
 
 
 def _unparsable(overrides: list[str]) -> str:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parser = OverridesParser.create()
     for o in overrides:
         try:
@@ -255,8 +266,6 @@ def _unparsable(overrides: list[str]) -> str:
 
 def hydra_error(overrides: list[str], e: Exception) -> ConfigError:
     """One line for what Hydra (or OmegaConf, while composing) raised."""
-    from hydra.errors import MissingConfigException, OverrideParseException
-
     text = str(e)
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
         group, name = e.missing_cfg_file.rsplit("/", 1)
@@ -305,8 +314,6 @@ def token_spec(model: ModelConfig) -> TokenSpec:
 
 def schedule(cfg: DictConfig):
     """The LR schedule of a run: ScheduleConfig + the fixed global batch in tokens."""
-    from flashtrain.train.schedule import Schedule, ScheduleConfig
-
     seq_len = int(cfg.data.seq_len)
     return Schedule(typed_config(ScheduleConfig, OmegaConf.to_container(cfg.schedule, resolve=True), "schedule"),
                     global_sequences(float(cfg.train.global_batch_tokens), seq_len) * seq_len)

@@ -13,12 +13,12 @@ import os
 import socket
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from flashtrain.model.engram import build_compressed_token_map
 
 
 def load_or_build_engram_map(tokenizer_path: str | Path) -> list[int]:
-    from tokenizers import Tokenizer
-
     path = Path(tokenizer_path)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     cache = path.with_name("engram_map.json")

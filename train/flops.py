@@ -108,7 +108,7 @@ layer and sequence (no causal halving), without the LM head or the router. For a
 comparison: `dense_matmuls` + `routed_experts` = 6 x the activated matmul parameters per token (embedding
 excluded, LM head included), and `attention_core` + `indexer` is the attention.
 
-The DSpark stage (train/dspark.py; `dspark_flops_per_token`), per token of the data (one anchor): the frozen
+The DSpark stage (train/dspark/stage.py; `dspark_flops_per_token`), per token of the data (one anchor): the frozen
 backbone's forward (a third of the above), plus, 6x (forward and backward), the drafter's matmul parameters
 once per anchor for `main_proj` and K = `dspark_block_size` times for the rest (each draft position runs the
 drafter blocks, the shared head, the Markov head's projection and the confidence head; the drafter's
@@ -149,8 +149,10 @@ import torch
 from flashtrain.config.errors import ConfigError
 from flashtrain.config.typed import typed_config
 from flashtrain.model.config import ModelConfig
+from flashtrain.model.dspark import DSpark
 from flashtrain.model.inspect import VISION_ROOTS, inspect_model
 from flashtrain.model.layer_plan import layer_plan
+from flashtrain.parallel.construct import model_template
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +255,6 @@ def flop_accounting(cfg: ModelConfig, seq: int, template=None) -> dict:
     """flops per token at `seq` with its parts, and the parameter counts they come from. `template`: the
     whole model (any device, meta is enough; not a rank's pruned model); built on the meta device if None."""
     if template is None:
-        from flashtrain.parallel.construct import model_template
-
         template = model_template(cfg)  # meta device: shapes only
     parts = matmul_params(template, cfg)
     p_mm = sum(parts.values())
@@ -303,8 +303,6 @@ def dspark_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 @functools.lru_cache(maxsize=8)
 def _dspark_flops_per_token(cfg_json: str, seq: int) -> float:
-    from flashtrain.model.dspark import DSpark
-
     cfg = typed_config(ModelConfig, json.loads(cfg_json), "model")
     with torch.device("meta"):
         drafter = DSpark(cfg, init=False)

@@ -84,7 +84,7 @@ def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, t
     if split is not None:
         labels = split.local(labels)
         sources = None if sources is None else split.local(sources)
-    # fake labels (the memory estimator, train/estimate.py) have no values: every position counts. The label
+    # fake labels (the memory estimator, train/plan/estimate.py) have no values: every position counts. The label
     # count stays on the device (a 0-dim tensor): reading it on the host would be a sync per micro-batch
     if split is not None:
         n_valid = split.seq_len * labels.shape[0] if simulated(labels) else split.sum(
@@ -108,7 +108,7 @@ def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, t
 
 def heldout_sums(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, token_bytes: torch.Tensor,
                  tile_tokens: int, split=None) -> torch.Tensor:
-    """The held-out scores of a micro-batch (train/evaluate.py), no gradient: float64 [2] = (the CE sum
+    """The held-out scores of a micro-batch (train/evaluation/heldout.py), no gradient: float64 [2] = (the CE sum
     over its label positions, the CE sum over those whose target stands for at least one byte). Head +
     cross-entropy in tiles of `tile_tokens` positions, as `tiled_lm_loss`. Context parallelism
     (`split`): this rank's positions only, so the ranks' sums add up to the whole sequences'."""

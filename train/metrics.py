@@ -31,8 +31,14 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import matplotlib as mpl
 import numpy as np
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import TwoSlopeNorm
+from matplotlib.figure import Figure
+from tqdm import tqdm
 
 from flashtrain.config.errors import ConfigError
 
@@ -120,8 +126,6 @@ def load_norm(max_load: float):
     """The heatmaps' colour scale: load / balanced load from 0 (starved, blue) through 1 (balanced, white)
     to `max_load` (`logging.heatmap_max_load`, red), fixed for the run so that one colour means one load in
     every picture; a load above `max_load` maps past the top (the colour map's over colour)."""
-    from matplotlib.colors import TwoSlopeNorm
-
     return TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max_load)
 
 
@@ -135,11 +139,6 @@ def expert_load_figure(loads: dict[int, torch.Tensor], step: int,
     the step and the routed assignments per modality. A modality without any token gets a "no <modality>
     tokens in this step" note instead of a picture. Built without pyplot (no global figure state, nothing
     to close; rendering uses the Agg canvas)."""
-    import matplotlib as mpl
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.figure import Figure
-
     layers, rel = relative_loads(loads)
     counts = routed_counts(loads)
     norm = load_norm(max_load)  # one scale for both panels and every step
@@ -356,8 +355,6 @@ class MetricsLogger:
             except Exception as e:  # noqa: BLE001 - wandb must never stop training
                 log.warning("wandb unavailable (%s); metrics go to %s only", e, self.path)
         if cfg.progress:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                              file=progress_file)
 
@@ -432,7 +429,7 @@ class MetricsLogger:
                 log.warning("wandb event failed (%s): %s", e, text)
 
     def eval(self, record: dict, wandb_step: int) -> None:
-        """A held-out evaluation (train/evaluate.py): its event line in metrics.jsonl, and in wandb its
+        """A held-out evaluation (train/evaluation/heldout.py): its event line in metrics.jsonl, and in wandb its
         numbers under `eval/` (`eval/loss`, `eval/bpb`, `eval/per_source/<name>/loss`, ...) at `wandb_step`,
         the step's own x."""
         if not self.enabled:

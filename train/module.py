@@ -12,9 +12,9 @@ module it is given:
     flops_per_token(seq_len)         the model FLOPs of a trained token (train/flops.py)
     checkpoint_meta() / check_resume(meta, path) / save(...) / load(path) / load_state_dict(rank_state)
 
-Two implementations: `TrainModule` (pre-training, here) and `DSparkModule` (the DSpark stage, train/dspark.py).
+Two implementations: `TrainModule` (pre-training, here) and `DSparkModule` (the DSpark stage, train/dspark/stage.py).
 `build_module` (train/build.py) makes the one `train.stage` names, for the trainer and for the memory
-estimator (train/estimate.py), which runs this same `step` on fake tensors (`tensor_mode`, no guard).
+estimator (train/plan/estimate.py), which runs this same `step` on fake tensors (`tensor_mode`, no guard).
 """
 
 from __future__ import annotations
@@ -32,18 +32,18 @@ from flashtrain.parallel.construct import build_rank_model
 from flashtrain.parallel.context import ContextComm
 from flashtrain.parallel.dims import ParallelDims
 from flashtrain.parallel.pipeline import Pipeline, build_pipeline, local_stage_ranges
-from flashtrain.train import faults
 from flashtrain.train.balancing import global_loads, update_biases
 from flashtrain.train.checkpoint import load_checkpoint
-from flashtrain.train.collectives import Operation
 from flashtrain.train.compile import apply_compile, compile_enabled
 from flashtrain.train.flops import flops_per_token
 from flashtrain.train.metrics import load_statistics
 from flashtrain.train.optim import build_optimizers
 from flashtrain.train.optim.routing import route_parameters, zero_inputs
+from flashtrain.train.plan.stages import plan_stages, stage_units
 from flashtrain.train.resume import check_model_config
-from flashtrain.train.stability import StabilityGuard
-from flashtrain.train.stages import plan_stages, stage_units
+from flashtrain.train.runtime import faults
+from flashtrain.train.runtime.collectives import Operation
+from flashtrain.train.stability.guard import StabilityGuard
 from flashtrain.train.step_runner import LocalRunner, PipelineLoss, PipelineRunner, StepRunner
 from flashtrain.train.step_values import LOADER_COUNTERS, StepValues
 
@@ -96,7 +96,7 @@ def build_rank(c, plan, dims: ParallelDims, device: torch.device, template, mixe
     (parallel/construct.py), so no rank allocates what it does not own and every layout starts from
     the same weights. `tensor_mode`: the estimator's seam (train/build.py)."""
     model, stages, bounds = template, None, None
-    if dims.pp > 1:  # the cost-balanced partition (train/stages.py, as launch/plan.py shows)
+    if dims.pp > 1:  # the cost-balanced partition (train/plan/stages.py, as launch/plan.py shows)
         units = stage_units(model, c.model, c.optim, c.parallel, c.data.seq_len, c.data.batch_size, c.train.recompute,
                             mixed_precision, dims.dp_cp, dims.cp, plan.round_inputs)
         bounds = plan_stages(units, c.parallel, plan.round_microbatches)
@@ -140,7 +140,7 @@ def build_rank(c, plan, dims: ParallelDims, device: torch.device, template, mixe
 class TrainModule:
     """Pre-training (`train.stage=pretrain`): the whole model trains; its MoE layers are the backbone's."""
 
-    evaluates = True  # the held-out LM evaluation runs through this module's step runner (train/evaluate.py)
+    evaluates = True  # the held-out LM evaluation runs through this module's step runner (train/evaluation/heldout.py)
 
     def __init__(self, c, plan, dims: ParallelDims, device: torch.device, parts: RankParts, op: Operation,
                  schedule, mixed_precision: bool, is_main: bool = True, guard: bool = True):
@@ -148,7 +148,7 @@ class TrainModule:
         self.model, self.pipe, self.optim, self.runner = parts.model, parts.pipe, parts.optim, parts.runner
         self.compiled, self.mixed_precision = parts.compiled, mixed_precision
         self.counts_data = counts_data(dims)
-        # the stability guard (train/stability.py); None in the estimator, whose fake values cannot be judged
+        # the stability guard (train/stability/guard.py); None in the estimator, whose fake values cannot be judged
         self.guard = StabilityGuard(c.train.spike, c.train.anticipatory_routing, self.model, self.optim.optimizers,
                                     device, op, is_main) if guard else None
 
@@ -168,7 +168,7 @@ class TrainModule:
 
     def next_batches(self, step: int, batches) -> tuple[list[dict], list[dict] | None]:
         """Step `step`'s micro-batches: from the stability guard's look-ahead buffer with their routing indices
-        while Anticipatory Routing is on (train/anticipatory.py), else the next of `batches` and no routes."""
+        while Anticipatory Routing is on (train/stability/anticipatory.py), else the next of `batches` and no routes."""
         if self.guard is not None and self.guard.reads_ahead(step):
             return self.guard.next_batches(step, batches, self.runner.record_routes)
         return next(batches), None

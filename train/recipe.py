@@ -29,39 +29,23 @@ from __future__ import annotations
 
 import datetime
 import math
-from dataclasses import dataclass, field
+import os
 
 from omegaconf import DictConfig, OmegaConf
 
-from flashtrain.config.errors import ConfigError
+from flashtrain.config.errors import CheckpointError, ConfigError
+from flashtrain.train.build import read_configs, run_plan
+from flashtrain.train.checkpoint import complete_checkpoints, read_meta, weights_only
+from flashtrain.train.config import StageConfig, compose, global_sequences
+from flashtrain.train.resume import EXECUTION_ONLY
 
 # what a stage's overrides must leave alone (the model: but its execution-only fields, train/resume.py)
 FIXED_PREFIXES = ("schedule.", "train.recipe", "train.global_batch_tokens", "train.seed", "train.stage")
 
 
-@dataclass
-class RecipeConfig:
-    """The `train.recipe` group: the first stage's name and the stages after it (module docstring). Read
-    by `stage_list` from the raw config, before the typed configs exist (a stage changes them)."""
-
-    first: str = "first"
-    stages: list = field(default_factory=list)
-
-
-@dataclass
-class StageConfig:
-    """One entry of `train.recipe.stages`."""
-
-    name: str = ""
-    from_tokens: float = 0.0
-    overrides: list[str] = field(default_factory=list)
-
-
 def stage_list(cfg: DictConfig) -> list[StageConfig]:
     """`train.recipe.stages` of a composed config, checked: names, increasing positive token counts,
     overrides of existing keys that a stage may change (module docstring)."""
-    from flashtrain.train.resume import EXECUTION_ONLY
-
     recipe = cfg.train.get("recipe")
     stages_cfg = recipe.get("stages") if recipe is not None else None
     raw = OmegaConf.to_container(stages_cfg, resolve=True) if stages_cfg else []
@@ -118,8 +102,6 @@ def stage_config(cfg: DictConfig, k: int) -> DictConfig:
 
 def tokens_per_step(c: DictConfig) -> int:
     """A configuration's fixed batch: `train.global_batch_tokens` in whole sequences of `data.seq_len`."""
-    from flashtrain.train.config import global_sequences
-
     return global_sequences(float(c.train.global_batch_tokens), int(c.data.seq_len)) * int(c.data.seq_len)
 
 
@@ -144,8 +126,6 @@ def resume_tokens(cfg: DictConfig, run_dir) -> float:
     meta reads, or `train.resume_from` (train/resume.py `resume_path`: imported weights start a run, the run
     directory's own checkpoints continue it). The resume itself verifies the checkpoint; a fall-back past a
     damaged one into another stage is caught there (`check_stage`)."""
-    from flashtrain.train.checkpoint import CheckpointError, complete_checkpoints, read_meta, weights_only
-
     resume_from = cfg.train.get("resume_from")
     own = list(reversed(complete_checkpoints(run_dir)))
     if resume_from and not (own and weights_only(resume_from)):
@@ -165,8 +145,6 @@ def start_stage(cfg: DictConfig, run_dir, world: int) -> tuple[int, DictConfig]:
     processes (unless one is for another number of processes, `parallel.world`: then the run ends at its
     boundary, asking for them). The stages already behind are not (a run that lost a node goes on in
     fewer processes than they were laid out for)."""
-    from flashtrain.train.build import read_configs, run_plan
-
     stages = stage_list(cfg)
     check_fixed_batch(cfg)
     k = stage_at(stages, resume_tokens(cfg, run_dir))
@@ -185,8 +163,6 @@ def next_boundary(cfg: DictConfig, k: int) -> float | None:
 
 def check_stage(cfg: DictConfig, k: int, tokens: float, path) -> None:
     """The checkpoint the resume loaded (`tokens` seen) is in stage k, the one this start was built for."""
-    from flashtrain.config.errors import CheckpointError
-
     found = stage_at(stage_list(cfg), tokens)
     if found != k:
         raise CheckpointError(f"checkpoint {path} ({tokens:g} tokens) is in recipe stage {stage_name(cfg, found)!r}, "
@@ -197,8 +173,6 @@ def check_stage(cfg: DictConfig, k: int, tokens: float, path) -> None:
 def other_world_stage(cfg: DictConfig, run_dir) -> str | None:
     """After a boundary: None when the stage the run reached runs in this job's processes; else the line that
     ends the job, saying how many processes that stage is laid out for (`parallel.world`)."""
-    import os
-
     k = stage_at(stage_list(cfg), resume_tokens(cfg, run_dir))
     world, want = int(os.environ.get("WORLD_SIZE", "1")), stage_config(cfg, k).parallel.world
     if want is None or want == world:
@@ -216,8 +190,6 @@ def stage_overrides(cfg: DictConfig, k: int) -> list[str]:
 def overrides_at(overrides: list[str], tokens: float) -> tuple[str, list[str]]:
     """(the stage's name, `overrides` + its stage overrides) for the stage a run of `overrides` is in after
     `tokens` tokens (launch/estimate.py --tokens)."""
-    from flashtrain.train.config import compose
-
     conf = compose(overrides)
     k = stage_at(stage_list(conf), tokens)
     return stage_name(conf, k), overrides + stage_overrides(conf, k)

@@ -5,11 +5,11 @@ Two runners, one interface:
   and backward, and finish the data-parallel gradient reduction (parallel/grad_reduce.py); returns the
   step's summed values on this rank (train/step_values.py: CE, aux losses, padding counts) and this
   rank's per-layer expert loads (not yet reduced). `routes`: per micro-batch, the routing indices to
-  follow (Anticipatory Routing, train/anticipatory.py), or None.
+  follow (Anticipatory Routing, train/stability/anticipatory.py), or None.
 - `record_routes(batches) -> routes`: one forward without gradients over the micro-batches, recording
   the routing indices every local MoE layer picks.
 - `evaluate(batches, token_bytes) -> scores`: one forward without gradients over held-out micro-batches
-  (train/evaluate.py; a pipeline's count a multiple of `eval_group`): per micro-batch this rank's
+  (train/evaluation/heldout.py; a pipeline's count a multiple of `eval_group`): per micro-batch this rank's
   float64 [2] scores (train/loss.py `heldout_sums`; zeros on a rank without the head's output), between
   steps (a pipeline's stats side channel is reset by the next step), leaving the gradients as they were.
 
@@ -39,8 +39,8 @@ from flashtrain.model.aux import StepStats
 from flashtrain.parallel.grad_reduce import GradReducer
 from flashtrain.parallel.pipeline import Pipeline
 from flashtrain.train.balancing import accumulate_loads
-from flashtrain.train.collectives import Operation
 from flashtrain.train.loss import heldout_sums, tiled_lm_loss
+from flashtrain.train.runtime.collectives import Operation
 from flashtrain.train.step_values import StepValues
 
 
@@ -106,7 +106,7 @@ class StepRunner:
         self.op = op
 
     def autocast(self):
-        """bf16 autocast on CUDA (and when simulating it, train/estimate.py); fp32 on the CPU."""
+        """bf16 autocast on CUDA (and when simulating it, train/plan/estimate.py); fp32 on the CPU."""
         if self.mixed_precision:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return torch.autocast(self.device.type, enabled=False)

@@ -10,7 +10,7 @@ in one all-reduce at its end.
 | loader counters (`LOADER_COUNTERS`) | the data loader's skip counts (pipeline rank 0) | step |
 | per source (`SOURCE_FIELDS`): `source_tokens`, `source_targets` | the batches (pp rank 0) | micro-batch |
 | `source_ce` (each source's CE sum) | the loss (the last stage; every cp rank its positions) | micro-batch |
-| named vectors (`vectors`): `dspark` (train/dspark_loss.py) | the DSpark stage's objective | micro-batch |
+| named vectors (`vectors`): `dspark` (train/dspark/loss.py) | the DSpark stage's objective | micro-batch |
 
 `source_tokens` counts the positions read, `source_targets` the scored labels.
 

@@ -4,20 +4,20 @@
                        from the stability guard's look-ahead buffer with their routing indices)
     step runner        forward/backward of every micro-batch, the gradient reduction (train/step_runner.py)
     clip, verdict      the norm over the whole model (parallel/dims.py); the stability guard's spike
-                       verdict (train/stability.py) before anything is updated
+                       verdict (train/stability/guard.py) before anything is updated
     optimizer step     ZeRO-1 (train/optim/, parallel/zero.py), skipped on a spike
     MoE bias update    from the loads all-reduced over the global batch (train/balancing.py)
     schedule / freeze  the LR of the step and the ViT body frozen until the decay starts (train/schedule.py)
     metrics            one record per step (train/metrics.py)
     evaluation         every `train.eval.interval` steps, the held-out loss and bits per byte through the
-                       same step runner (train/evaluate.py), an eval event in the metrics
+                       same step runner (train/evaluation/heldout.py), an eval event in the metrics
     checkpoint         every `train.checkpoint.interval` steps, at the end and on SIGTERM (train/checkpoint.py)
 
 The loop holds no parallelism, no model and no stage: `__init__` brings the run up (train/build.py: configs,
 layout, process group, parallel dimensions, data), is given this rank's train module (train/module.py: model,
-pipeline, optimizers, gradient reduction, step runner, stability guard; the DSpark stage's, train/dspark.py) and
+pipeline, optimizers, gradient reduction, step runner, stability guard; the DSpark stage's, train/dspark/stage.py) and
 its loader, and resumes (train/resume.py); each step is the module's `step`; a collective that fails is reported
-by step and operation (train/collectives.py). docs/step_path.md lists the files one batch passes through.
+by step and operation (train/runtime/collectives.py). docs/step_path.md lists the files one batch passes through.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from flashtrain.data.trace import DataTrace, open_trace
 from flashtrain.parallel.construct import model_template
-from flashtrain.train import faults
 from flashtrain.train.build import (
     bring_up,
     build_evaluator,
@@ -45,18 +45,18 @@ from flashtrain.train.build import (
     read_configs,
 )
 from flashtrain.train.checkpoint import CheckpointWriter, latest_checkpoint, read_meta
-from flashtrain.train.collectives import CollectiveError, Operation, any_rank, collective_error
 from flashtrain.train.compile import compile_report
 from flashtrain.train.config import CheckpointConfig, TrainConfig
-from flashtrain.train.data_trace import DataTrace, open_trace
 from flashtrain.train.flops import mfu, peak_flops
 from flashtrain.train.metrics import MetricsLogger, load_stats
 from flashtrain.train.module import StepOutcome
 from flashtrain.train.profile import StepProfiler
 from flashtrain.train.recipe import check_stage, closing_line, next_boundary, stage_line, stage_name, start_stage
 from flashtrain.train.resume import restore_data_position, resume_path
-from flashtrain.train.run_guard import die_with_launcher
-from flashtrain.train.spike import rng_state, set_rng_state
+from flashtrain.train.runtime import faults
+from flashtrain.train.runtime.collectives import CollectiveError, Operation, any_rank, collective_error
+from flashtrain.train.runtime.run_guard import die_with_launcher
+from flashtrain.train.stability.spike import rng_state, set_rng_state
 from flashtrain.train.step_runner import StepBatches
 from flashtrain.train.step_values import loader_fields, padding_fraction, source_fields
 

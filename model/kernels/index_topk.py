@@ -65,7 +65,7 @@ if HAS_TRITON:
     _CONFIGS = ([triton.Config({"LOG_N": 4})] if interpreting() else
                 [triton.Config({"LOG_N": n}, num_warps=w, num_stages=2) for n, w in ((6, 8), (6, 4), (7, 8))])
     # A program's running buffer is 2^(LOG_M + LOG_K) int64 keys in registers. The compile gate (sm_90a,
-    # train/compile_gate.py): at 1024 keys (exp=flash, 2 queries x top-512) 4 warps take 254-255 registers and
+    # train/plan/compile_gate.py): at 1024 keys (exp=flash, 2 queries x top-512) 4 warps take 254-255 registers and
     # no spill; at 2048 (flash_node, 4 queries x top-512) they spill 80-160 bytes: 4 warps only up to 1024 keys.
     _MAX_KEYS_4_WARPS = 1024
 

@@ -67,7 +67,7 @@ if HAS_TRITON:
                              ({"BLOCK_T": 64, "BLOCK_K": 64}, 4), ({"BLOCK_T": 128, "BLOCK_K": 64}, 8)])
     _MIXGRAD_CONFIGS = _configs({"BLOCK_T": 16},
                                 [({"BLOCK_T": 32}, 4), ({"BLOCK_T": 64}, 4), ({"BLOCK_T": 128}, 8)])
-    # the compile gate (train/compile_gate.py, docs/kernels.md) measured BLOCK_T = 64 spilling 808-896 bytes in
+    # the compile gate (train/plan/compile_gate.py, docs/kernels.md) measured BLOCK_T = 64 spilling 808-896 bytes in
     # this kernel on sm_90a and sm_100a (the [32, BLOCK_K] dfn accumulator beside the [BLOCK_T, BLOCK_K] tiles)
     _XGRAD_CONFIGS = _configs({"BLOCK_T": 16, "BLOCK_K": 128},
                               [({"BLOCK_T": 32, "BLOCK_K": 64}, 4), ({"BLOCK_T": 32, "BLOCK_K": 128}, 4)])

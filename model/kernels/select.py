@@ -8,7 +8,7 @@ under the interpreter a single autotune config is used.
 Every kernel launch goes through `launch(kernel, grid, *args, **kwargs)`. On fake tensors (no values:
 torch.compile tracing the kernels' custom ops, model/kernels/*.py) the host code runs -- it allocates
 the outputs, which is all a fake tensor needs -- and the launch is skipped; while `recording()` is
-active (the offline compile gate, train/compile_gate.py) it is recorded instead, with its arguments,
+active (the offline compile gate, train/plan/compile_gate.py) it is recorded instead, with its arguments,
 and the Triton path is taken on fake tensors too, so one simulated training step lists every launch
 the CUDA path makes at an exp's real shapes and dtypes.
 """
@@ -91,7 +91,7 @@ def kernel_op(name: str):
 
 def use_triton(t: torch.Tensor, requested: bool | None) -> bool:
     """requested=None: Triton on CUDA (or under the interpreter), the reference elsewhere. Fake tensors
-    (the memory estimator, train/estimate.py) take the reference: a kernel has no values to run on, and
+    (the memory estimator, train/plan/estimate.py) take the reference: a kernel has no values to run on, and
     the kernels keep the same saved tensors as the references they sit beside -- except while
     `recording()`, when they take the path CUDA takes."""
     if simulated(t):

@@ -54,14 +54,14 @@ if HAS_TRITON:
                            for h, n, w, s in ((16, 16, 4, 1), (16, 32, 8, 1), (32, 32, 8, 1), (64, 16, 8, 1),
                                               (64, 32, 8, 1))]
 
-    # Register footprint at D = 512 (exp=flash; train/compile_gate.py, docs/kernels.md): with 4 warps every
+    # Register footprint at D = 512 (exp=flash; train/plan/compile_gate.py, docs/kernels.md): with 4 warps every
     # config spills in bf16 (forward (16, 32): 44-48 bytes; backward query kernel (16, 16): 8-32, (16, 32):
     # 424-444; key kernel (16, 16): 8), and the backward query kernel's (32, 32, 8 warps) spills 60-76 bytes:
     # at D >= 512 only 8 warps, and the query kernel's BLOCK_H x BLOCK_N <= 512 (its dq, q, dout [BLOCK_H, D]
     # and k [BLOCK_N, D] tiles live together).
     _WIDE_D = 512
     _BWD_Q_WIDE_TILE = 512
-    # Spills the compile gate measured and accepts (train/compile_gate.py): one 4-byte word in the key kernel's
+    # Spills the compile gate measured and accepts (train/plan/compile_gate.py): one 4-byte word in the key kernel's
     # (16, 32, 8 warps) at D = 256 on sm_90a (flash_node), where the only other config its prune keeps is
     # (16, 16, 4 warps)
     SPILLS_MEASURED = {("_sparse_attn_bwd_kv", "BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=1", "sm_90a"): 4}

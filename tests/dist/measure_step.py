@@ -1,6 +1,6 @@
 """Run under torchrun: the real trainer of this process (launch/pretrain.py's, built from the Hydra
 overrides on the command line) runs one step, then the next step -- the first with the ViT unfrozen,
-as train/estimate.py simulates -- is measured: live tensor bytes at its start (parameters, buffers,
+as train/plan/estimate.py simulates -- is measured: live tensor bytes at its start (parameters, buffers,
 optimizer state; gradients were dropped) plus the peak of what the step allocates on top, counted by
 storage (train/optim/memory.py). Writes {rank: peak_bytes} as JSON to $MEASURE_OUT/rank{R}.json."""
 

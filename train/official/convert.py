@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import torch
 from flashtrain.config.errors import FlashtrainError
 from flashtrain.config.typed import typed_config
 from flashtrain.model.config import ModelConfig
+from flashtrain.model.dspark import DSpark
 from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 from flashtrain.model.quant import (
     fp4_block_dequant,
@@ -44,6 +46,7 @@ from flashtrain.model.quant import (
 )
 from flashtrain.parallel.construct import model_template
 from flashtrain.train.checkpoint import _blob, _unblob, dcp_load, read_metadata
+from flashtrain.train.dspark.stage import backbone_pointer
 from flashtrain.train.official.dcp_parts import PartsWriter, pieces
 from flashtrain.train.official.layout import (
     BLOCK,
@@ -71,7 +74,6 @@ def peak_rss_gib() -> float:
                 return int(line.split()[1]) / (1 << 20)
     except OSError:
         pass
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
 
@@ -91,8 +93,6 @@ def model_layout(cfg: ModelConfig, drafter: bool = False) -> tuple[dict[str, tup
     template = model_template(cfg)
     shapes, kinds = {k: tuple(v.shape) for k, v in template.state_dict().items()}, parameter_kinds(template)
     if drafter:
-        from flashtrain.model.dspark import DSpark
-
         with torch.device("meta"):
             d = DSpark(cfg, init=False)
         shapes.update((k, tuple(v.shape)) for k, v in d.state_dict().items())
@@ -362,13 +362,12 @@ def export_official(ckpt: str | Path, out: str | Path, quantised: bool = True, s
 def _export_sources(ckpt: Path, meta: dict, md: dict) -> tuple[list[tuple[Path, dict, bool]], int | None]:
     """Where the export reads each tensor: [(checkpoint, its DCP metadata, holds the `mtp.*` tensors)], and the
     Engram compressed vocabulary the backbone's token map gave. A DSpark-stage checkpoint names its backbone
-    checkpoint (train/dspark.py `backbone_pointer`): read from there, once its fingerprint is the recorded
+    checkpoint (train/dspark/stage.py `backbone_pointer`): read from there, once its fingerprint is the recorded
     one."""
     vocab = meta.get("engram_compressed_vocab_size")
     pointer = meta.get("backbone")
     if pointer is None:
         return [(ckpt, md, False), (ckpt, md, True)], vocab
-    from flashtrain.train.dspark import backbone_pointer
 
     backbone = Path(pointer["path"])
     if not (backbone / ".metadata").is_file():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from flashtrain.config.errors import ConfigError
 
 
@@ -23,8 +25,6 @@ class MuonConfig:
                                      "optim.zero=false to run the whole step on every rank"}
 
     def torch_ns_dtype(self):
-        import torch
-
         return None if self.ns_dtype is None else {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.ns_dtype]
 
     def coefficients(self) -> tuple[tuple[float, float, float], ...]:

@@ -4,7 +4,7 @@
 (views and in-place/out= ops create none) and subtracts it when the tensor is freed, keeping the
 peak. Unlike process RSS it does not depend on the allocator's caching or fragmentation, so it can
 show that a step's workspace stays at chunk size rather than a full m x n matrix. It counts fake
-tensors' storages too (train/estimate.py's per-block probe).
+tensors' storages too (train/plan/estimate.py's per-block probe).
 """
 
 from __future__ import annotations

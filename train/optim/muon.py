@@ -33,6 +33,7 @@ from collections import defaultdict
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from flashtrain.train.optim.base import GroupwiseOptimizer
 from flashtrain.train.optim.newton_schulz import V41_NS_SCHEDULE, newton_schulz
@@ -145,8 +146,6 @@ class Muon(GroupwiseOptimizer):
     def _step_group_zero(self, group: dict) -> None:
         """ZeRO-1: momentum, Newton-Schulz and the update for the pieces this rank owns; then each piece
         is broadcast from its owner."""
-        import torch.distributed as dist
-
         heads = group["num_heads"]
         entries = []  # the pieces of the flat parameters this rank owns, as matrices
         live = [p for p in group["params"] if p.grad is not None]

@@ -91,7 +91,7 @@ if HAS_TRITON:
     _SYRK_CONFIGS = ([triton.Config({"BLOCK": 16, "BLOCK_K": 16})] if interpreting() else
                      [triton.Config({"BLOCK": b, "BLOCK_K": k}, num_warps=w)
                       for b, k, w in ((64, 32, 4), (128, 32, 8), (64, 64, 4))])
-    # Spills the compile gate measured and accepts (kernel, config, arch) -> bytes (train/compile_gate.py): the
+    # Spills the compile gate measured and accepts (kernel, config, arch) -> bytes (train/plan/compile_gate.py): the
     # `HAS_S` epilogue loads the [BLOCK, BLOCK] S tile while the accumulator is live; a spill of 1-2 words a
     # program (stored and loaded once, after the K loop) against 2 x BLOCK x K tile loads, and the alternative
     # is fewer configs for the autotuner

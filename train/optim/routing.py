@@ -137,7 +137,7 @@ def routing_summary(groups: list[RoutedGroup]) -> dict:
 class OptimizerSet:
     """The three optimizers stepped together. Checkpoints and rollback snapshots read and restore each
     optimizer's own pieces of state (`optimizers[name].owned_state()` / `install_state`, train/optim/base.py;
-    train/checkpoint.py, train/spike.py), not a state_dict."""
+    train/checkpoint.py, train/stability/spike.py), not a state_dict."""
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
         self.optimizers = optimizers

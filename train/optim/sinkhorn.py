@@ -311,7 +311,7 @@ def sinkhorn_update_triton(W: torch.Tensor, G: torch.Tensor, M: torch.Tensor, lr
 def sinkhorn_update_shapes(W: torch.Tensor, num_steps: int, row_group=None) -> None:
     """What the fused path allocates (row vectors rho and r, column vectors c and t, the column
     all-reduces), without the passes over the table: for fake tensors (the memory estimator,
-    train/estimate.py), which have no values to update and on which the chunked reference would run
+    train/plan/estimate.py), which have no values to update and on which the chunked reference would run
     thousands of operators per table for nothing."""
     _check_steps(num_steps)
     m, n = W.shape

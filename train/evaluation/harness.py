@@ -33,7 +33,9 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from flashtrain.data.tokenizer import load_tokenizer
 from flashtrain.model.aux import StepStats
+from flashtrain.train.evaluation.checkpoint import build_for_scoring, checkpoint_config
 
 TEXT = -1  # the token type of text (data/images.py)
 
@@ -43,8 +45,6 @@ class FlashtrainLM(LM):
     def __init__(self, checkpoint: str, exp: str | None = None, overrides: str = "", batch_size: int | str = 1,
                  allow_damaged: bool | str = False, **_ignored):
         super().__init__()
-        from flashtrain.data.tokenizer import load_tokenizer
-        from flashtrain.train.evaluate import build_for_scoring, checkpoint_config
 
         args = ([f"+exp={exp}"] if exp else []) + overrides.split()
         allow = str(allow_damaged).lower() in ("1", "true", "yes")  # model_args arrive as strings

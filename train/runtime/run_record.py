@@ -23,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from flashtrain.train.run_guard import LOCK_NAME
+from flashtrain.train.runtime.run_guard import LOCK_NAME
 
 RECORD_DIR = ".hydra"  # Hydra's default hydra.output_subdir: where the run's composed config is recorded
 

@@ -19,6 +19,7 @@ from flashtrain.parallel.partition import (
     partition,
     unit_costs,
 )
+from flashtrain.parallel.pipeline import stage_ids
 from flashtrain.train.optim.config import OptimConfig
 from flashtrain.train.optim.routing import route_parameters
 
@@ -45,7 +46,7 @@ def partition_costs(model_cfg: ModelConfig, optim_cfg: OptimConfig, parallel: Pa
                     mixed_precision: bool, dp: int, round_microbatches: int = 0) -> PartitionCosts:
     """How a run shares its state (`dp`: the ranks holding the same parameters, dp x cp) and what it keeps
     for backward: the cost model's settings, for the trainer's partition and the layout search
-    (train/layouts.py) alike."""
+    (train/plan/layouts.py) alike."""
     return PartitionCosts(recompute=recompute, mixed_precision=mixed_precision, ep=parallel.ep, dp=dp,
                           zero=optim_cfg.zero, engram_shard=parallel.shard_engram(model_cfg, dp),
                           round_microbatches=round_microbatches if parallel.pp > 1 else 0,
@@ -55,8 +56,6 @@ def partition_costs(model_cfg: ModelConfig, optim_cfg: OptimConfig, parallel: Pa
 def plan_stages(units: list[dict], parallel: ParallelConfig, microbatches: int | None = None) -> list[tuple[int, int]]:
     """[start, end) blocks of the parallel.n_stages stages; `microbatches`: per pipeline round (what sets the
     micro-batches in flight of interleaved 1F1B; default 2 pp)."""
-    from flashtrain.parallel.pipeline import stage_ids
-
     budget = None if parallel.gpu_memory_gb is None else parallel.gpu_memory_gb * 1e9
     schedule = parallel.pipeline_schedule
     return partition(units, parallel.n_stages, parallel.stage_layers,

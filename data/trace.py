@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flashtrain.train.collectives import barrier
+import torch.distributed as dist
 
 TRACE_DIR = "data_trace"
 
@@ -76,5 +76,6 @@ def open_trace(on: bool, run_dir: str | Path, step: int, names: list[str], dims,
         return None
     if dims.rank == 0:
         truncate_traces(run_dir, step)
-    barrier()
+    if dist.is_initialized():
+        dist.barrier()
     return DataTrace(run_dir, names, dims.dp_rank, dims.dp) if reads else None

@@ -1,7 +1,7 @@
 """Which layout fits N GPUs of M GB (`launch/plan.py +exp=NAME --gpus N --gpu-memory GB`; docs/parallelism.md
 "Choosing a layout"): a search over pipeline x context x expert x data parallelism, pipeline schedule and
 recompute mode, priced by the partitioner's cost model (parallel/partition.py: the per-stage bytes and
-the partition the trainer itself builds, train/stages.py) and ranked by a step-time estimate
+the partition the trainer itself builds, train/plan/stages.py) and ranked by a step-time estimate
 (parallel/step_time.py).
 
 For every pp (a divisor of N) and cp (a divisor of N / pp), dp = N / (pp x cp) readers share the global
@@ -41,12 +41,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.config.typed import typed_config
+from flashtrain.model.sequence_split import chunk_ranges
 from flashtrain.parallel.config import SCHEDULES, ParallelConfig, splits_backward
+from flashtrain.parallel.construct import model_template
 from flashtrain.parallel.partition import UnitInventory, in_flight_microbatches, in_flight_states, partition, rank_costs
 from flashtrain.parallel.pipeline import stage_ids
 from flashtrain.parallel.step_time import Hardware, StepTime, step_time
 from flashtrain.train.config import global_sequences, model_config, optim_config
-from flashtrain.train.stages import optimizers_of, partition_costs
+from flashtrain.train.plan.stages import optimizers_of, partition_costs
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 REASONS = {  # why a layout is ruled out, as the summary names it
@@ -61,7 +63,6 @@ TOL = 1 + 1e-9  # the partitioner's tolerance on a budget
 @dataclass
 class PlanConfig:
     """The `plan` group (conf/plan/default.yaml documents every key)."""
-
     headroom: float = 0.10
     show: int = 5
     recompute: list = field(default_factory=lambda: list(RECOMPUTE_MODES))
@@ -102,7 +103,6 @@ class Layout:
     """One point of the search: degrees, schedule, recompute; with its partition and cost-model memory
     (`rank_bytes` / `rank_state`: per pipeline position) once evaluated, its step time if it fits, else
     why not (`reason`)."""
-
     pp: int
     cp: int
     ep: int
@@ -214,8 +214,6 @@ class LayoutSearch:
     overrides), built once and run for any GPU count (`run`)."""
 
     def __init__(self, conf: DictConfig, gpu_memory_gb: float, plan: PlanConfig | None = None):
-        from flashtrain.parallel.construct import model_template
-
         self.conf, self.plan = conf, plan or plan_config(conf)
         self.model_cfg, self.optim_cfg = model_config(conf), optim_config(conf)
         self.parallel = typed_config(ParallelConfig, OmegaConf.to_container(conf.parallel, resolve=True), "parallel")
@@ -246,8 +244,6 @@ class LayoutSearch:
 
     # --- one layout ------------------------------------------------------------------------------
     def _why_not_buildable(self, world: int, pp: int, cp: int, schedule: str) -> str | None:
-        from flashtrain.model.sequence_split import chunk_ranges
-
         n_layers = self.model_cfg.n_layers
         if pp > n_layers:
             return f"pp={pp} exceeds the {n_layers} layers"

@@ -1,6 +1,6 @@
 """Anticipatory Routing (DeepSeek-V4 §4.2.3, V41_SPEC §9; issue 18 item 3; `train.anticipatory_routing.*`).
 
-While active (steps `start + 1 .. active_until`, switched on by a spike rollback, train/stability.py), the
+While active (steps `start + 1 .. active_until`, switched on by a spike rollback, train/stability/guard.py), the
 MoE routing indices of step t are those the model picked with the parameters of step t - Δt
 (Δt = `delta_steps`): the data of step t is read Δt steps early into a look-ahead buffer, and at the
 start of step t - Δt one extra forward pass without gradients (the local model, or the pipeline's

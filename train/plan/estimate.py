@@ -42,13 +42,21 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
+import torch.distributed._tools.mod_tracker as mod_tracker
 from omegaconf import DictConfig, open_dict
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed.pipelining.schedules import InferenceMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from flashtrain.config.errors import ConfigError
+from flashtrain.model.transformer import Block
 from flashtrain.parallel.construct import model_template
+from flashtrain.parallel.pipeline import RoundStats, StageModule, StageRange, boundary_specs, prune_to_stages
 from flashtrain.train.build import bring_up, build_module, read_configs
-from flashtrain.train.collectives import Operation
-from flashtrain.train.config import BatchPlan
+from flashtrain.train.config import BatchPlan, model_config
+from flashtrain.train.optim.memory import PeakTensorBytes
+from flashtrain.train.runtime.collectives import Operation
 from flashtrain.train.step_runner import StepBatches
 
 
@@ -133,8 +141,6 @@ def _static_stages(stages, has_backward, p2p_done) -> None:
     """Stand-in for the pipeline schedule's first-step warm-up, which lets the stages vote on the host
     whether every stage has static shapes: ours always do (parallel/pipeline.py builds them static),
     and a fake process group carries no vote."""
-    from torch.distributed.pipelining.schedules import InferenceMode
-
     for stage in stages:
         stage._inference_mode = InferenceMode.STATIC
 
@@ -222,9 +228,6 @@ def _step_tracker(phases: list[dict] | None = None):
     {"phase", "peak_bytes", "end_bytes"} (the largest live total in the phase and the
     total at its last operator) -- what a micro-batch in flight holds, and the transients of its forward
     and backward, which the partitioner's cost model prices (parallel/partition.py)."""
-    import torch.distributed._tools.mod_tracker as mod_tracker
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
-
     class StepMemTracker(MemTracker):
         def __enter__(self):
             self._register_multi_grad_hook = mod_tracker.register_multi_grad_hook
@@ -266,8 +269,6 @@ def _step_tracker(phases: list[dict] | None = None):
         @staticmethod
         def _top_level(module) -> bool:
             """A pipeline stage of the rank (what runs once per micro-batch and pass)."""
-            from flashtrain.parallel.pipeline import StageModule
-
             return isinstance(module, StageModule)
 
         def _pre_bw_hook(self, module, args) -> None:
@@ -287,8 +288,6 @@ def _step_tracker(phases: list[dict] | None = None):
             return next(iter(self._curr_mem_snap.values()))[_TOTAL_KEY] if self._curr_mem_snap else 0
 
         def _is_block(self, module) -> bool:
-            from flashtrain.model.transformer import Block
-
             return phases is not None and self._phase is not None and not self._in_opt and isinstance(module, Block)
 
         def _block_begin(self, name: str) -> None:
@@ -345,9 +344,6 @@ def estimate_rank(cfg: DictConfig, world: int, rank: int, device_type: str = "cu
                   ) -> RankEstimate:
     """Simulate one steady-state training step of rank `rank` and measure its memory; with `phases`, also
     phase by phase (`_step_tracker`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("estimate_rank needs a process without a process group (it creates a fake one)")
     if phases and int(cfg.parallel.pp) == 1:
@@ -387,12 +383,6 @@ def probe_block(cfg: DictConfig, layer: int, recompute: str, device_type: str = 
     - `work_bytes`: the further peak while its backward runs (recomputation included; the parameters'
       gradients exist already, as in every micro-batch after the first: they are state, not work).
     The partitioner's cost model (parallel/partition.py) is calibrated against these figures."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from flashtrain.parallel.pipeline import RoundStats, StageModule, StageRange, boundary_specs, prune_to_stages
-    from flashtrain.train.config import model_config
-    from flashtrain.train.optim.memory import PeakTensorBytes
-
     m = model_config(cfg)
     b, S = int(cfg.data.batch_size), int(cfg.data.seq_len)
     template = model_template(m, _any_token_map(m))

@@ -18,12 +18,12 @@ checkpoints and its own metrics.
   backbone's on exactly these tokens. DeepSpec also regenerates chat answers with the target model
   (scripts/data/generate_train_data.py) for post-training data; for the pre-training corpus flashtrain
   uses the corpus text as it is, and the backbone's own distribution is the L1 / confidence target.
-- The objective, its statistics and their sources: train/dspark_loss.py (DeepSpec `compute_dspark_loss`).
+- The objective, its statistics and their sources: train/dspark/loss.py (DeepSpec `compute_dspark_loss`).
 - Checkpoints hold the drafter (its `mtp.*` tensors as released, its MoE biases), its optimizer state, the
   data and RNG state, and `meta["backbone"]`: the backbone checkpoint's path and fingerprint (the SHA-256
   of its `checksums.json`, or of `.metadata` for a checkpoint without one). A resume against another
   backbone is refused, naming both.
-- Metrics per step (train/dspark_loss.py `read_stats`): `loss` (the objective), `draft_loss` and
+- Metrics per step (train/dspark/loss.py `read_stats`): `loss` (the objective), `draft_loss` and
   `draft_loss_per_position`, `acceptance_length` {expected, measured}, `accept_rate_per_position`,
   `l1_loss`, `confidence_loss`, `confidence_ece`, `balance_loss` (the drafter's MoE).
 """
@@ -50,13 +50,14 @@ from flashtrain.parallel.context import ContextComm
 from flashtrain.parallel.pipeline import FieldSpec, boundary_specs, local_stage_ranges
 from flashtrain.train.balancing import accumulate_loads, global_loads
 from flashtrain.train.checkpoint import load_weights, read_metadata
-from flashtrain.train.dspark_loss import dspark_loss, read_stats, stat_size
+from flashtrain.train.dspark.loss import dspark_loss, read_stats, stat_size
 from flashtrain.train.flops import dspark_flops_per_token
 from flashtrain.train.module import RankParts, TrainModule, counts_data, sinkhorn_row_group_of
+from flashtrain.train.official.layout import storage_format
 from flashtrain.train.optim import build_optimizers
 from flashtrain.train.optim.routing import route_parameters, zero_inputs
+from flashtrain.train.plan.stages import plan_stages, stage_units
 from flashtrain.train.resume import check_model_config
-from flashtrain.train.stages import plan_stages, stage_units
 from flashtrain.train.step_runner import StepRunner, _on
 from flashtrain.train.step_values import StepValues
 
@@ -137,8 +138,6 @@ def freeze(model: nn.Module, low_precision: bool = False) -> nn.Module:
     code holds them: half the bytes of the largest part of the stage's memory."""
     model.requires_grad_(False)
     if low_precision:
-        from flashtrain.train.official.layout import storage_format
-
         with torch.no_grad():
             for name, t in model.named_parameters():  # (buffers: RoPE tables stay fp32, the gate biases are FP32)
                 if t.dtype == torch.float32 and storage_format(name, None, False) != "fp32":
@@ -227,7 +226,7 @@ class ForwardPipeline:
 class DSparkRunner(StepRunner):
     """The step's micro-batches: the frozen backbone's no-grad forward (over the pipeline's stages under pp,
     `ForwardPipeline`), then, on the last stage, the drafter's forward over every anchor, the objective
-    (train/dspark_loss.py) and its backward (the drafter only)."""
+    (train/dspark/loss.py) and its backward (the drafter only)."""
 
     def __init__(self, drafter: DSpark, backbone: Transformer, loss_cfg, reducer, accumulation: int,
                  pipe: ForwardPipeline | None = None, **common):
@@ -314,7 +313,6 @@ class DSparkModule(TrainModule):
     ep; from the backbone checkpoint's `mtp.*` when it has them), with its optimizers and gradient reducer; the
     runner holds the frozen backbone. Its MoE layers are the drafter's (ids n_layers ..) with its own experts; no
     ViT to unfreeze, no held-out LM evaluation; its checkpoints name the backbone they were trained against."""
-
     evaluates = False  # the backbone is frozen: launch/eval_dspark.py measures the drafter
 
     @classmethod
@@ -361,7 +359,7 @@ class DSparkModule(TrainModule):
         return dspark_flops_per_token(self.cfg.model, seq_len)
 
     def record(self, out, v: dict, step: int) -> dict:
-        """The drafter's metrics (train/dspark_loss.py `read_stats`); the backbone is frozen (no indexer loss, no
+        """The drafter's metrics (train/dspark/loss.py `read_stats`); the backbone is frozen (no indexer loss, no
         ViT)."""
         record = {k: x for k, x in super().record(out, v, step).items() if k not in ("indexer_loss", "vit_trainable")}
         return record | read_stats(v["dspark"], self.cfg.model.dspark_block_size, self.cfg.train.dspark.ece_bins)

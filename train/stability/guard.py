@@ -5,9 +5,9 @@ loop calls at fixed points:
 - `start(step, tokens_seen)`: before the first step (a rollback point from the start);
 - `reads_ahead(step)` / `next_batches(step, batches, record)`: while Anticipatory Routing is active (or
   its look-ahead buffer still holds batches) the step's batches and routing indices come from it
-  (train/anticipatory.py); otherwise the loop reads the step's batches itself;
+  (train/stability/anticipatory.py); otherwise the loop reads the step's batches itself;
 - `verdict(sums, grad_norm, n_micro)`: after the gradients are clipped, before anything is updated:
-  None (a normal step: update) or why the step is a spike (train/spike.py: every rank judges the same
+  None (a normal step: update) or why the step is a spike (train/stability/spike.py: every rank judges the same
   global values and the verdict is max-reduced, so all ranks act alike);
 - `after_step(step, tokens_seen, record)`: a skipped spike is counted (`train.spike.action=skip`); a
   spike with `action=rollback` returns the `Rollback` the loop continues from (the model, optimizer
@@ -29,9 +29,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from flashtrain.train.anticipatory import AnticipatoryRouting, AnticipatoryRoutingConfig
-from flashtrain.train.collectives import Operation, all_reduce
-from flashtrain.train.spike import Snapshots, SpikeConfig, SpikeDetector
+from flashtrain.train.runtime.collectives import Operation, all_reduce
+from flashtrain.train.stability.anticipatory import AnticipatoryRouting, AnticipatoryRoutingConfig
+from flashtrain.train.stability.spike import Snapshots, SpikeConfig, SpikeDetector
 from flashtrain.train.step_values import StepValues
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 @dataclass
 class Rollback:
     """Where the loop continues after a rollback, and the event it logs."""
-
     step: int
     tokens_seen: int
     event: dict

@@ -4,7 +4,7 @@ machine without a GPU, through the Triton wheel's bundled ptxas, with each confi
 spills, shared memory and the occupancy they allow.
 
 1. Trace (`trace_launches`): one training step of the exp, simulated on fake tensors by the trainer's own
-   construction and step (train/estimate.py `SimulatedRank`), under model/kernels/select.py `recording()`:
+   construction and step (train/plan/estimate.py `SimulatedRank`), under model/kernels/select.py `recording()`:
    the Triton path is taken as on CUDA and every launch is recorded with the arguments the host code
    passed (dtypes, strides, scalars) instead of running. As on CUDA: bf16 autocast (the CPU's autocast
    lists, as the estimator simulates it) and Muon's Newton-Schulz in bf16 (`optim.muon.ns_dtype`'s CUDA
@@ -37,6 +37,7 @@ import contextlib
 import importlib
 import io
 import math
+import multiprocessing
 import os
 import re
 import tempfile
@@ -46,6 +47,20 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from flashtrain.model.kernels.select import HAS_TRITON, recording
+from flashtrain.train.config import compose
+from flashtrain.train.plan.estimate import SimulatedRank
+
+if HAS_TRITON:  # the gate compiles Triton kernels; without Triton (macOS) it cannot run, but the module still imports
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import create_function_from_signature
 
 # every module holding Triton kernels (tests/test_compile_gate.py checks that no other module autotunes one)
 KERNEL_MODULES = ("flashtrain.model.kernels.sparse_attention", "flashtrain.model.kernels.index_topk",
@@ -76,7 +91,6 @@ class DeviceLimits:
     Compute Capability", columns 9.0 and 10.0; allocation granularities from the CUDA Occupancy
     Calculator: registers per warp in units of 256, shared memory per block in units of 128 bytes plus
     1 KiB the system reserves per block on compute capability >= 8.0)."""
-
     name: str
     regs_per_sm: int = 65536
     max_regs_per_thread: int = 255
@@ -130,8 +144,6 @@ def parse_ptxas(log: str) -> dict:
 # ---------------------------------------------------------------------------------------------- trace
 def project_kernels() -> dict[str, object]:
     """name -> autotuned kernel (triton Autotuner) of every module in KERNEL_MODULES."""
-    from triton.runtime.autotuner import Autotuner
-
     out = {}
     for mod in KERNEL_MODULES:
         for name, obj in vars(importlib.import_module(mod)).items():
@@ -143,14 +155,6 @@ def project_kernels() -> dict[str, object]:
 def trace_launches(overrides: list[str]) -> list:
     """Every kernel launch of one simulated training step of `overrides` (an exp), as the CUDA path makes
     them (module docstring, step 1)."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from flashtrain.model.kernels.select import recording
-    from flashtrain.train.config import compose
-    from flashtrain.train.estimate import SimulatedRank
-
     cfg = compose([*overrides, *TRACE_SHORTCUTS, *CUDA_PATH, *SWITCHED_ON])
     if dist.is_initialized():
         raise RuntimeError("trace_launches needs a process without a process group (it creates a fake one)")
@@ -170,7 +174,6 @@ def trace_launches(overrides: list[str]) -> list:
 @dataclass
 class Unit:
     """One compilation: a kernel specialised for one launch's arguments, one config, one architecture."""
-
     kernel: str
     file: str
     arch: str
@@ -204,10 +207,6 @@ class _Mock:
 def compile_units(launches: list, archs=tuple(ARCHS), exp: str = "", units: dict | None = None) -> dict:
     """{identity: Unit} for every (launch, config the autotuner would try, arch); equal specialisations
     merge (their `exps` lists the exps that need them). Pass `units` to add to an existing map."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-
     units = {} if units is None else units
     names = {id(k): n for n, k in project_kernels().items()}
     distinct = {}  # launches with equal dtypes, scalars and flags specialise alike (Newton-Schulz repeats many)
@@ -254,9 +253,6 @@ _UNITS: list[Unit] = []  # the units of the running compile_all, inherited by it
 
 
 def _compile_one(i: int) -> dict:
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
 
     u = _UNITS[i]
     knobs.nvidia.dump_ptxas_log = True  # ptxas -v: registers and spills
@@ -295,7 +291,6 @@ def compile_all(units: list[Unit], jobs: int = 1) -> list[dict]:
         try:
             if jobs <= 1:
                 return [_compile_one(i) for i in range(len(_UNITS))]
-            import multiprocessing
 
             with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
                 return list(pool.map(_compile_one, range(len(_UNITS)), chunksize=1))

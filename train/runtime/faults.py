@@ -8,7 +8,8 @@ separated by `;`, each `action:key=value:...`:
                                                    the node is gone (its other workers die with their launcher)
     kill:rank=0:step=4:point=checkpoint_write:once=/tmp/x   ... only if /tmp/x does not exist (created first)
     stall:rank=1:step=2:point=step_start:seconds=600       rank 1 sleeps there (a hung collective for the others)
-    spike:rank=0:step=7:scale=100:once=/tmp/y      rank 0's head input x 100 in step 7: a loss spike (train/spike.py)
+    spike:rank=0:step=7:scale=100:once=/tmp/y      rank 0's head input x 100 in step 7: a loss spike
+                                                   (train/stability/spike.py)
 
 `step` is the optimizer step being run (1-based; for the checkpoint points the step being saved).
 Points (where the trainer calls `inject`):

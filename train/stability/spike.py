@@ -16,7 +16,7 @@ A spike's values never enter the history. Actions:
 - `rollback`: the model, optimizer state, MoE biases and step return to the newest in-memory snapshot
   at least `rollback_steps` before the spike (snapshots are taken every `snapshot_interval` steps and
   at every start; an early spike uses the oldest one), the data stream continues *after* the spike's
-  batches, and Anticipatory Routing (train/anticipatory.py) runs for its `active_steps`. A spike that
+  batches, and Anticipatory Routing (train/stability/anticipatory.py) runs for its `active_steps`. A spike that
   comes back `max_rollbacks` times in a row without the run getting past it stops the run.
 """
 

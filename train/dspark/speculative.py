@@ -34,13 +34,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashtrain.config.errors import ConfigError, DataError
+from flashtrain.data.heldout import heldout_set
+from flashtrain.data.tokenizer import load_tokenizer, token_byte_counts
 from flashtrain.model.dspark import DSpark, block_tokens, context_features
+from flashtrain.parallel.construct import model_template
+from flashtrain.train.build import bring_up, read_configs
+from flashtrain.train.checkpoint import load_weights, read_meta
+from flashtrain.train.dspark.stage import drafter_template, has_drafter, load_backbone
 
 
 @dataclass
 class Acceptance:
     """The counts of one run of `speculative_decode` (summed over rows and steps)."""
-
     block: int
     bins: int = 10
     steps: int = 0
@@ -156,10 +162,6 @@ def greedy_decode(backbone, prompts: torch.Tensor, new_tokens: int, pad_id: int,
 def heldout_prompts(c, shards: list[str], tokenizer: str, count: int, length: int) -> torch.Tensor:
     """`count` prompts [count, length] from the held-out set (data/heldout.py; text micro-batches in order):
     each a row's first `length` tokens, rows with PAD or an image among them skipped."""
-    from flashtrain.config.errors import DataError
-    from flashtrain.data.heldout import heldout_set
-    from flashtrain.data.tokenizer import load_tokenizer, token_byte_counts
-
     token_bytes = token_byte_counts(load_tokenizer(tokenizer), c.spec.vocab_size)
     want = count * (c.data.seq_len + 1)
     heldout = heldout_set(c.data, c.spec, shards, max(want * 2, c.data.seq_len), token_bytes)
@@ -182,12 +184,6 @@ def evaluate_dspark(cfg, path: str, prompts: int, prompt_len: int, new_tokens: i
     holding `mtp.*`) against its frozen backbone, on held-out prompts, deterministically: its acceptance,
     and the same for an untrained drafter (the seeded initialisation, model/init.py) and for a block of 1
     (the trained drafter proposing one token per step, an MTP-1-like baseline)."""
-    from flashtrain.config.errors import ConfigError
-    from flashtrain.parallel.construct import model_template
-    from flashtrain.train.build import bring_up, read_configs
-    from flashtrain.train.checkpoint import load_weights, read_meta
-    from flashtrain.train.dspark import drafter_template, has_drafter, load_backbone
-
     c = read_configs(cfg)
     meta = read_meta(path)
     backbone_path = (meta.get("backbone") or {}).get("path")
