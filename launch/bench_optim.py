@@ -62,7 +62,7 @@ import torch  # noqa: E402
 from bench_util import MachineLoad, alternate, format_load, format_ratio, ratio_summary, take_int, take_str  # noqa: E402
 
 from flashtrain.model import Transformer  # noqa: E402
-from flashtrain.parallel.zero import Ownership, balance_muon  # noqa: E402
+from flashtrain.parallel.zero import Ownership, balance_matrices  # noqa: E402
 from flashtrain.train.config import compose, model_config, optim_config  # noqa: E402
 from flashtrain.train.optim import Muon, SinkhornBalanced, route_parameters  # noqa: E402
 from flashtrain.train.optim.memory import PeakTensorBytes  # noqa: E402
@@ -113,7 +113,7 @@ def distributed_muon(overrides: list[str], rounds: int) -> int:
     zero_groups = [{"params": _fresh(g.params), **g.options} for g in groups]
     params = [(p, g.get("num_heads")) for g in zero_groups for p in g["params"]]
     # the ZeRO-1 ownership ParallelDims.zero_plan gives these matrices: whole matrices, balanced by NS cost
-    pieces = balance_muon([(i, *_as_matrices(p, heads).shape) for i, (p, heads) in enumerate(params)], world)
+    pieces = balance_matrices([(i, *_as_matrices(p, heads).shape) for i, (p, heads) in enumerate(params)], world)
     own = {id(p): Ownership(pieces[i], rank, dist.group.WORLD) for i, (p, _) in enumerate(params)}
     coefficients = ocfg.muon.coefficients()
     opts = {"one_rank": Muon([{"params": _fresh(g.params), **g.options} for g in groups], lr=1e-3,

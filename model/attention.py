@@ -53,7 +53,7 @@ from flashtrain.model.chunks import query_chunks
 from flashtrain.model.config import ModelConfig, QATConfig
 from flashtrain.model.formats import Linear, Stored
 from flashtrain.model.index_logits import index_logits_lean
-from flashtrain.model.kernels.index_topk import index_topk_op
+from flashtrain.model.kernels.index_topk import index_topk_op, top_indices
 from flashtrain.model.kernels.select import use_triton
 from flashtrain.model.layer_plan import LayerRole, Role
 from flashtrain.model.norm import RMSNorm
@@ -170,14 +170,6 @@ def candidate_mask(candidates: torch.Tensor, n_entries: int, block: int) -> torc
     hit = torch.zeros(*idx.shape[:-1], nb + 1, dtype=torch.bool, device=idx.device)
     hit.scatter_(-1, torch.where(idx >= 0, idx, nb), True)  # empty slots land in the spare column nb
     return hit[..., :nb].repeat_interleave(block, dim=-1)[..., :n_entries]
-
-
-def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The k best entries of scores [..., N] by value, ties to the lower index (a stable sort: the Triton
-    kernel breaks ties the same way, so both paths select the same entries), -1 where the k-th best
-    is -inf (nothing left to select)."""
-    values, order = scores.sort(dim=-1, descending=True, stable=True)
-    return torch.where(values[..., :k] > float("-inf"), order[..., :k], -1)
 
 
 def keep_visible_outside_pool(topk: torch.Tensor, n_vis: torch.Tensor, candidates: torch.Tensor,

@@ -35,7 +35,7 @@ from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 from flashtrain.parallel.clipping import clip_grad_norm_
 from flashtrain.parallel.grad_reduce import GradReducer
 from flashtrain.parallel.mesh import ProcessMesh, build_mesh
-from flashtrain.parallel.zero import Ownership, balance_muon, flat_pieces, row_pieces, whole
+from flashtrain.parallel.zero import Ownership, balance_matrices, flat_pieces, row_pieces, whole
 
 
 def _forward_position(name: str, kind: ParamKind) -> int:
@@ -194,11 +194,12 @@ class ParallelDims:
         return clip_grad_norm_(named, max_norm, device, self.shard_group_of(model), self.pp_group)
 
     # --- optimizer state ---------------------------------------------------------------------
-    def zero_plan(self, model: nn.Module, kind_of: dict[str, str], matrices: dict[str, tuple[int, int, int]]):
-        """ZeRO-1 ownership of every parameter: {id(param): Ownership}. kind_of[name] is its optimizer
-        (muon / sinkhorn / adamw), matrices[name] = (n, rows, cols) for Muon parameters."""
+    def zero_plan(self, model: nn.Module, split_of: dict[str, str], matrices: dict[str, tuple[int, int, int]]):
+        """ZeRO-1 ownership of every parameter: {id(param): Ownership}. split_of[name] is how its optimizer
+        splits it (parallel/zero.py): "matrices" (whole matrices, balanced by their orthogonalisation cost over
+        the group; matrices[name] = (n, rows, cols)), "rows" (row blocks) or "flat" (equal chunks)."""
         plan: dict[int, Ownership] = {}
-        muon_by_group: dict[int, list] = {}
+        by_group: dict[int, list] = {}  # the parameters split by matrices, per replica group
         kinds = parameter_kinds(model)
         for name, p in model.named_parameters():
             group = self.replica_group(kinds[name])
@@ -206,17 +207,17 @@ class ParallelDims:
                 plan[id(p)] = whole(p.numel())
                 continue
             size, rank = dist.get_world_size(group), dist.get_rank(group)
-            kind = kind_of[name]
-            if kind == "muon":
-                muon_by_group.setdefault(id(group), []).append((name, p, group))
-            elif kind == "sinkhorn":
+            split = split_of[name]
+            if split == "matrices":
+                by_group.setdefault(id(group), []).append((name, p, group))
+            elif split == "rows":
                 plan[id(p)] = Ownership(row_pieces(p.shape[0], p[0].numel(), size), rank, group)
             else:
                 plan[id(p)] = Ownership(flat_pieces(p.numel(), size), rank, group)
-        for members in muon_by_group.values():
+        for members in by_group.values():
             group = members[0][2]
             size, rank = dist.get_world_size(group), dist.get_rank(group)
-            pieces = balance_muon([(name, *matrices[name]) for name, *_ in members], size)
+            pieces = balance_matrices([(name, *matrices[name]) for name, *_ in members], size)
             for name, p, *_ in members:
                 plan[id(p)] = Ownership(pieces[name], rank, group)
         return plan

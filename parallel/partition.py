@@ -8,11 +8,12 @@ stages always carry them.
 
 Cost model (fast and analytic; launch/estimate.py simulates the real step and is the measurement):
 - state bytes of a parameter = `bytes_per_value` x (parameter + gradient + optimizer state / the
-  replicas that share it under ZeRO-1; a row-sharded Engram table all three / dp), where the
-  optimizer (from the V4.1 routing, train/optim/routing.py rules) keeps 1 buffer for Muon and Sinkhorn,
-  2 for AdamW; under mixed precision plus one bf16 copy of the dense weights (autocast's cast cache,
-  shared by every micro-batch of a step), except the weights whose copy each micro-batch makes itself (on a
-  QAT grid, or FP8 codes under `model.fp8.enabled`: `weight_copy_bytes`), counted with its activations;
+  replicas that share it under ZeRO-1; a row-sharded Engram table all three / dp), where the optimizer state
+  is `state_of[name]` values per value, as its optimizer declares it (train/optim `STATE_BUFFERS`, by the
+  routing of train/optim/routing.py); under mixed precision plus one bf16 copy of the dense weights
+  (autocast's cast cache, shared by every micro-batch of a step), except the weights whose copy each
+  micro-batch makes itself (on a QAT grid, or FP8 codes under `model.fp8.enabled`: `weight_copy_bytes`),
+  counted with its activations;
 - activations, per block and micro-batch (`block_activations`): the input `carry` (the boundary tensors),
   what the forward keeps for backward (`kept`, depending on `train.recompute`) and the transient
   `work` of its backward (recomputation included). A stage holding F micro-batches in flight
@@ -259,7 +260,7 @@ def weight_copy_bytes(block: nn.Module, cfg: ModelConfig, costs: PartitionCosts)
     return copy_bytes(weight_copies(block, cfg), costs)
 
 
-def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str], seq_len: int,
+def unit_costs(model: nn.Module, cfg: ModelConfig, state_of: dict[str, int], seq_len: int,
                micro_batch: int, costs: PartitionCosts, local_len: int | None = None) -> list[dict]:
     """Per block: state bytes, activations of one micro-batch (`carry`, `kept`, `work`, and
     `activation_bytes` = carry + kept, what each micro-batch in flight holds; `new_carry_bytes`, the
@@ -269,7 +270,7 @@ def unit_costs(model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str],
     embedding/vision unit folded into block 0 and the head into the last block. `local_len`: this
     rank's positions of each sequence under context parallelism. (`UnitInventory` once, then its
     `costs` for many layouts: the layout search of train/plan/layouts.py.)"""
-    return UnitInventory(model, cfg, optimizer_of).costs(seq_len, micro_batch, costs, local_len)
+    return UnitInventory(model, cfg, state_of).costs(seq_len, micro_batch, costs, local_len)
 
 
 class UnitInventory:
@@ -278,9 +279,7 @@ class UnitInventory:
     at a sequence length, and the boundary tensors before it; the parameters outside the blocks. `costs`
     then prices one layout (sharing, recompute, micro-batch shape) with the arithmetic of `unit_costs`."""
 
-    N_STATE = {"muon": 1, "sinkhorn": 1, "adamw": 2}  # optimizer buffers per value, by rule
-
-    def __init__(self, model: nn.Module, cfg: ModelConfig, optimizer_of: dict[str, str]):
+    def __init__(self, model: nn.Module, cfg: ModelConfig, state_of: dict[str, int]):
         from flashtrain.parallel.pipeline import live_shared_fields
 
         self.cfg, self.plan = cfg, model.plan
@@ -297,11 +296,11 @@ class UnitInventory:
                 "role": role, "params": params, "engram": engram, "routed": routed,
                 "activated": params - engram - routed + cfg.n_activated_experts * per_expert,
                 "rows": 0 if block.engram is None else block.engram.embed.weight.shape[0],
-                "state": [(kinds[prefix + n], p.numel(), self.N_STATE[optimizer_of[prefix + n]])
+                "state": [(kinds[prefix + n], p.numel(), state_of[prefix + n])
                           for n, p in block.named_parameters()],
                 "written": live_shared_fields(model.plan, role.id), "copies": weight_copies(block, cfg),
                 "reads": shared_reads(role), "writes": shared_writes(role)})
-        self.outside = [(n, kinds[n], p.numel(), self.N_STATE[optimizer_of[n]]) for n, p in model.named_parameters()
+        self.outside = [(n, kinds[n], p.numel(), state_of[n]) for n, p in model.named_parameters()
                         if not n.startswith("layers.")]
         self._specs: dict = {}
 

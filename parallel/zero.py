@@ -86,9 +86,9 @@ def matrix_pieces(n_matrices: int, rows: int, cols: int, size: int) -> list[tupl
     return runs
 
 
-def balance_muon(params: list[tuple[str, int, int, int]], size: int) -> dict[str, list[Piece]]:
-    """params: (name, n_matrices, rows, cols) of the Muon parameters of one replica group, in a fixed
-    order. Returns each parameter's pieces with owners, LPT-balanced by Newton-Schulz cost."""
+def balance_matrices(params: list[tuple[str, int, int, int]], size: int) -> dict[str, list[Piece]]:
+    """params: (name, n_matrices, rows, cols) of the parameters of one replica group split by whole matrices
+    (Muon's), in a fixed order. Returns each parameter's pieces with owners, LPT-balanced by Newton-Schulz cost."""
     runs = []  # (cost, order, name, i0, i1, rows, cols)
     for order, (name, n, r, c) in enumerate(params):
         for i0, i1 in matrix_pieces(n, r, c, size):

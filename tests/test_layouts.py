@@ -219,12 +219,12 @@ def test_the_prefix_sum_cost_table_is_the_stage_cost():
     from flashtrain.parallel.construct import model_template
     from flashtrain.parallel.partition import PartitionCosts, _cost_table, _stage_cost, unit_costs
     from flashtrain.train.config import compose, model_config, optim_config
-    from flashtrain.train.plan.stages import optimizers_of
+    from flashtrain.train.plan.stages import optimizer_state_of
 
     conf = compose(["+exp=flash_tiny"])
     m = model_config(conf)
     template = model_template(m)
-    units = unit_costs(template, m, optimizers_of(template, m, optim_config(conf)), 128, 1,
+    units = unit_costs(template, m, optimizer_state_of(template, m, optim_config(conf)), 128, 1,
                        PartitionCosts(recompute="selective", ep=2, dp=4, zero=True), 64)
     assert any(u["carry_bytes"] != u["new_carry_bytes"] for u in units)  # the first block's carry differs
     flight = [5, 3, 2, 1]

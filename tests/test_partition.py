@@ -245,13 +245,12 @@ FORMATS = ("model.fp8.enabled=true", "model.qat.experts_fp4=true", "model.qat.we
 def _template(overrides):
     from flashtrain.parallel.construct import model_template
     from flashtrain.train.config import compose, model_config, optim_config
-    from flashtrain.train.optim.routing import route_parameters
+    from flashtrain.train.plan.stages import optimizer_state_of
 
     cfg = compose(["+exp=flash_tiny", *overrides])
     m = model_config(cfg)
     model = model_template(m)
-    optimizer_of = {n: g.optimizer for g in route_parameters(model, m, optim_config(cfg)) for n in g.names}
-    return cfg, m, model, optimizer_of
+    return cfg, m, model, optimizer_state_of(model, m, optim_config(cfg))
 
 
 @pytest.fixture(scope="module")

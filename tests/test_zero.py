@@ -18,7 +18,7 @@ import warm_launch
 from layer_plans import EIGHT_LAYERS
 
 from flashtrain.parallel.sharded_state import GlobalChunk
-from flashtrain.parallel.zero import balance_muon, flat_pieces, ns_cost, row_pieces
+from flashtrain.parallel.zero import balance_matrices, flat_pieces, ns_cost, row_pieces
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ def test_pieces_cover_parameters_and_muon_owners_are_balanced_by_work():
     # one large matrix and many small ones: balancing by count would put the large one with others
     params = [("wq_b", 4, 8, 32), ("big", 1, 64, 64), ("experts", 8, 16, 16)]
     matrices = {n: (k, r, c) for n, k, r, c in params}
-    plan = balance_muon(params, 3)
+    plan = balance_matrices(params, 3)
     for n, k, r, c in params:
         _covers(plan[n], k * r * c, r * c)
     loads = [0.0] * 3  # Newton-Schulz cost per owner (what the balancing minimises the maximum of)

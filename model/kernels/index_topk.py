@@ -50,6 +50,15 @@ import torch
 
 from flashtrain.model.kernels.select import HAS_TRITON, interpreting, kernel_op, launch
 
+
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best entries of scores [..., N] by value, ties to the lower index (a stable sort: the Triton
+    kernel breaks ties the same way, so both paths select the same entries), -1 where the k-th best
+    is -inf (nothing left to select)."""
+    values, order = scores.sort(dim=-1, descending=True, stable=True)
+    return torch.where(values[..., :k] > float("-inf"), order[..., :k], -1)
+
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -337,8 +346,6 @@ def index_topk_triton(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, n_vis: 
                    LOG_SEG=_log2_p2(seg), DO_TOPK=do_topk, WRITE_BLOCKS=write, **common)
 
         if source_blocks:
-            from flashtrain.model.attention import top_indices  # the reference's ranking (that module imports this one)
-
             # chunk * block queries a launch: their block maxima are as many numbers as the reference's
             # score chunk [B, chunk, N]
             rows = max(1, chunk * block)

@@ -26,6 +26,9 @@ def _flat_layout(own: Ownership) -> bool:
 
 
 class ShardedAdamW:
+    ZERO_SPLIT = "flat"  # ZeRO-1 pieces of equal flat chunks
+    STATE_BUFFERS = 2  # first and second moments
+
     def __init__(self, param_groups: list[dict], zero_of=None, **adamw_kwargs):
         self.zero_of = zero_of or (lambda p: whole(p.numel()))
         self.params = [p for g in param_groups for p in g["params"]]

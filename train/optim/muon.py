@@ -72,6 +72,9 @@ def _overlaps(sizes: list[int], start: int, count: int):
 
 
 class Muon(GroupwiseOptimizer):
+    ZERO_SPLIT = "matrices"  # ZeRO-1 pieces of whole matrices, balanced by their orthogonalisation cost
+    STATE_BUFFERS = 1  # momentum
+
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, weight_decay: float = 0.1,
                  nesterov: bool = True, rms_scale: float = 0.18, ns_coefficients=V41_NS_SCHEDULE,
                  ns_eps: float = 1e-7, ns_dtype: torch.dtype | None = None, use_triton: bool | None = None,

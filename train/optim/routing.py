@@ -160,16 +160,27 @@ class OptimizerSet:
             g["lr"] = lr * g["lr_mult"]
 
 
+OPTIMIZERS = {"muon": Muon, "sinkhorn": SinkhornBalanced, "adamw": ShardedAdamW}
+
+
 def zero_inputs(groups: list[RoutedGroup]) -> tuple[dict[str, str], dict[str, tuple[int, int, int]]]:
-    """What ZeRO-1 ownership needs (parallel/zero.py): each parameter's optimizer, and for Muon
-    parameters the matrices Newton-Schulz sees, (n, rows, cols)."""
-    kinds, matrices = {}, {}
+    """What ZeRO-1 ownership needs (parallel/dims.py `zero_plan`): how each parameter's optimizer splits it
+    (its `ZERO_SPLIT`: "matrices", "rows" or "flat"), and for a split by matrices the matrices it sees,
+    (n, rows, cols)."""
+    splits, matrices = {}, {}
     for g in groups:
+        split = OPTIMIZERS[g.optimizer].ZERO_SPLIT
         for n, p in zip(g.names, g.params):
-            kinds[n] = g.optimizer
-            if g.optimizer == "muon":
+            splits[n] = split
+            if split == "matrices":
                 matrices[n] = tuple(_as_matrices(p, g.options.get("num_heads")).shape)
-    return kinds, matrices
+    return splits, matrices
+
+
+def state_buffers(groups: list[RoutedGroup]) -> dict[str, int]:
+    """Each parameter's optimizer state in values per parameter value (its optimizer's `STATE_BUFFERS`), for the
+    partitioner's cost model (parallel/partition.py)."""
+    return {n: OPTIMIZERS[g.optimizer].STATE_BUFFERS for g in groups for n in g.names}
 
 
 def build_optimizers(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig,

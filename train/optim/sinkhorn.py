@@ -333,6 +333,9 @@ def sinkhorn_update(W, G, M, lr, beta, num_steps, tau, eps, gamma, triton: bool 
 
 
 class SinkhornBalanced(GroupwiseOptimizer):
+    ZERO_SPLIT = "rows"  # ZeRO-1 pieces of whole rows (the row-sharded update)
+    STATE_BUFFERS = 1  # momentum
+
     """Algorithm 1 per 2-D parameter; no weight decay; one momentum buffer per parameter.
     `row_group_of(param)`: the process group a row-sharded table is split over (None: whole here).
     ZeRO-1 (`zero_of(param)` -> `parallel.zero.Ownership` of row blocks over the replica group): each

@@ -48,7 +48,7 @@ from flashtrain.parallel.partition import UnitInventory, in_flight_microbatches,
 from flashtrain.parallel.pipeline import stage_ids
 from flashtrain.parallel.step_time import Hardware, StepTime, step_time
 from flashtrain.train.config import global_sequences, model_config, optim_config
-from flashtrain.train.plan.stages import optimizers_of, partition_costs
+from flashtrain.train.plan.stages import optimizer_state_of, partition_costs
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 REASONS = {  # why a layout is ruled out, as the summary names it
@@ -223,7 +223,7 @@ class LayoutSearch:
         self.usable = gpu_memory_gb * 1e9 * (1 - self.plan.headroom)  # what a rank's real peak may reach
         self.budget = budget_bytes(gpu_memory_gb, self.plan)  # what its cost-model peak may reach
         template = model_template(self.model_cfg)
-        self.inventory = UnitInventory(template, self.model_cfg, optimizers_of(template, self.model_cfg,
+        self.inventory = UnitInventory(template, self.model_cfg, optimizer_state_of(template, self.model_cfg,
                                                                                self.optim_cfg))
         self.engram_layers = set(self.model_cfg.engram_layer_ids)
         self._units: dict = {}

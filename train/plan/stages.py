@@ -21,7 +21,7 @@ from flashtrain.parallel.partition import (
 )
 from flashtrain.parallel.pipeline import stage_ids
 from flashtrain.train.optim.config import OptimConfig
-from flashtrain.train.optim.routing import route_parameters
+from flashtrain.train.optim.routing import route_parameters, state_buffers
 
 
 def stage_units(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig, parallel: ParallelConfig,
@@ -33,13 +33,13 @@ def stage_units(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig
     against them (parallel/partition.py `block_activations`). `round_microbatches`: a pipeline round's
     micro-batches (their inputs stay on the device for the round; 0 without a pipeline)."""
     costs = partition_costs(model_cfg, optim_cfg, parallel, recompute, mixed_precision, dp, round_microbatches)
-    return unit_costs(model, model_cfg, optimizers_of(model, model_cfg, optim_cfg), seq_len, micro_batch, costs,
+    return unit_costs(model, model_cfg, optimizer_state_of(model, model_cfg, optim_cfg), seq_len, micro_batch, costs,
                       -(-seq_len // cp))
 
 
-def optimizers_of(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig) -> dict[str, str]:
-    """Each parameter's optimizer (its state size), by the V4.1 routing."""
-    return {n: g.optimizer for g in route_parameters(model, model_cfg, optim_cfg) for n in g.names}
+def optimizer_state_of(model: nn.Module, model_cfg: ModelConfig, optim_cfg: OptimConfig) -> dict[str, int]:
+    """Each parameter's optimizer state in values per parameter value, by the V4.1 routing (train/optim)."""
+    return state_buffers(route_parameters(model, model_cfg, optim_cfg))
 
 
 def partition_costs(model_cfg: ModelConfig, optim_cfg: OptimConfig, parallel: ParallelConfig, recompute: str,
