@@ -293,8 +293,9 @@ def test_selective_recompute_keeps_the_expert_exchange_as_the_cost_model_prices_
 @pytest.mark.parametrize("stage", ["pretrain", "dspark"])
 def test_the_stages_a_rank_runs(stage):
     """What the estimator reports as a rank's pipeline stages (`TrainModule.stages`) and holds frozen (`frozen()`),
-    on each rank of pp=2: pre-training's pipeline stages of the rank; the DSpark stage's, the stage of the frozen
-    backbone's forward pipeline (its drafter on the last), the backbone the one frozen module."""
+    its module without a stability guard, on each rank of pp=2: pre-training's pipeline stages of the rank; the
+    DSpark stage's, the stage of the frozen backbone's forward pipeline (its drafter on the last), the backbone the
+    one frozen module."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -312,8 +313,33 @@ def test_the_stages_a_rank_runs(stage):
         try:
             sim = estimate.SimulatedRank(cfg, 2, rank, "cpu", FakeTensorMode(allow_non_fake_inputs=True))
             frozen = sim.module.frozen()
+            assert sim.module.guard is None  # no stability guard: its verdict reads values a fake tensor has not
             seen.append((sim.module.stages(), len(frozen), all(not p.requires_grad for m in frozen
                                                                for p in m.parameters())))
         finally:
             dist.destroy_process_group()
     assert seen == [([0], int(stage == "dspark"), True), ([1], int(stage == "dspark"), True)]
+
+
+def test_the_simulated_step_trains_every_parameter():
+    """The estimator simulates the first step with the ViT body unfrozen (the largest state: every parameter has a
+    gradient and optimizer state): after `prime_optimizer_state` every parameter requires a gradient."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import flashtrain.train.plan.estimate as estimate
+    from flashtrain.model.vision import is_vision_body
+    from flashtrain.train.config import compose
+
+    cfg = compose(["+exp=flash_tiny", *FOUR_LAYERS, "data.batch_size=1"])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        sim = estimate.SimulatedRank(cfg, 1, 0, "cpu", fake)
+        with fake:
+            sim.prime_optimizer_state()
+        body = [n for n, _ in sim.model.named_parameters() if is_vision_body(n)]
+        assert body and all(p.requires_grad for p in sim.model.parameters())
+    finally:
+        dist.destroy_process_group()

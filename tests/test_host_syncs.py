@@ -28,7 +28,7 @@ DEVICE_SYNCS = {
     ("Tensor.tolist", "train/step_values.py:read"):
         "the step's one read-back: its summed values, the gradient norm and the expert-load statistics, for "
         "the metrics record and the loop's decisions",
-    ("aten._local_scalar_dense.default", "train/trainer.py:loop_step"):
+    ("aten._local_scalar_dense.default", "train/runtime/collectives.py:any_rank"):
         "the stop flag (SIGTERM on any rank): every rank must decide to save and exit at the same step",
     ("Tensor.tolist", "parallel/experts.py:_exchange_plan"):
         "expert parallelism: the all-to-all split sizes of each MoE layer's dispatch (one per layer and "

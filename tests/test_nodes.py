@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -22,7 +23,7 @@ from flashtrain.config.errors import ConfigError
 from flashtrain.parallel import liveness as lv
 from flashtrain.parallel.nodes import NodeTable, RankPlace, check_shared_run_dir, cuda_device_index, startup_turn
 from flashtrain.train.runtime import faults
-from flashtrain.train.runtime.collectives import CollectiveError, Operation, collective_error
+from flashtrain.train.runtime.collectives import CollectiveError, Operation, any_rank, collective_error
 from flashtrain.train.runtime.run_record import job_log_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +94,21 @@ def test_a_run_directory_the_nodes_do_not_share_is_refused_on_every_rank(tmp_pat
             f"0 (node 0 on a (rank 0)) writes there; every rank writes checkpoints into it: give hydra.run.dir a path "
             f"on a filesystem every node mounts at the same place (NFS, Lustre, ...)")
     assert [p.name for p in tmp_path.rglob(".node-probe-*")] == []
+
+
+def _any_rank_worker(rank, store, results):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    cases = [(False, False), (False, True), (True, True), (True, False)]  # (rank 0's flag, rank 1's)
+    results[rank] = [any_rank(case[rank], torch.device("cpu")) for case in cases]
+    dist.destroy_process_group()
+
+
+def test_the_stop_flag_is_set_on_every_rank_when_any_rank_sets_it(tmp_path):
+    """`any_rank` (the loop's stop flag, train/runtime/collectives.py): none, rank 1 alone, both, rank 0 alone."""
+    results = mp.Manager().dict()
+    mp.spawn(_any_rank_worker, args=(str(tmp_path / "store"), results), nprocs=2)
+    assert results[0] == results[1] == [False, True, True, True]
 
 
 class FakeStore:

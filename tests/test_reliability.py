@@ -107,7 +107,7 @@ def test_inject_fires_only_where_aimed_and_once(monkeypatch, tmp_path):
 def test_a_kill_fault_sigkills_the_process_once(tmp_path):
     """A real process: SIGKILLed the first time, left alone the second (the `once` file exists)."""
     once = tmp_path / "fired"
-    code = "from flashtrain.train import faults; faults.inject('checkpoint_write', 4, 1); print('survived')"
+    code = "from flashtrain.train.runtime import faults; faults.inject('checkpoint_write', 4, 1); print('survived')"
     env = {**os.environ, faults.FAULT_ENV: f"kill:rank=1:step=4:point=checkpoint_write:once={once}"}
     first = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert first.returncode == -signal.SIGKILL and "survived" not in first.stdout, first.stderr[-2000:]

@@ -303,3 +303,44 @@ def test_the_zero1_adamw_gather_assembles_every_parameter_from_its_owners(monkey
             want = torch.tensor([100 * q.owner + i for q in pieces(s) for i in range(q.start, q.end)],
                                 dtype=torch.float32)
             assert torch.equal(p.view(-1), want), (layout, s)
+
+
+def test_zero_splits_each_parameter_as_its_optimizer_declares():
+    """ZeRO-1 ownership over 2 ranks (parallel/dims.py `zero_plan`) by the split each optimizer declares
+    (`ZERO_SPLIT`, train/optim): Sinkhorn's tables (embedding, head) in whole rows, 513 + 512 of an odd 1025;
+    Muon's weights in whole matrices; AdamW's vectors in equal flat chunks of ceil(numel / 2). A fake process
+    group: the plan is arithmetic on shapes (meta tensors)."""
+    import math
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from flashtrain.parallel.construct import model_template
+    from flashtrain.parallel.dims import ParallelDims
+    from flashtrain.train.config import compose, model_config, optim_config
+    from flashtrain.train.optim.routing import route_parameters, zero_inputs
+
+    cfg = compose(["+exp=flash_tiny", "model.vocab_size=1025"])
+    m = model_config(cfg)
+    model = model_template(m)
+    groups = route_parameters(model, m, optim_config(cfg))
+    optimizer = {n: g.optimizer for g in groups for n in g.names}
+    splits, matrices = zero_inputs(groups)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        plan = ParallelDims.build(2, 0, 1, 1, m.n_layers, m.n_routed_experts, zero=True).zero_plan(model, splits,
+                                                                                                   matrices)
+    finally:
+        dist.destroy_process_group()
+    assert {o: {splits[n] for n in optimizer if optimizer[n] == o} for o in ("muon", "sinkhorn", "adamw")} == \
+        {"muon": {"matrices"}, "sinkhorn": {"rows"}, "adamw": {"flat"}}
+    params = dict(model.named_parameters())
+    table = [(p.start, p.end) for p in plan[id(params["embed.weight"])].pieces]
+    assert table == [(0, 513 * m.dim), (513 * m.dim, 1025 * m.dim)]
+    for n, p in params.items():
+        bounds = [b for piece in plan[id(p)].pieces for b in (piece.start, piece.end)]
+        if splits[n] == "matrices":
+            size = matrices[n][1] * matrices[n][2]
+            assert all(b % size == 0 for b in bounds), n
+        elif splits[n] == "flat" and p.numel() > 1:
+            assert bounds[1] == math.ceil(p.numel() / 2), n

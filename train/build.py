@@ -289,7 +289,8 @@ def bring_up(c: RunConfigs, world: int, run_dir: Path | None = None, rank: int |
     if run_dir is not None:  # every node must see the run directory
         check_shared_run_dir(run_dir, nodes, rank)
         liveness = Liveness.for_job(rank, world, c.parallel.peer_timeout_s, nodes.describe)
-    return Run(c, plan, rank, device, build_dims(c, plan, rank, device.type), nodes, liveness, lock, run_dir)
+    return Run(c, plan, rank, device, build_dims(c, plan, rank, device.type), nodes=nodes, liveness=liveness, lock=lock,
+               run_dir=run_dir)
 
 
 def build_module(run: Run, template, op: Operation, mixed_precision: bool | None = None,
