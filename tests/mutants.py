@@ -1941,6 +1941,20 @@ MUTANTS = [
            'is_main, guard=tensor_mode is None)',
            'is_main, guard=True)',
            ['tests/test_estimate.py', '-k', 'stages_a_rank_runs']),
+    Mutant('the kernel circle of model/ grows back (issue 51)', 'model/kernels/index_topk.py',
+           '        if source_blocks:\n',
+           '        if source_blocks:\n'
+           '            from flashtrain.model.attention import top_indices  # noqa: F811\n\n',
+           ['tests/test_layering.py', '-k', 'circle']),
+    Mutant('a lazy import in train/ past the twelve (issue 51)', 'train/recipe.py',
+           '    stages = stage_list(cfg)\n    check_fixed_batch(cfg)\n',
+           '    import os.path  # noqa: F401\n    import os as _os  # noqa: F401\n'
+           '    from os import sep  # noqa: F401\n'
+           '    from os import getcwd  # noqa: F401\n    from os import getpid  # noqa: F401\n'
+           '    from os import getenv  # noqa: F401\n    from os import listdir  # noqa: F401\n'
+           '    from os import mkdir  # noqa: F401\n'
+           '    stages = stage_list(cfg)\n    check_fixed_batch(cfg)\n',
+           ['tests/test_layering.py', '-k', 'rooms']),
     Mutant('ZeRO splits the Sinkhorn tables flat (issue 51)', 'parallel/dims.py',
            '            elif split == "rows":',
            '            elif split == "sinkhorn":',

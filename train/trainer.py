@@ -15,7 +15,7 @@
 
 The loop holds no parallelism, no model and no stage: `__init__` brings the run up (train/build.py: configs,
 layout, process group, parallel dimensions, data), is given this rank's train module (train/module.py: model,
-pipeline, optimizers, gradient reduction, step runner, stability guard; the DSpark stage's, train/dspark/stage.py) and
+pipeline, optimizers, gradient reduction, step runner, stability guard; whichever `train.stage` names) and
 its loader, and resumes (train/resume.py); each step is the module's `step`; a collective that fails is reported
 by step and operation (train/runtime/collectives.py). docs/step_path.md lists the files one batch passes through.
 """
