@@ -89,6 +89,16 @@ def sinkhorn_row_group_of(model, dims: ParallelDims):
     return lambda p: dims.dp_cp_group if id(p) in tables else None
 
 
+def optimizers_and_reducer(model, c, dims: ParallelDims, lr: float):
+    """The trained model's optimizers (the three-optimizer split, ZeRO-1 by the split each optimizer declares,
+    row-sharded Engram tables' statistics over dp) and its gradient reducer."""
+    splits, matrices = zero_inputs(route_parameters(model, c.model, c.optim))
+    zero_plan = dims.zero_plan(model, splits, matrices)
+    optim = build_optimizers(model, c.model, c.optim, (lambda p: zero_plan[id(p)]) if dims.zero else None,
+                             sinkhorn_row_group_of(model, dims), lr=lr)
+    return optim, dims.grad_reducer(model)
+
+
 def build_rank(c, plan, dims: ParallelDims, device: torch.device, template, mixed_precision: bool, op: Operation,
                lr: float, log_pipeline: bool = False, tensor_mode=None) -> RankParts:
     """This rank's model, pipeline stages and optimizers from the whole model's meta-device template
@@ -121,12 +131,7 @@ def build_rank(c, plan, dims: ParallelDims, device: torch.device, template, mixe
                          f"{c.parallel.stages_per_rank} stage(s) per rank, layers per stage "
                          f"{[b - a for a, b in bounds]}, {plan.round_microbatches} micro-batches per round x "
                          f"{plan.rounds} round(s)")
-        kinds, matrices = zero_inputs(route_parameters(model, c.model, c.optim))
-        zero_plan = dims.zero_plan(model, kinds, matrices)
-        optim = build_optimizers(model, c.model, c.optim,
-                                 (lambda p: zero_plan[id(p)]) if dims.zero else None,
-                                 sinkhorn_row_group_of(model, dims), lr=lr)
-        reducer = dims.grad_reducer(model)
+        optim, reducer = optimizers_and_reducer(model, c, dims, lr)
     common = dict(device=device, loss_tile_tokens=c.train.loss_tile_tokens, mixed_precision=mixed_precision,
                   counts_data=counts_data(dims), op=op)
     if pipe is None:

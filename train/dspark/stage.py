@@ -51,10 +51,8 @@ from flashtrain.train.balancing import accumulate_loads, global_loads
 from flashtrain.train.checkpoint import load_weights, read_metadata
 from flashtrain.train.dspark.loss import dspark_loss, read_stats, stat_size
 from flashtrain.train.flops import dspark_flops_per_token
-from flashtrain.train.module import RankParts, TrainModule, counts_data, sinkhorn_row_group_of
+from flashtrain.train.module import RankParts, TrainModule, counts_data, optimizers_and_reducer
 from flashtrain.train.official.layout import storage_format
-from flashtrain.train.optim import build_optimizers
-from flashtrain.train.optim.routing import route_parameters, zero_inputs
 from flashtrain.train.plan.stages import plan_stages, stage_units
 from flashtrain.train.resume import check_model_config
 from flashtrain.train.step_runner import StepRunner, _on
@@ -291,11 +289,7 @@ class DSparkModule(TrainModule):
             load_weights(c.train.backbone, drafter, dims.global_layout(drafter))
             log.info(f"drafter initialised from the mtp.* tensors of {c.train.backbone}")
         with tensor_mode or contextlib.nullcontext():
-            kinds, matrices = zero_inputs(route_parameters(drafter, c.model, c.optim))
-            zero_plan = dims.zero_plan(drafter, kinds, matrices)
-            optim = build_optimizers(drafter, c.model, c.optim, (lambda p: zero_plan[id(p)]) if dims.zero else None,
-                                     sinkhorn_row_group_of(drafter, dims), lr=schedule.lr(0))
-            reducer = dims.grad_reducer(drafter)
+            optim, reducer = optimizers_and_reducer(drafter, c, dims, schedule.lr(0))
         runner = DSparkRunner(drafter, backbone, c.train.dspark, reducer, plan.accumulation, device=device,
                               loss_tile_tokens=c.train.loss_tile_tokens, mixed_precision=mixed_precision,
                               counts_data=counts_data(dims) and dims.pp_rank == 0, op=op, pipe=pipe)
