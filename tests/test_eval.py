@@ -139,6 +139,33 @@ def test_eval_record_by_hand():
     json.dumps(rec)
 
 
+
+def test_a_new_heldout_score_is_one_entry(monkeypatch):
+    """A held-out metric added as one `HELDOUT_SCORES` entry (here top-1 accuracy over the scored positions) is
+    summed per micro-batch by `heldout_sums` and divided in each field of the eval record, beside the two it has."""
+    import flashtrain.train.evaluation.heldout as heldout_module
+    import flashtrain.train.loss as loss_module
+
+    scores = (*loss_module.HELDOUT_SCORES, loss_module.HeldOutScore(
+        "accuracy", lambda t: (t.logits.argmax(-1) == t.targets).double(), "token"))
+    monkeypatch.setattr(loss_module, "HELDOUT_SCORES", scores)
+    monkeypatch.setattr(heldout_module, "HELDOUT_SCORES", scores)
+    head = torch.nn.Linear(2, 3, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.eye(3, 2))  # logits (h0, h1, 0)
+    hidden = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [-1.0, -1.0]]])
+    labels = torch.tensor([[0, 0, IGNORE, 2]])  # right, wrong, unscored, right
+    got = heldout_sums(hidden, head, labels, torch.ones(3, dtype=torch.float64), tile_tokens=3)
+    assert got[2].item() == 2.0
+
+    class Set:
+        sources, targets, bytes = ("text", "mm"), np.array([100, 50]), np.array([300, 0])
+
+    rec = eval_record(6, np.array([[230.0, 200.0, 60.0], [90.0, 0.0, 15.0]]), Set())
+    assert rec["accuracy"] == pytest.approx(75 / 150) and rec["loss"] == pytest.approx(320 / 150)
+    assert rec["per_source"]["text"]["accuracy"] == pytest.approx(0.6)
+    assert rec["per_modality"]["multimodal"]["accuracy"] == pytest.approx(0.3)
+
 class _Runner:
     """Scores a micro-batch as (the sum of its token ids, 1), draws from the RNG as a forward might."""
 

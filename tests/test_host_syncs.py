@@ -110,7 +110,7 @@ def test_counter_sees_reads_and_host_copies():
         x.tolist()
         x.cpu()
         torch.nonzero(x)
-        StepValues(x.device, 0).read()
+        StepValues(x.device).read()
     assert s.events == ["aten._local_scalar_dense.default", "Tensor.tolist", "Tensor.cpu", "aten.nonzero.default",
                         "Tensor.tolist"]
     assert s.sites[-1] == ("Tensor.tolist", "train/step_values.py:read")

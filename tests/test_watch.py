@@ -126,6 +126,7 @@ def test_a_truncated_shard_is_named_at_start_up_and_counted(tmp_path):
     got = records(run)
     assert [r["step"] for r in got] == [1]
     assert all(r["corrupt_shards"] == 1 and r["skipped_samples"] == 0 and r["skipped_images"] == 0 for r in got)
+    assert all(type(r[k]) is int for r in got for k in ("corrupt_shards", "skipped_samples", "skipped_images"))
     assert ("train.global_batch_tokens=500 is not a whole number of data.seq_len=128 sequences: each step uses 4 "
             "sequences = 512 tokens instead") in log
     assert "MFU peak per device (cpu): 0.500 TFLOP/s, train.peak_tflops.cpu" in log

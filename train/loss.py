@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -106,22 +108,47 @@ def tiled_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, t
     return _TiledLogitsLoss.apply(tile_loss, head, hidden, labels, sources, tiles, [], "sum")
 
 
+class Tile(NamedTuple):
+    """What a held-out score is computed from, per position of a tile: the CE (0 at an unscored label), the
+    logits, the targets (IGNORE: unscored) and whether the target stands for at least one byte."""
+    ce: torch.Tensor
+    logits: torch.Tensor
+    targets: torch.Tensor
+    has_bytes: torch.Tensor
+
+
+class HeldOutScore(NamedTuple):
+    """A held-out metric (train/evaluation/heldout.py): its per-position value of a `Tile`, summed over the set
+    per source, and what the sum is divided by -- `token`: the scored positions; `bits_per_byte`: ln 2 x the
+    UTF-8 bytes of the targets (a sum of nats over those with bytes becomes bits per byte)."""
+    name: str
+    value: Callable[[Tile], torch.Tensor]
+    per: str
+
+
+# the held-out record's scores, one entry each (a new held-out metric is a line here and its test)
+HELDOUT_SCORES = (
+    HeldOutScore("loss", lambda t: t.ce, "token"),  # nats per scored position
+    HeldOutScore("bpb", lambda t: t.ce * t.has_bytes, "bits_per_byte"),  # special tokens stand for no bytes
+)
+
+
 def heldout_sums(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, token_bytes: torch.Tensor,
                  tile_tokens: int, split=None) -> torch.Tensor:
-    """The held-out scores of a micro-batch (train/evaluation/heldout.py), no gradient: float64 [2] = (the CE sum
-    over its label positions, the CE sum over those whose target stands for at least one byte). Head +
-    cross-entropy in tiles of `tile_tokens` positions, as `tiled_lm_loss`. Context parallelism
-    (`split`): this rank's positions only, so the ranks' sums add up to the whole sequences'."""
+    """The held-out scores of a micro-batch (train/evaluation/heldout.py), no gradient: float64
+    [len(HELDOUT_SCORES)], each score's values summed over its label positions. Head + cross-entropy in tiles of
+    `tile_tokens` positions, as `tiled_lm_loss`. Context parallelism (`split`): this rank's positions only, so
+    the ranks' sums add up to the whole sequences'."""
     if split is not None:
         labels = split.local(labels)
     x, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    out = torch.zeros(2, dtype=torch.float64, device=hidden.device)
+    out = torch.zeros(len(HELDOUT_SCORES), dtype=torch.float64, device=hidden.device)
     with torch.no_grad():
         for t0 in range(0, y.numel(), tile_tokens):
             yt = y[t0:t0 + tile_tokens]
-            ce = F.cross_entropy(head(x[t0:t0 + tile_tokens]).float(), yt, ignore_index=IGNORE,
-                                 reduction="none").double()
-            has_bytes = token_bytes[yt.clamp(min=0)] > 0
-            out[0] += ce.sum()
-            out[1] += (ce * has_bytes).sum()
+            logits = head(x[t0:t0 + tile_tokens]).float()
+            ce = F.cross_entropy(logits, yt, ignore_index=IGNORE, reduction="none").double()
+            tile = Tile(ce, logits, yt, token_bytes[yt.clamp(min=0)] > 0)
+            for i, score in enumerate(HELDOUT_SCORES):
+                out[i] += score.value(tile).sum()
     return out

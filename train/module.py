@@ -45,7 +45,7 @@ from flashtrain.train.runtime import faults
 from flashtrain.train.runtime.collectives import Operation
 from flashtrain.train.stability.guard import StabilityGuard
 from flashtrain.train.step_runner import LocalRunner, PipelineLoss, PipelineRunner, StepRunner
-from flashtrain.train.step_values import LOADER_COUNTERS, StepValues
+from flashtrain.train.step_values import StepValues, loader_fields
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def build_rank(c, plan, dims: ParallelDims, device: torch.device, template, mixe
                          f"{plan.rounds} round(s)")
         optim, reducer = optimizers_and_reducer(model, c, dims, lr)
     common = dict(device=device, loss_tile_tokens=c.train.loss_tile_tokens, mixed_precision=mixed_precision,
-                  counts_data=counts_data(dims), op=op)
+                  counts_data=counts_data(dims), op=op, micro_batches=plan.global_microbatches)
     if pipe is None:
         runner = LocalRunner(model, reducer, plan.accumulation, **common)
     else:
@@ -197,8 +197,8 @@ class TrainModule:
         if spike is None:
             update_biases(self.model, loads, self.cfg.train.balance_rate)
         if self.dims.pp_rank == 0 and self.counts_data:  # the loader's counters of this step's reads, once per dp rank
-            for k in LOADER_COUNTERS:
-                sums.add(k, counters().get(k, 0))
+            for name, count in loader_fields(counters()).items():
+                sums.record(name, count, "count")
         self.op.name = "the all-reduce of the step's losses and counters"
         sums.all_reduce()
         return StepOutcome(sums, loads, grad_norm, spike, routes is not None)
@@ -227,13 +227,13 @@ class TrainModule:
 
     def record(self, out: StepOutcome, v: dict, step: int) -> dict:
         """This module's fields of step `step`'s metrics record, from the step's outcome and its values read on the
-        host (`v`, train/step_values.py): the losses (per micro-batch), the gradient norm, whether the ViT body
-        trained, the stability guard's verdict, whether the MoE layers routed by anticipated indices and the run's
-        totals (train.spike / train.anticipatory_routing), the expert-load statistics (train/metrics.py)."""
-        n = self.plan.global_microbatches
-        return {"loss": v["ce"] / n, "balance_loss": v["balance_loss"] / n, "indexer_loss": v["indexer_loss"] / n,
-                "grad_norm": v["grad_norm"], "vit_trainable": bool(self.schedule.vit_trainable(step - 1)),
-                "spike": out.spike, "anticipatory_routing": out.routed, "spikes_skipped": self.guard.counts["skipped"],
+        host (`v`, train/step_values.py): every metric the step recorded (the losses, the padding, the loader's
+        skips), the gradient norm, whether the ViT body trained, the stability guard's verdict, whether the MoE
+        layers routed by anticipated indices and the run's totals (train.spike / train.anticipatory_routing), the
+        expert-load statistics (train/metrics.py)."""
+        return {**out.sums.reported(v), "grad_norm": v["grad_norm"],
+                "vit_trainable": bool(self.schedule.vit_trainable(step - 1)), "spike": out.spike,
+                "anticipatory_routing": out.routed, "spikes_skipped": self.guard.counts["skipped"],
                 "rollbacks": self.guard.counts["rolled_back"],
                 "expert_load": load_statistics(out.loads, v["load_stats"])}
 

@@ -10,7 +10,7 @@ Two runners, one interface:
   the routing indices every local MoE layer picks.
 - `evaluate(batches, token_bytes) -> scores`: one forward without gradients over held-out micro-batches
   (train/evaluation/heldout.py; a pipeline's count a multiple of `eval_group`): per micro-batch this rank's
-  float64 [2] scores (train/loss.py `heldout_sums`; zeros on a rank without the head's output), between
+  float64 [scores] sums (train/loss.py `heldout_sums`; zeros on a rank without the head's output), between
   steps (a pipeline's stats side channel is reset by the next step), leaving the gradients as they were.
 
 The loss of a micro-batch is the head + cross-entropy tiled over the sequence (train/loss.py),
@@ -39,9 +39,9 @@ from flashtrain.model.aux import StepStats
 from flashtrain.parallel.grad_reduce import GradReducer
 from flashtrain.parallel.pipeline import Pipeline
 from flashtrain.train.balancing import accumulate_loads
-from flashtrain.train.loss import heldout_sums, tiled_lm_loss
+from flashtrain.train.loss import HELDOUT_SCORES, heldout_sums, tiled_lm_loss
 from flashtrain.train.runtime.collectives import Operation
-from flashtrain.train.step_values import StepValues
+from flashtrain.train.step_values import MetricLayout, StepValues
 
 
 class PipelineLoss:
@@ -92,14 +92,27 @@ def n_sources(batches: list[dict]) -> int:
     return batches[0]["stream_tokens"].shape[1] if "stream_tokens" in batches[0] else 0
 
 
+def record_data(sums: StepValues, batches: list[dict], n: int) -> None:
+    """The metrics of the data that `batches` read (train/step_values.py): `padding_fraction`, the PAD positions over
+    every position of the packed rows, B x (seq_len + 1) each (inputs and the last label; data/loader.py `collate`),
+    and with `n` data sources their positions read and labels scored (the parts of `per_source`)."""
+    sums.record("padding_fraction", (sum(b["pad_tokens"] for b in batches),
+                                     sum(b["tokens"].numel() + b["tokens"].shape[0] for b in batches)), "ratio")
+    if n:
+        sums.record("source_tokens", torch.stack([b["stream_tokens"].sum(0) for b in batches]), size=n, report=False)
+        sums.record("source_targets", torch.stack([b["source_targets"] for b in batches]), size=n, report=False)
+
+
 class StepRunner:
     """What both runners share: the model, the gradient reducer, the micro-batch count, autocast."""
 
     eval_group = 1  # held-out micro-batches per `evaluate` call divide by this
 
     def __init__(self, model, reducer: GradReducer, accumulation: int, device: torch.device, loss_tile_tokens: int,
-                 mixed_precision: bool, counts_data: bool, op: Operation):
+                 mixed_precision: bool, counts_data: bool, op: Operation, micro_batches: int = 1):
         self.model, self.reducer, self.accumulation, self.device = model, reducer, accumulation, device
+        # the step's metrics, agreed over the ranks once (train/step_values.py); `micro_batches`: the global batch's
+        self.layout = MetricLayout(micro_batches)
         self.loss_tile_tokens = loss_tile_tokens
         self.mixed_precision = mixed_precision
         self.counts_data = counts_data  # the cp ranks of a group read the same batches: count them once
@@ -150,8 +163,8 @@ class LocalRunner(StepRunner):
     def _passes(self, batches: list[dict], routes: list[dict] | None) -> tuple[StepValues, dict]:
         accum = self.accumulation
         loads: dict[int, torch.Tensor] = {}
-        sums = StepValues(self.device, n_sources(batches))
-        source_ce = torch.zeros(sums.n_sources, dtype=torch.float64, device=self.device)
+        sums, n = StepValues(self.device, self.layout), n_sources(batches)
+        source_ce = torch.zeros(n, dtype=torch.float64, device=self.device)
         for i, batch in enumerate(batches):
             if i == accum - 1:  # the gradients complete in this micro-batch (the head's in the loss forward,
                 self.reducer.mark_final()  # train/loss.py; the rest in the backward): reduce buckets as they do
@@ -159,22 +172,18 @@ class LocalRunner(StepRunner):
             tokens, types, images = _on(self.device, batch)
             hidden = self.model.final_hidden(self.model.run(tokens, types, images, stats, aux_grad_scale=1.0 / accum,
                                                             routes=None if routes is None else routes[i]))
-            sources = batch["label_sources"].to(self.device) if sums.n_sources else None
+            sources = batch["label_sources"].to(self.device) if n else None
             loss = tiled_lm_loss(hidden, self.model.head, batch["labels"].to(self.device), self.loss_tile_tokens,
                                  1.0 / accum, self.model.sequence_split(tokens.shape[1]), sources, source_ce)
             loss.backward()
             accumulate_loads(loads, stats.expert_load)  # on the device: no host sync per micro-batch
-            sums.add("ce", loss * accum)
-            sums.add("balance_loss", stats.total("balance_loss"))
-            sums.add("indexer_loss", stats.total("indexer_loss"))
+            sums.record("loss", loss * accum, "mean")
+            sums.record("balance_loss", stats.total("balance_loss"), "mean")
+            sums.record("indexer_loss", stats.total("indexer_loss"), "mean")
             if self.counts_data:
-                sums.add("pad_tokens", batch["pad_tokens"])
-                sums.add("positions", batch["tokens"].numel() + batch["tokens"].shape[0])
-                if sums.n_sources:
-                    sums.add_sources("source_tokens", batch["stream_tokens"])
-                    sums.add_sources("source_targets", batch["source_targets"])
-        if sums.n_sources:
-            sums.add_sources("source_ce", source_ce)
+                record_data(sums, [batch], n)
+        if n:
+            sums.record("source_ce", source_ce, size=n, report=False)
         return sums, loads
 
     def _record(self, batches: list[dict]) -> list[dict]:
@@ -200,8 +209,9 @@ class PipelineRunner(StepRunner):
 
     def __init__(self, model, pipe: Pipeline, reducer: GradReducer, accumulation: int, round_microbatches: int,
                  device: torch.device, loss_tile_tokens: int, mixed_precision: bool, counts_data: bool, op: Operation,
-                 pp_rank: int, loss_fn: PipelineLoss):
-        super().__init__(model, reducer, accumulation, device, loss_tile_tokens, mixed_precision, counts_data, op)
+                 pp_rank: int, loss_fn: PipelineLoss, micro_batches: int = 1):
+        super().__init__(model, reducer, accumulation, device, loss_tile_tokens, mixed_precision, counts_data, op,
+                         micro_batches)
         self.pipe, self.round_microbatches, self.pp_rank = pipe, round_microbatches, pp_rank
         self.rounds = accumulation // round_microbatches
         self.eval_group = round_microbatches
@@ -223,30 +233,26 @@ class PipelineRunner(StepRunner):
         accum, m = self.accumulation, self.round_microbatches
         self.pipe.set_aux_grad_scale(1.0 / accum)
         self.pipe.stats.reset()
-        sums = StepValues(self.device, n_sources(batches))
-        if sums.n_sources:
-            self.loss_fn.source_ce = torch.zeros(sums.n_sources, dtype=torch.float64, device=self.device)
+        sums, n = StepValues(self.device, self.layout), n_sources(batches)
+        if n:
+            self.loss_fn.source_ce = torch.zeros(n, dtype=torch.float64, device=self.device)
         try:
             for r in range(self.rounds):
                 mine = batches[r * m:(r + 1) * m]
-                tokens, types, labels, images = self._round_inputs(mine, with_sources=bool(sums.n_sources))
+                tokens, types, labels, images = self._round_inputs(mine, with_sources=bool(n))
                 losses = self.pipe.run_round(tokens, types, labels, images,
                                              None if routes is None else routes[r * m:(r + 1) * m],
                                              reducer=self.reducer if r == self.rounds - 1 else None)
                 if losses:  # the schedule's losses are CE / accum
-                    sums.add("ce", torch.stack(losses) * accum)
+                    sums.record("loss", torch.stack(losses) * accum, "mean")
                 if self.pp_rank == 0 and self.counts_data:
-                    sums.add("pad_tokens", sum(b["pad_tokens"] for b in mine))
-                    sums.add("positions", sum(b["tokens"].numel() + b["tokens"].shape[0] for b in mine))
-                    if sums.n_sources:
-                        sums.add_sources("source_tokens", torch.stack([b["stream_tokens"].sum(0) for b in mine]))
-                        sums.add_sources("source_targets", torch.stack([b["source_targets"] for b in mine]))
-            if sums.n_sources:
-                sums.add_sources("source_ce", self.loss_fn.source_ce)
+                    record_data(sums, mine, n)
+            if n:
+                sums.record("source_ce", self.loss_fn.source_ce, size=n, report=False)
         finally:
             self.loss_fn.source_ce = None
-        sums.add("balance_loss", self.pipe.stats.balance)
-        sums.add("indexer_loss", self.pipe.stats.indexer)
+        sums.record("balance_loss", self.pipe.stats.balance, "mean")
+        sums.record("indexer_loss", self.pipe.stats.indexer, "mean")
         return sums, dict(self.pipe.stats.expert_load)
 
     def _record(self, batches: list[dict]) -> list[dict]:
@@ -264,7 +270,7 @@ class PipelineRunner(StepRunner):
         try:
             for r in range(0, len(batches), m):
                 scores = self.pipe.eval_round(*self._round_inputs(batches[r:r + m]))
-                out += scores or [torch.zeros(2, dtype=torch.float64, device=self.device)] * m
+                out += scores or [torch.zeros(len(HELDOUT_SCORES), dtype=torch.float64, device=self.device)] * m
         finally:
             self.loss_fn.token_bytes = None
         return out

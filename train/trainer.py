@@ -58,7 +58,7 @@ from flashtrain.train.runtime.collectives import CollectiveError, Operation, any
 from flashtrain.train.runtime.run_guard import die_with_launcher
 from flashtrain.train.stability.spike import rng_state, set_rng_state
 from flashtrain.train.step_runner import StepBatches
-from flashtrain.train.step_values import loader_fields, padding_fraction, source_fields
+from flashtrain.train.step_values import source_fields
 
 __all__ = ["CheckpointConfig", "CollectiveError", "StepOutcome", "TrainConfig", "Trainer"]
 log = logging.getLogger(__name__)
@@ -147,10 +147,7 @@ class Trainer:
         record = {
             "step": self.step, **self.module.record(out, v, self.step), "lr": lr, "tokens_seen": self.tokens_seen,
             "tokens_per_s": self.schedule.tokens_per_step / dt, "step_time_s": dt,
-            "padding_fraction": padding_fraction(v),
-            # the loader's skips (cumulative, every dp rank): samples, the part of them skipped for an image, and
-            # the distinct shards found corrupt (at start-up or while reading); train/step_values.py
-            **loader_fields(v), "per_source": source_fields(self.loader.sources, v, self.source_tokens),
+            "per_source": source_fields(self.loader.sources, v, self.source_tokens),
             # model FLOPs (forward + backward) per token at data.seq_len, and MFU = flops_per_token * tokens_per_s
             # / (peak per device * world), null without a known peak (train/flops.py; train.peak_tflops)
             "flops_per_token": (fpt := self.module.flops_per_token(self.cfg.data.seq_len)),

@@ -55,7 +55,7 @@ from flashtrain.train.module import RankParts, TrainModule, counts_data, optimiz
 from flashtrain.train.official.layout import storage_format
 from flashtrain.train.plan.stages import plan_stages, stage_units
 from flashtrain.train.resume import check_model_config
-from flashtrain.train.step_runner import StepRunner, _on
+from flashtrain.train.step_runner import StepRunner, _on, record_data
 from flashtrain.train.step_values import StepValues
 
 log = logging.getLogger(__name__)
@@ -235,22 +235,21 @@ class DSparkRunner(StepRunner):
             raise ConfigError("Anticipatory Routing is not implemented for the DSpark drafter")
         accum = self.accumulation
         loads: dict[int, torch.Tensor] = {}
-        sums = StepValues(self.device, 0, {"dspark": self.stat_size})
+        sums = StepValues(self.device, self.layout)
         for i, batch in enumerate(batches):
             if i == accum - 1:
                 self.reducer.mark_final()
             if self.counts_data:  # (cp rank 0 of pipeline stage 0: each dp rank's batches counted once)
-                sums.add("pad_tokens", batch["pad_tokens"])
-                sums.add("positions", batch["tokens"].numel() + batch["tokens"].shape[0])
+                record_data(sums, [batch], 0)
             stats = StepStats()
             loss, values = self.micro_batch(batch, stats, 1.0 / accum)
             if loss is None:  # a pipeline stage before the last
                 continue
             loss.backward()
             accumulate_loads(loads, stats.expert_load)
-            sums.add("ce", loss.detach() * accum)
-            sums.add("balance_loss", stats.total("balance_loss"))
-            sums.add_vector("dspark", values)
+            sums.record("loss", loss * accum, "mean")
+            sums.record("balance_loss", stats.total("balance_loss"), "mean")
+            sums.record("dspark", values, size=self.stat_size, report=False)
         return sums, loads
 
     def _record(self, batches) -> list[dict]:
@@ -292,7 +291,8 @@ class DSparkModule(TrainModule):
             optim, reducer = optimizers_and_reducer(drafter, c, dims, schedule.lr(0))
         runner = DSparkRunner(drafter, backbone, c.train.dspark, reducer, plan.accumulation, device=device,
                               loss_tile_tokens=c.train.loss_tile_tokens, mixed_precision=mixed_precision,
-                              counts_data=counts_data(dims) and dims.pp_rank == 0, op=op, pipe=pipe)
+                              counts_data=counts_data(dims) and dims.pp_rank == 0, op=op, pipe=pipe,
+                              micro_batches=plan.global_microbatches)
         return cls(c, plan, dims, device, RankParts(drafter, None, optim, reducer, runner), op, schedule,
                    mixed_precision, is_main, guard=tensor_mode is None)
 
@@ -310,7 +310,7 @@ class DSparkModule(TrainModule):
     def record(self, out, v: dict, step: int) -> dict:
         """The drafter's metrics (train/dspark/loss.py `read_stats`); the backbone is frozen (no indexer loss, no
         ViT)."""
-        record = {k: x for k, x in super().record(out, v, step).items() if k not in ("indexer_loss", "vit_trainable")}
+        record = {k: x for k, x in super().record(out, v, step).items() if k != "vit_trainable"}
         return record | read_stats(v["dspark"], self.cfg.model.dspark_block_size, self.cfg.train.dspark.ece_bins)
 
     def frozen(self) -> list[nn.Module]:

@@ -5,10 +5,11 @@ Every `train.eval.interval` steps, and at the schedule's last step, the loop cal
 - this rank's share of the set: the micro-batches padded with PAD micro-batches (nothing scored) to a
   multiple of dp x the runner's `eval_group` (a pipeline round), dp rank r taking every dp-th one, so
   every rank of a pipeline, context-parallel group or expert group runs the same micro-batches;
-- the step runner's forward without gradients (train/step_runner.py `evaluate`): per micro-batch the
-  CE sum over its scored positions and over those whose target stands for at least one byte
-  (train/loss.py `heldout_sums`; a context-parallel rank its own positions, a pipeline its last stage);
-- one all-reduce of the [sources, 2] sums; the counts (scored positions, bytes) come from the set
+- the step runner's forward without gradients (train/step_runner.py `evaluate`): per micro-batch each
+  score's sum (train/loss.py `HELDOUT_SCORES`, one entry per held-out metric: the CE over its scored
+  positions, and over those whose target stands for at least one byte; `heldout_sums`: a context-parallel
+  rank its own positions, a pipeline its last stage);
+- one all-reduce of the [sources, scores] sums; the counts (scored positions, bytes) come from the set
   itself, so they are the same in every layout.
 
     loss = CE sum / scored positions                           (nats per token)
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.data.heldout import MODALITIES, HeldOutSet
+from flashtrain.train.loss import HELDOUT_SCORES
 from flashtrain.train.stability.spike import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -57,23 +59,24 @@ class EvalConfig:
             raise ConfigError(f"train.eval.tokens={self.tokens}: must be a positive number of positions")
 
 
-def _scores(ce: float, ce_bytes: float, targets: int, n_bytes: int) -> dict:
-    return {"loss": ce / targets if targets else None,
-            "bpb": ce_bytes / (math.log(2) * n_bytes) if n_bytes else None, "tokens": int(targets)}
+def _scores(sums: np.ndarray, targets: int, n_bytes: int) -> dict:
+    """Each held-out score (train/loss.py `HELDOUT_SCORES`) of its summed values (null where nothing divides
+    them), and `tokens`, the scored positions."""
+    over = {"token": targets, "bits_per_byte": math.log(2) * n_bytes}
+    return {**{score.name: sums[i] / over[score.per] if over[score.per] else None
+               for i, score in enumerate(HELDOUT_SCORES)}, "tokens": int(targets)}
 
 
 def eval_record(step: int, sums: np.ndarray, heldout: HeldOutSet) -> dict:
-    """The eval event of `step` from the all-reduced [sources, 2] sums (module docstring)."""
+    """The eval event of `step` from the all-reduced [sources, scores] sums (module docstring)."""
     present = [s for s in range(len(heldout.sources)) if heldout.targets[s]]
-    per_source = {heldout.sources[s]: _scores(sums[s, 0], sums[s, 1], heldout.targets[s], heldout.bytes[s])
-                  for s in present}
+    per_source = {heldout.sources[s]: _scores(sums[s], heldout.targets[s], heldout.bytes[s]) for s in present}
     per_modality = {}
     for modality in dict.fromkeys(MODALITIES[heldout.sources[s]] for s in present):
         mine = [s for s in present if MODALITIES[heldout.sources[s]] == modality]
-        per_modality[modality] = _scores(sums[mine, 0].sum(), sums[mine, 1].sum(), heldout.targets[mine].sum(),
-                                         heldout.bytes[mine].sum())
+        per_modality[modality] = _scores(sums[mine].sum(0), heldout.targets[mine].sum(), heldout.bytes[mine].sum())
     return {"event": "eval", "step": step,
-            **_scores(sums[present, 0].sum(), sums[present, 1].sum(), heldout.targets.sum(), heldout.bytes.sum()),
+            **_scores(sums[present].sum(0), heldout.targets.sum(), heldout.bytes.sum()),
             "per_source": per_source, "per_modality": per_modality}
 
 
@@ -94,9 +97,9 @@ class Evaluator:
         return self.cfg.interval > 0 and (step % self.cfg.interval == 0 or step == final_step)
 
     def sums(self) -> torch.Tensor:
-        """This rank's [sources, 2] float64 sums over its share (not yet reduced); the RNG state is kept."""
+        """This rank's [sources, scores] float64 sums over its share (not yet reduced); the RNG state is kept."""
         n, group = len(self.heldout.batches), self.runner.eval_group
-        sums = torch.zeros(len(self.heldout.sources), 2, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(len(self.heldout.sources), len(HELDOUT_SCORES), dtype=torch.float64, device=self.device)
         saved = rng_state()
         try:
             for g in range(0, len(self.mine), group):

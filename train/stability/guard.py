@@ -84,7 +84,7 @@ class StabilityGuard:
         if not self.detector.enabled:
             return None
         self.op.name = "the spike check's loss all-reduce"
-        loss, norm = sums.global_value("ce") / n_micro, float(grad_norm.item())
+        loss, norm = sums.global_value("loss") / n_micro, float(grad_norm.item())
         reason = self.detector.reason(loss, norm)
         flag = torch.tensor([0.0 if reason is None else 1.0])
         all_reduce(flag, self.device, dist.ReduceOp.MAX if dist.is_initialized() else None)
