@@ -10,6 +10,7 @@ own, and every layout starts from the weights one process building the whole mod
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,9 @@ from flashtrain.parallel.engram_shard import shard_engram_tables
 from flashtrain.parallel.experts import shard_experts
 from flashtrain.parallel.pipeline import StageRange, prune_to_stages
 
+if TYPE_CHECKING:
+    from flashtrain.parallel.dims import ParallelDims
+
 
 def model_template(cfg: ModelConfig, token_map: list[int] | None = None) -> Transformer:
     """The whole model on the meta device: shapes, names and roles, no storage."""
@@ -28,18 +32,18 @@ def model_template(cfg: ModelConfig, token_map: list[int] | None = None) -> Tran
 
 
 def build_rank_model(template: Transformer, device: torch.device | str, seed: int,
-                     stages: list[StageRange] | None = None, ep: int = 1, ep_rank: int = 0,
-                     ep_group: dist.ProcessGroup | None = None, tensor_mode=None,
-                     engram_group: dist.ProcessGroup | None = None, dp_rank: int = 0, dp: int = 1) -> Transformer:
-    """Prune `template` (in place) to `stages`, to expert shard `ep_rank` of `ep` and, with an
-    `engram_group`, to row block `dp_rank` of `dp` of every Engram table; then materialise
+                     stages: list[StageRange] | None = None, dims: ParallelDims | None = None,
+                     tensor_mode=None) -> Transformer:
+    """Prune `template` (in place) to `stages`, to this rank's expert shard of `dims.ep` and, when
+    `dims.engram_shard`, to its row block of every Engram table over the dp x cp ranks; then materialise
     what is left on `device` with the run `seed` -- under `tensor_mode` when given (the memory
-    estimator's FakeTensorMode: the pruning stays on plain meta tensors, the materialised ones are fake)."""
+    estimator's FakeTensorMode: the pruning stays on plain meta tensors, the materialised ones are fake).
+    No `dims`: one process, nothing sharded."""
     if stages is not None:
         prune_to_stages(template, stages)
-    if ep > 1:
-        shard_experts(template, ep, ep_rank, ep_group)
-    if engram_group is not None:
-        shard_engram_tables(template, dp, dp_rank, engram_group)
+    if dims is not None and dims.ep > 1:
+        shard_experts(template, dims.ep, dims.ep_rank, dims.ep_group)
+    if dims is not None and dims.engram_shard and dims.dp_cp_group is not None:
+        shard_engram_tables(template, dims.dp_cp, dist.get_rank(dims.dp_cp_group), dims.dp_cp_group)
     with tensor_mode or contextlib.nullcontext():
         return template.materialize(device, seed)

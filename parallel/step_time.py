@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from flashtrain.model.config import ModelConfig
 from flashtrain.model.layer_plan import Role
+from flashtrain.parallel.dims import ParallelDims
 
 ACT_BYTES = 2  # bf16: the activations an all-to-all or gather carries on a GPU
 
@@ -82,10 +83,12 @@ class StepTime:
 
 
 def step_time(cfg: ModelConfig, units: list[dict], bounds: list[tuple[int, int]], stages_of_rank: list[list[int]],
-              schedule: str, *, world: int, pp: int, cp: int, ep: int, micro_batch: int, seq_len: int,
-              microbatches: int, recompute: str, hw: Hardware) -> StepTime:
-    """The estimate of the module docstring for one layout: `units` its per-block costs, `bounds` the
-    stages' [start, end) blocks, `microbatches` per pipeline round (one round per step)."""
+              schedule: str, dims: ParallelDims, *, micro_batch: int, seq_len: int, microbatches: int, recompute: str,
+              hw: Hardware) -> StepTime:
+    """The estimate of the module docstring for one layout: `dims` its degrees (`ParallelDims.plan`, no groups),
+    `units` its per-block costs, `bounds` the stages' [start, end) blocks, `microbatches` per pipeline round
+    (one round per step)."""
+    world, pp, cp, ep = dims.world, dims.pp, dims.cp, dims.ep
     from flashtrain.model.layer_plan import layer_plan
 
     plan = layer_plan(cfg)

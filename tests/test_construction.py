@@ -4,6 +4,8 @@ parameters, with the same values as one process building the whole model (pp=2, 
 ep=2 against pp=1 ep=1), never allocating what it does not own; the fixed-batch arithmetic of
 exp=flash."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import Allocations
@@ -22,7 +24,8 @@ BOUNDS = [(0, 17), (17, 40)]  # a pp=2 split that cuts between layer 14 (Full, E
 def _rank_model(cfg, seed, pp_rank=None, ep_rank=None):
     """What the trainer builds on pp rank `pp_rank` of 2 / ep rank `ep_rank` of 2 (None: unsplit)."""
     stages = None if pp_rank is None else local_stage_ranges(ParallelConfig(pp=2), BOUNDS, pp_rank)
-    return build_rank_model(model_template(cfg), "cpu", seed, stages, 1 if ep_rank is None else 2, ep_rank or 0)
+    dims = None if ep_rank is None else SimpleNamespace(ep=2, ep_rank=ep_rank, ep_group=None, engram_shard=False)
+    return build_rank_model(model_template(cfg), "cpu", seed, stages, dims)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ of the eval records are in tests/test_trainer.py, the command in tests/test_laun
 import io
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -195,8 +196,8 @@ def test_every_micro_batch_is_scored_once_over_the_dp_ranks(val_shards, tok, dp,
     total = torch.zeros(2, 2, dtype=torch.float64)
     for rank in range(dp):
         runner = _Runner(group)
-        ev = Evaluator(EvalConfig(interval=1, tokens=320), heldout, nbytes, runner, dp, rank, 2, torch.device("cpu"),
-                       False)
+        dims = SimpleNamespace(dp=dp, dp_rank=rank)  # data-parallel rank `rank` of `dp` (parallel/dims.py)
+        ev = Evaluator(EvalConfig(interval=1, tokens=320), heldout, nbytes, runner, dims, 2, torch.device("cpu"), False)
         before = torch.get_rng_state()
         total += ev.sums()
         assert torch.equal(torch.get_rng_state(), before)

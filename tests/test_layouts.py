@@ -15,6 +15,7 @@ import pytest
 
 from flashtrain.config.errors import ConfigError
 from flashtrain.model.config import ModelConfig
+from flashtrain.parallel.dims import ParallelDims
 from flashtrain.parallel.step_time import Hardware, bubble_microbatches, step_time
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,8 +50,9 @@ def test_step_time_by_hand():
     units = [{"flops_per_token": f, "attention_flops_per_token": a, "carry_bytes": 100}
              for f, a in ((100, 10), (200, 20), (300, 30), (400, 40))]
     hw = Hardware(gpu_tflops=1e-9, gpus_per_node=2, intra_node_gb_s=1e-6, inter_node_gb_s=1e-7)  # 1000 FLOP/s
-    t = step_time(cfg, units, [(0, 2), (2, 4)], [[0], [1]], "1f1b", world=8, pp=2, cp=2, ep=2, micro_batch=1,
-                  seq_len=16, microbatches=4, recompute="selective", hw=hw)
+    dims = ParallelDims.plan(8, 2, 2, cfg.n_layers, cfg.n_routed_experts, cp=2)  # world 8, pp 2, ep 2
+    t = step_time(cfg, units, [(0, 2), (2, 4)], [[0], [1]], "1f1b", dims, micro_batch=1, seq_len=16, microbatches=4,
+                  recompute="selective", hw=hw)
     tokens = 8  # 16 / cp
     # rank 1 (blocks 2, 3): forward 700 x 8, selective recomputes the attention (70 x 8)
     compute = (3 * 700 * tokens + 70 * tokens) / 1000

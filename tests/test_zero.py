@@ -152,7 +152,7 @@ third = make()
 for p in third.parameters():
     p.grad = torch.zeros_like(p)
 fresh = build_optimizers(third, mcfg, ocfg, lr=1e-2)
-load_checkpoint(ck, third, fresh.optimizers, r, 2)
+load_checkpoint(ck, third, fresh.optimizers, dims)
 name_of = {id(p): n for n, p in third.named_parameters()}
 mine = {(name_of[id(p)], k): v for o in fresh.optimizers.values() for p, k, v, _ in o.owned_state()}
 tname = {id(p): n for n, p in twin.named_parameters()}

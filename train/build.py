@@ -357,8 +357,7 @@ def build_evaluator(run: Run, runner: StepRunner, periodic: bool = True) -> Eval
         when = f"held-out evaluation every {c.train.eval.interval} steps" if periodic else "held-out set"
         log.info(f"{when}: {len(heldout.batches)} micro-batches, " + ", ".join(
             f"{name} {int(n)} tokens" for name, n in zip(heldout.sources, heldout.targets) if n))
-    return Evaluator(c.train.eval, heldout, token_bytes, runner, dims.dp, dims.dp_rank, c.data.batch_size, run.device,
-                     is_main)
+    return Evaluator(c.train.eval, heldout, token_bytes, runner, dims, c.data.batch_size, run.device, is_main)
 
 
 def check_start(c: RunConfigs, readers: int) -> None:

@@ -709,18 +709,19 @@ def load_weights(path: str | Path, model: nn.Module, layout: dict | None = None)
     return _load_weights_only(Path(path), model, layout or {})
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dp_rank: int | None = None,
-                    dp: int | None = None, layout: dict | None = None) -> tuple[dict, dict]:
+def load_checkpoint(path: str | Path, model: nn.Module, optimizers: dict, dims=None,
+                    layout: dict | None = None) -> tuple[dict, dict]:
     """Load model and optimizer state in place (only the parameters `model` holds: a pipeline stage
     loads its own blocks, an expert / Engram shard its rows, ZeRO-1 its owned pieces of the optimizer
     state); returns (meta, this data-parallel rank's state). A checkpoint of weights alone (an imported
     release, launch/import_official.py: no optimizer, data-loader or RNG state) loads the model and
-    returns (meta, None)."""
+    returns (meta, None). `dims` (parallel/dims.py `ParallelDims`): this rank's data-parallel rank among how
+    many; None: the process group's rank, as many readers as saved."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no .metadata); pick a step_* "
                                 f"directory under <run dir>/checkpoints")
-    dp_rank = _rank() if dp_rank is None else dp_rank
+    dp_rank, dp = (_rank(), None) if dims is None else (dims.dp_rank, dims.dp)
     layout = layout or {}
     md = read_metadata(path).state_dict_metadata
     rank_key = f"dp{dp_rank}"

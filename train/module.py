@@ -24,7 +24,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from flashtrain.model.param_kinds import ParamKind, parameter_kinds
 from flashtrain.model.vision import set_vision_body_trainable
@@ -111,9 +110,7 @@ def build_rank(c, plan, dims: ParallelDims, device: torch.device, template, mixe
                             mixed_precision, dims.dp_cp, dims.cp, plan.round_inputs)
         bounds = plan_stages(units, c.parallel, plan.round_microbatches)
         stages = local_stage_ranges(c.parallel, bounds, dims.pp_rank)
-    engram_group = dims.dp_cp_group if dims.engram_shard else None
-    build_rank_model(model, device, c.train.seed, stages, dims.ep, dims.ep_rank, dims.ep_group, tensor_mode,
-                     engram_group, dist.get_rank(engram_group) if engram_group is not None else 0, dims.dp_cp)
+    build_rank_model(model, device, c.train.seed, stages, dims, tensor_mode)
     model.set_recompute(c.train.recompute)
     compiled = tensor_mode is None and compile_enabled(c.train.compile, device.type, c.train.compile_default)
     if compiled:
@@ -138,7 +135,7 @@ def build_rank(c, plan, dims: ParallelDims, device: torch.device, template, mixe
         runner = LocalRunner(model, reducer, plan.accumulation, **common)
     else:
         runner = PipelineRunner(model, pipe, reducer, plan.accumulation, plan.round_microbatches,
-                                pp_rank=dims.pp_rank, loss_fn=loss_fn, **common)
+                                dims=dims, loss_fn=loss_fn, **common)
     return RankParts(model, pipe, optim, reducer, runner, compiled)
 
 
@@ -266,7 +263,7 @@ class TrainModule:
     def load(self, path) -> tuple[dict, dict | None]:
         """The model and optimizer state of the checkpoint at `path` (train/checkpoint.py `load_checkpoint`):
         (meta, this data-parallel rank's state, None for weights alone)."""
-        return load_checkpoint(path, self.model, self.optim.optimizers, self.dims.dp_rank, self.dims.dp,
+        return load_checkpoint(path, self.model, self.optim.optimizers, self.dims,
                                self.dims.global_layout(self.model))
 
     def load_state_dict(self, rank_state: dict) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from flashtrain.model.aux import StepStats
+from flashtrain.parallel.dims import ParallelDims
 from flashtrain.parallel.grad_reduce import GradReducer
 from flashtrain.parallel.pipeline import Pipeline
 from flashtrain.train.balancing import accumulate_loads
@@ -209,10 +210,10 @@ class PipelineRunner(StepRunner):
 
     def __init__(self, model, pipe: Pipeline, reducer: GradReducer, accumulation: int, round_microbatches: int,
                  device: torch.device, loss_tile_tokens: int, mixed_precision: bool, counts_data: bool, op: Operation,
-                 pp_rank: int, loss_fn: PipelineLoss, micro_batches: int = 1):
+                 dims: ParallelDims, loss_fn: PipelineLoss, micro_batches: int = 1):
         super().__init__(model, reducer, accumulation, device, loss_tile_tokens, mixed_precision, counts_data, op,
                          micro_batches)
-        self.pipe, self.round_microbatches, self.pp_rank = pipe, round_microbatches, pp_rank
+        self.pipe, self.round_microbatches, self.pp_rank = pipe, round_microbatches, dims.pp_rank
         self.rounds = accumulation // round_microbatches
         self.eval_group = round_microbatches
         self.loss_fn = loss_fn  # the schedule's: switched to the held-out scores while evaluating

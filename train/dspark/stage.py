@@ -36,7 +36,6 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from flashtrain.config.errors import CheckpointError, ConfigError, InputNotFoundError
@@ -147,12 +146,9 @@ def load_backbone(c, dims, device: torch.device, template: Transformer, path: st
     """This rank's backbone (its pipeline stage's blocks, experts sharded over ep, positions split under cp)
     with the weights of `path`, frozen; its model config must equal the run's but for the drafter's fields.
     The last pipeline stage keeps the embedding too: the drafter embeds its blocks with it."""
-    engram_group = dims.dp_cp_group if dims.engram_shard else None  # row-sharded Engram tables, as build_rank's
     keep_embed = stages is not None and stages[-1].is_last and template.embed is not None
     embed = template.embed if keep_embed else None
-    model = build_rank_model(template, device, c.train.seed, stages, dims.ep, dims.ep_rank, dims.ep_group,
-                             tensor_mode, engram_group, dist.get_rank(engram_group) if engram_group is not None else 0,
-                             dims.dp_cp)
+    model = build_rank_model(template, device, c.train.seed, stages, dims, tensor_mode)  # as build_rank's
     if keep_embed and model.embed is None:
         with tensor_mode or contextlib.nullcontext():
             model.embed = embed.to_empty(device=device)
@@ -281,8 +277,7 @@ class DSparkModule(TrainModule):
         drafter_meta = drafter_template(c.model)
         if pipe is not None and not pipe.last:
             drafter_meta.mtp = nn.ModuleList()  # only the last stage holds (and trains) the drafter
-        drafter = build_rank_model(drafter_meta, device, c.train.seed, None, dims.ep, dims.ep_rank, dims.ep_group,
-                                   tensor_mode)
+        drafter = build_rank_model(drafter_meta, device, c.train.seed, None, dims, tensor_mode)
         drafter.set_recompute(c.train.recompute)
         if tensor_mode is None and has_drafter(c.train.backbone) and len(drafter.mtp):
             load_weights(c.train.backbone, drafter, dims.global_layout(drafter))

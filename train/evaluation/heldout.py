@@ -83,13 +83,13 @@ def eval_record(step: int, sums: np.ndarray, heldout: HeldOutSet) -> dict:
 class Evaluator:
     """The held-out set of this run and its share for this rank (module docstring)."""
 
-    def __init__(self, cfg: EvalConfig, heldout: HeldOutSet, token_bytes: np.ndarray, runner, dp: int, dp_rank: int,
-                 micro_batch: int, device: torch.device, is_main: bool):
+    def __init__(self, cfg: EvalConfig, heldout: HeldOutSet, token_bytes: np.ndarray, runner, dims, micro_batch: int,
+                 device: torch.device, is_main: bool):
         self.cfg, self.heldout, self.runner, self.device, self.is_main = cfg, heldout, runner, device, is_main
         self.micro_batch = micro_batch
         self.token_bytes = torch.as_tensor(token_bytes, dtype=torch.float64, device=device)
-        n, unit = len(heldout.batches), dp * runner.eval_group
-        self.mine = list(range(dp_rank, math.ceil(n / unit) * unit, dp))  # >= n: a PAD micro-batch
+        n, unit = len(heldout.batches), dims.dp * runner.eval_group  # dims: parallel/dims.py `ParallelDims`
+        self.mine = list(range(dims.dp_rank, math.ceil(n / unit) * unit, dims.dp))  # >= n: a PAD micro-batch
 
     def due(self, step: int, final_step: int | None = None) -> bool:
         """Every `interval` steps, and at `final_step` (the schedule's last step: a run that completes

@@ -44,6 +44,7 @@ from flashtrain.config.typed import typed_config
 from flashtrain.model.sequence_split import chunk_ranges
 from flashtrain.parallel.config import SCHEDULES, ParallelConfig, splits_backward
 from flashtrain.parallel.construct import model_template
+from flashtrain.parallel.dims import ParallelDims
 from flashtrain.parallel.partition import UnitInventory, in_flight_microbatches, in_flight_states, partition, rank_costs
 from flashtrain.parallel.pipeline import stage_ids
 from flashtrain.parallel.step_time import Hardware, StepTime, step_time
@@ -298,10 +299,10 @@ class LayoutSearch:
 
     def _time(self, layout: Layout, world: int) -> None:
         units = self.units(world, layout.pp, layout.cp, layout.ep, layout.recompute)
-        layout.time = step_time(self.model_cfg, units, layout.bounds, layout.stages_of_rank, layout.schedule,
-                                world=world, pp=layout.pp, cp=layout.cp, ep=layout.ep, micro_batch=1,
-                                seq_len=self.seq_len, microbatches=layout.microbatches, recompute=layout.recompute,
-                                hw=self.plan.hardware)
+        dims = ParallelDims(world, layout.pp, world // (layout.pp * layout.cp), layout.ep, cp=layout.cp)  # (checked)
+        layout.time = step_time(self.model_cfg, units, layout.bounds, layout.stages_of_rank, layout.schedule, dims,
+                                micro_batch=1, seq_len=self.seq_len, microbatches=layout.microbatches,
+                                recompute=layout.recompute, hw=self.plan.hardware)
 
     @staticmethod
     def _layers(layout: Layout, position: int) -> list[int]:
