@@ -13,7 +13,6 @@ import contextlib
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from flashtrain.model import Transformer
 from flashtrain.model.config import ModelConfig
@@ -44,6 +43,6 @@ def build_rank_model(template: Transformer, device: torch.device | str, seed: in
     if dims is not None and dims.ep > 1:
         shard_experts(template, dims.ep, dims.ep_rank, dims.ep_group)
     if dims is not None and dims.engram_shard and dims.dp_cp_group is not None:
-        shard_engram_tables(template, dims.dp_cp, dist.get_rank(dims.dp_cp_group), dims.dp_cp_group)
+        shard_engram_tables(template, dims.dp_cp, dims.dp_cp_rank, dims.dp_cp_group)
     with tensor_mode or contextlib.nullcontext():
         return template.materialize(device, seed)

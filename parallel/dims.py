@@ -139,6 +139,11 @@ class ParallelDims:
         return self._local("pp")
 
     @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place among the dp x cp ranks of its stage (that hold the same parameters)."""
+        return self._local("dp_cp")
+
+    @property
     def dp_rank(self) -> int:
         """Which of the dp distinct batches this rank reads."""
         return self._local("dp_cp") // self.cp if self.mesh is not None else 0

@@ -427,3 +427,16 @@ def test_a_checkpoint_carrying_a_malicious_pickle_is_refused_without_running_it(
     assert "\n" not in message and "(io.open)" in message and "refusing to load it" in message, message
     meta, mine = ck.load_checkpoint(good, nn.Linear(8, 4), {})
     assert meta == {"step": 1} and mine["data"] == [1]
+
+
+def test_a_rank_keeps_its_data_position_only_when_the_reader_count_is_the_saved_one(tmp_path):
+    """`load_checkpoint(dims=...)`: a checkpoint written by one data-parallel reader, loaded as reader 0 of 1
+    keeps its data position; as reader 0 or 1 of 2 (another number of readers, whose positions are re-split,
+    data/loader.py `relayout`) the state comes without it, though reader 0's own `dp0` state exists."""
+    from types import SimpleNamespace
+
+    ck.CheckpointWriter(tmp_path, keep=1).save(1, nn.Linear(8, 4), {}, {"step": 1}, {"data": [5], "rng": None})
+    path = ck.step_dir(tmp_path, 1)
+    got = {(dp, rank): ck.load_checkpoint(path, nn.Linear(8, 4), {}, SimpleNamespace(dp=dp, dp_rank=rank))[1]["data"]
+           for dp, rank in ((1, 0), (2, 0), (2, 1))}
+    assert got == {(1, 0): [5], (2, 0): None, (2, 1): None}

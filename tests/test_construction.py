@@ -4,16 +4,20 @@ parameters, with the same values as one process building the whole model (pp=2, 
 ep=2 against pp=1 ep=1), never allocating what it does not own; the fixed-batch arithmetic of
 exp=flash."""
 
+import datetime
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from conftest import Allocations
 
 from flashtrain.config.typed import typed_config
 from flashtrain.model import Transformer
 from flashtrain.parallel.config import ParallelConfig
 from flashtrain.parallel.construct import build_rank_model, model_template
+from flashtrain.parallel.dims import ParallelDims
 from flashtrain.parallel.pipeline import local_stage_ranges
 
 pytestmark = pytest.mark.xdist_group("construction")  # its module-scoped reference runs are shared
@@ -168,3 +172,26 @@ def test_only_cp_rank_0_counts_the_data():
     from flashtrain.train.module import counts_data
 
     assert [counts_data(SimpleNamespace(cp_rank=r)) for r in range(4)] == [True, False, False, False]
+
+
+def _engram_worker(rank, store, cfg, results):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    dims = ParallelDims.build(2, rank, 1, 1, cfg.n_layers, cfg.n_routed_experts, engram_shard=True, cp=2)
+    model = build_rank_model(model_template(cfg), "cpu", 7, None, dims)
+    results[rank] = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("engram.embed.weight")}
+    dist.destroy_process_group()
+
+
+def test_engram_rows_are_split_over_the_dp_x_cp_ranks_of_a_stage(tmp_path, tiny_cfg, whole):
+    """dp=1 x cp=2 with parallel.engram_shard: the two context-parallel ranks hold the same parameters, so
+    each keeps its own row block of every Engram table (`dims.dp_cp_rank`, not the data-parallel rank, which
+    is 0 on both), and the two blocks are the whole table of one process."""
+    results = mp.Manager().dict()
+    mp.spawn(_engram_worker, args=(str(tmp_path / "store"), tiny_cfg, results), nprocs=2)
+    full = {n: p for n, p in whole.named_parameters() if n.endswith("engram.embed.weight")}
+    assert full and set(results[0]) == set(results[1]) == set(full)
+    for name, table in full.items():
+        mine = results[0][name], results[1][name]
+        assert 0 < mine[0].shape[0] < table.shape[0]
+        assert torch.equal(torch.cat(mine), table), name

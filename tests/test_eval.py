@@ -196,7 +196,8 @@ def test_every_micro_batch_is_scored_once_over_the_dp_ranks(val_shards, tok, dp,
     total = torch.zeros(2, 2, dtype=torch.float64)
     for rank in range(dp):
         runner = _Runner(group)
-        dims = SimpleNamespace(dp=dp, dp_rank=rank)  # data-parallel rank `rank` of `dp` (parallel/dims.py)
+        # data-parallel rank `rank` of `dp` (parallel/dims.py), each of 2 context-parallel ranks (they evaluate alike)
+        dims = SimpleNamespace(dp=dp, dp_rank=rank, cp=2, dp_cp=2 * dp)
         ev = Evaluator(EvalConfig(interval=1, tokens=320), heldout, nbytes, runner, dims, 2, torch.device("cpu"), False)
         before = torch.get_rng_state()
         total += ev.sums()
