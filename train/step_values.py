@@ -83,6 +83,11 @@ class Metric(NamedTuple):
         """Its float64 slots in the reduced vector."""
         return (self.size or 1) * (2 if self.reduce == "ratio" else 1)
 
+    def nothing(self, device: torch.device) -> torch.Tensor:
+        """Its total before any value: 0 ([2, ...] for a ratio's two parts), -inf for a max."""
+        shape = (2,) * (self.reduce == "ratio") + (() if self.size is None else (self.size,))
+        return torch.full(shape, -math.inf if self.reduce == "max" else 0.0, dtype=torch.float64, device=device)
+
 
 def _collective(group) -> bool:
     """Whether the values are reduced over other processes (not alone, not torch's fake process group)."""
@@ -133,60 +138,54 @@ class StepValues:
         self.layout = layout or MetricLayout()
         self.local: dict[str, Metric] = {}
         self.totals: dict[str, torch.Tensor] = {}
-        self.metrics: dict[str, Metric] | None = None  # the agreed metrics, after `all_reduce`
         self.reduced: tuple[torch.Tensor, torch.Tensor] | None = None  # (summed, largest) slots, after `all_reduce`
 
     def record(self, name: str, value, reduce: str = "sum", size: int | None = None, report: bool = True) -> None:
         """Add `value` (a number or a tensor; a ratio's (numerator, denominator)) to metric `name`."""
         if reduce not in REDUCES:
             raise ValueError(f"metric {name!r}: reduce={reduce!r}, use one of {', '.join(REDUCES)}")
-        _same(name, self.local.setdefault(name, Metric(reduce, size, report)), Metric(reduce, size, report))
+        metric = Metric(reduce, size, report)
+        _same(name, self.local.setdefault(name, metric), metric)
         total = self.totals.get(name)
         if total is None:
-            shape = (2,) * (reduce == "ratio") + (() if size is None else (size,))
-            total = self.totals[name] = torch.full(shape, -math.inf if reduce == "max" else 0.0,
-                                                   dtype=torch.float64, device=self.device)
+            total = self.totals[name] = metric.nothing(self.device)
         if reduce == "ratio":
-            total[0] += self._summed(value[0], size)
-            total[1] += self._summed(value[1], size)
+            total[0] += self._collapsed(value[0], size)
+            total[1] += self._collapsed(value[1], size)
         elif reduce == "max":
-            value = self._largest(value, size)
+            value = self._collapsed(value, size, largest=True)
             if torch.is_tensor(value):
                 torch.maximum(total, value, out=total)
             else:
                 total.clamp_(min=value)
         else:
-            total += self._summed(value, size)
+            total += self._collapsed(value, size)
 
-    def _summed(self, value, size: int | None):
+    def _collapsed(self, value, size: int | None, largest: bool = False):
+        """A tensor as float64 on the device, summed (or its largest taken) down to one number or to [size]."""
         if not torch.is_tensor(value):
             return value
         value = value.detach().to(self.device, torch.float64)
-        return value.sum() if size is None else value.reshape(-1, size).sum(0)
-
-    def _largest(self, value, size: int | None):
-        if not torch.is_tensor(value):
-            return value
-        value = value.detach().to(self.device, torch.float64)
-        return value.max() if size is None else value.reshape(-1, size).amax(0)
+        if size is None:
+            return value.max() if largest else value.sum()
+        value = value.reshape(-1, size)
+        return value.amax(0) if largest else value.sum(0)
 
     def _slots(self, metrics: dict[str, Metric]) -> tuple[torch.Tensor, torch.Tensor]:
         """The totals of `metrics` in their order, those not recorded here as nothing (0, or -inf for a max):
         (the summed metrics' slots, the largest's)."""
         parts: dict[bool, list[torch.Tensor]] = {False: [], True: []}
         for name, metric in metrics.items():
-            is_max = metric.reduce == "max"
             total = self.totals.get(name)
-            parts[is_max].append(total.reshape(-1) if total is not None else torch.full(
-                (metric.width(),), -math.inf if is_max else 0.0, dtype=torch.float64, device=self.device))
+            total = total if total is not None else metric.nothing(self.device)
+            parts[metric.reduce == "max"].append(total.reshape(-1))
         return tuple(torch.cat(p) if p else torch.zeros(0, dtype=torch.float64, device=self.device)
                      for p in (parts[False], parts[True]))
 
     def all_reduce(self, group=None) -> "StepValues":
         """Reduce over `group` (default: every rank): the one all-reduce of the step's summed metrics (and one
         MAX all-reduce of the largest, when a metric has them)."""
-        self.metrics = self.layout.agree(self.local, group)
-        summed, largest = self.reduced = self._slots(self.metrics)
+        summed, largest = self.reduced = self._slots(self.layout.agree(self.local, group))
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(summed, group=group)
             if largest.numel():
@@ -208,8 +207,8 @@ class StepValues:
         copy of the step's values (reduced, or this rank's own before `all_reduce`), with any `extra` tensors read
         in the same copy (the gradient norm, the expert-load statistics): a 0-dim one as a number, others as
         nested lists of their shape; None stays None."""
-        metrics = self.metrics if self.metrics is not None else dict(sorted(self.local.items()))
-        summed, largest = self.reduced if self.metrics is not None else self._slots(metrics)
+        metrics = self._metrics()
+        summed, largest = self.reduced if self.reduced is not None else self._slots(metrics)
         given = {k: t for k, t in extra.items() if t is not None}
         values = torch.cat([summed, largest, *(t.detach().to(summed.device, torch.float64).reshape(-1)
                                                for t in given.values())]).tolist()
@@ -230,8 +229,11 @@ class StepValues:
 
     def reported(self, v: dict) -> dict:
         """The metrics of `v` (`read`) that the step's record reports."""
-        metrics = self.metrics if self.metrics is not None else self.local
-        return {name: v[name] for name, metric in metrics.items() if metric.report}
+        return {name: v[name] for name, metric in self._metrics().items() if metric.report}
+
+    def _metrics(self) -> dict[str, Metric]:
+        """The metrics in their order: every rank's as agreed after `all_reduce`, this rank's before."""
+        return self.layout.metrics if self.reduced is not None else dict(sorted(self.local.items()))
 
 
 def _value(metric: Metric, flat: list[float], micro_batches: int):
