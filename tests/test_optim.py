@@ -143,6 +143,41 @@ def test_bf16_newton_schulz_from_fp32_gemms_has_bf16_numerics(shape):
     assert (fp32 == want).double().mean().item() < 0.6  # the comparison tells the precisions apart
 
 
+@pytest.mark.parametrize("shape", [(2, 16, 24), (2, 24, 16)])
+def test_muon_bf16_step_is_the_literal_bf16_iteration_on_its_g_hat(shape):
+    """The Muon step with NS in bf16 (fp32 GEMMs on bf16 values, so on any CPU): the momentum's lerp writes G^,
+    then bf16 Newton-Schulz -- a tall matrix from the other side, not
+    transposed -- equals the literal bf16 iteration on the fp32 G^ but for a few percent of entries (the
+    existing NS test's criteria). With W0 = 0 and no decay, W1 = -lr x scale x O, whose bf16 rounding after
+    dividing by lr x scale is O again (fp32's error is far below half a bf16 step)."""
+    torch.manual_seed(11)
+    g, m0 = torch.randn(shape), torch.randn(shape)
+    p = torch.nn.Parameter(torch.zeros(shape))
+    p.grad = g.clone()
+    opt = Muon([p], lr=0.5, momentum=0.9, weight_decay=0.0, rms_scale=0.25, ns_dtype=torch.bfloat16,
+               ns_native=False, ns_coefficients=PUBLISHED_NS[:2])
+    opt.state[p]["momentum_buffer"] = m0.clone()
+    opt.step()
+    scale = 0.25 * math.sqrt(24)  # rms_scale x sqrt(the longer side)
+    got = (-p.detach().double() / (0.5 * scale))
+    m1 = torch.lerp(m0, g, 0.1)
+    want = literal_bf16_newton_schulz(torch.lerp(g, m1, 0.9), PUBLISHED_NS[:2])
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], m1, atol=0, rtol=0)
+    same = (got.to(torch.bfloat16).double() == want).double().mean().item()
+    assert same > 0.9 and ((got - want).abs().max() / want.abs().max()).item() < 1e-2, same
+
+
+def test_muon_slices_by_default_2_20_values_on_the_cpu_2_22_on_cuda():
+    """On the CPU, Newton-Schulz runs in slices of 2^20 values (NS_BATCH_ELEMS, docs/kernels.md: faster than
+    2^22 there); 4100 matrices of 16 x 16 (1,049,600 values) take a workspace of 4096 of them."""
+    p = torch.nn.Parameter(torch.zeros(4100, 16, 16))
+    p.grad = torch.randn(4100, 16, 16)
+    opt = _muon([p], ns_coefficients=PUBLISHED_NS[:1])
+    opt.step()
+    assert opt._ghat_workspace.numel() == 4096 * 256 == 1 << 20 and opt._ghat_workspace.dtype == torch.float32
+    assert opt._slice_elems(torch.device("cuda")) == 1 << 22  # a CUDA device keeps 2^22: no GPU needed to ask
+
+
 @pytest.mark.parametrize("shape", [(20, 12), (12, 20)])
 def test_muon_update_scale_uses_the_longer_side(shape):
     """Tall and wide: O = UV^T * 0.18 * sqrt(max(rows, cols)) (so its RMS is 0.18 for any aspect)."""

@@ -10,7 +10,8 @@ What counts as "a matrix" for NS:
 - a param group with `num_heads=H` (head-wise): the [H d, in] weight is H independent [d, in] blocks,
   each orthogonalised and scaled by rms_scale * sqrt(max(d, in)).
 All matrices of one shape within a step are orthogonalised as one batch (in slices of at most
-`ns_batch_elems` elements, which bounds the Newton-Schulz temporaries). NS runs in fp32 on CPU and in
+`ns_batch_elems` elements, by default `NS_BATCH_ELEMS` of the device, which bounds the Newton-Schulz
+temporaries). NS runs in fp32 on CPU and in
 bf16 on CUDA unless `ns_dtype` says otherwise; bf16 on a CPU without bf16 GEMMs (AVX2: no AVX512-BF16 or
 AMX) runs fp32 GEMMs on bf16 values, each product rounded to bf16 -- bf16 GEMMs' numerics at fp32 GEMM
 speed (`ns_native=True`: torch's own bf16 GEMMs; newton_schulz.py).
@@ -52,6 +53,13 @@ def _as_matrices(t: torch.Tensor, num_heads: int | None) -> torch.Tensor:
     raise ValueError(f"Muon takes 2-D matrices or stacked [E, out, in] experts, got shape {tuple(t.shape)}")
 
 
+# Newton-Schulz slice sizes (values of G^) when `ns_batch_elems` is not given. CPU: slices that stay in cache; on
+# the AMD EPYC of docs/kernels.md, flash_small's bf16 Muon step took 1.34-1.39 s with 2^19-2^21 and 1.54 s with
+# 2^22, its fp32 step 5.2 s with 2^19-2^20 and 6.1 s with 2^22 (one thread). CUDA: enough matrices per launch to
+# fill the SMs (2^22 values: 128 matrices of 128 x 256, 384 programs of the 64-wide Triton tiles).
+NS_BATCH_ELEMS = {"cpu": 1 << 20, "cuda": 1 << 22}
+
+
 class _Entry(NamedTuple):
     """One parameter (or ZeRO piece) as matrices [k, rows, cols]: views of the weight, its gradient and its
     momentum."""
@@ -78,7 +86,7 @@ class Muon(GroupwiseOptimizer):
     def __init__(self, params, lr: float = 2.6e-4, momentum: float = 0.95, weight_decay: float = 0.1,
                  nesterov: bool = True, rms_scale: float = 0.18, ns_coefficients=V41_NS_SCHEDULE,
                  ns_eps: float = 1e-7, ns_dtype: torch.dtype | None = None, use_triton: bool | None = None,
-                 ns_batch_elems: int = 1 << 22, zero_of=None, ns_native: bool | None = None):
+                 ns_batch_elems: int | None = None, zero_of=None, ns_native: bool | None = None):
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0:
             raise ValueError(f"Muon: invalid lr={lr}, momentum={momentum} or weight_decay={weight_decay}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
@@ -108,34 +116,38 @@ class Muon(GroupwiseOptimizer):
         self._update(entries, group)
 
     def _update(self, entries: list[_Entry], group: dict) -> None:
-        """Momentum, then per matrix shape, in slices of at most `ns_batch_elems` values (which bounds the
-        Newton-Schulz temporaries): G^ of the slice's matrices written into one reused workspace, their
-        Newton-Schulz (times the update's scale), each orthogonalised matrix applied to its weight."""
+        """Per matrix shape, in slices of at most `ns_batch_elems` values (which bounds the Newton-Schulz
+        temporaries): the slice's momentum, then its G^ written into one reused workspace (while the momentum and
+        gradient just read are in cache), their Newton-Schulz, each orthogonalised matrix applied to its weight
+        (times the update's scale)."""
         beta, lr, wd, nesterov = group["momentum"], group["lr"], group["weight_decay"], group["nesterov"]
         by_shape: dict[tuple, list[_Entry]] = defaultdict(list)
         for e in entries:
-            e.momentum.lerp_(e.grad, 1 - beta)
             by_shape[tuple(e.weight.shape[1:])].append(e)
         for (rows, cols), same in by_shape.items():
             sizes = [e.weight.shape[0] for e in same]
             total = sum(sizes)
-            per_slice = min(total, max(1, self.ns_batch_elems // (rows * cols)))
+            device = same[0].grad.device
+            per_slice = min(total, max(1, self._slice_elems(device) // (rows * cols)))
             work = self._workspace(per_slice * rows * cols, same[0].grad)
             scale = group["rms_scale"] * math.sqrt(max(rows, cols))
             for start in range(0, total, per_slice):
                 ghat = work[:min(per_slice, total - start) * rows * cols].view(-1, rows, cols)
                 pieces = list(_overlaps(sizes, start, ghat.shape[0]))
                 for i, src, dst in pieces:  # G^ written straight into the workspace: no copy, no concatenation
-                    e = same[i]
-                    torch.lerp(e.grad[src], e.momentum[src], beta, out=ghat[dst]) if nesterov else \
-                        ghat[dst].copy_(e.momentum[src])
+                    grad, momentum = same[i].grad[src], same[i].momentum[src]
+                    momentum.lerp_(grad, 1 - beta)
+                    torch.lerp(grad, momentum, beta, out=ghat[dst]) if nesterov else ghat[dst].copy_(momentum)
                 ortho = newton_schulz(ghat, self.ns_coefficients, self.ns_eps, self.ns_dtype, self.use_triton,
-                                      self.ns_native, scale=scale)
+                                      self.ns_native)
                 for i, src, dst in pieces:
                     w = same[i].weight[src]
                     if wd:
                         w.mul_(1 - lr * wd)
-                    w.add_(ortho[dst], alpha=-lr)
+                    w.add_(ortho[dst], alpha=-lr * scale)
+
+    def _slice_elems(self, device: torch.device) -> int:
+        return self.ns_batch_elems or NS_BATCH_ELEMS.get(device.type, NS_BATCH_ELEMS["cuda"])
 
     def _workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A flat buffer of at least `numel` values of `like`'s dtype and device, kept between steps (at most

@@ -1,8 +1,9 @@
 """Newton-Schulz orthogonalisation for batches of matrices (V41_SPEC §7), reference and Triton paths.
 
-For X0 = G / (||G||_F + eps) (per matrix; a tall matrix is transposed first so the Gram matrix is the
-small side), every step (a, b, c) computes
-    A = X X^T,  B = b A + c A A^T,  X <- a X + B X.
+For X0 = G / (||G||_F + eps) (per matrix), every step (a, b, c) computes
+    A = X X^T,  B = b A + c A A^T,  X <- a X + B X
+on the small side of the matrix: a tall one is transposed (Triton) or takes the same products from the
+other side, A = X^T X and X <- a X + X B (the reference).
 V4.1 uses the hybrid schedule: 8 steps of (3.4445, -4.7750, 2.0315), then 2 steps of (2, -1.5, 0.5);
 the first set lifts small singular values fast, the second settles them at 1.
 
@@ -22,17 +23,19 @@ POLISH_COEFFS = (2.0, -1.5, 0.5)
 V41_NS_SCHEDULE = (MAIN_COEFFS,) * 8 + (POLISH_COEFFS,) * 2
 
 
-def _prepare(G: torch.Tensor, eps: float, dtype: torch.dtype):
+def _prepare(G: torch.Tensor, eps: float, dtype: torch.dtype, transpose: bool = True):
     """X0 = G / (||G||_F + eps) per matrix, in `dtype` (G converted first, then the norm of the converted
-    values, as torch.optim.Muon), a tall matrix transposed; contiguous. (The norm is taken on the transposed
-    view: with it taken on a transposed copy, the pipelined and one-process runs of tests/test_trainer.py,
-    whose ranks batch other sets of matrices, drifted apart beyond 1e-5 -- measured, cause not isolated.)"""
+    values, as torch.optim.Muon), contiguous; and whether the matrices are tall. A tall matrix is transposed
+    when `transpose` (the Triton path, whose kernel takes the Gram matrix of rows). (The norm is taken on the
+    transposed view: with it taken on a transposed copy, the pipelined and one-process runs of
+    tests/test_trainer.py, whose ranks batch other sets of matrices, drifted apart beyond 1e-5 -- measured,
+    cause not isolated.)"""
     X = G.to(dtype)
-    transposed = X.shape[-2] > X.shape[-1]
-    if transposed:
+    tall = X.shape[-2] > X.shape[-1]
+    norm = (X.mT if tall else X).norm(dim=(-2, -1), keepdim=True) + eps
+    if tall and transpose:
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
-    return X.contiguous(), transposed
+    return torch.div(X, norm, out=torch.empty(X.shape, dtype=dtype, device=X.device)), tall
 
 
 def native_bf16_matmul(device: torch.device | str) -> bool:
@@ -51,18 +54,17 @@ def _round_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def newton_schulz_reference(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: float = 1e-7,
-                            dtype: torch.dtype = torch.float32, native: bool | None = None,
-                            scale: float = 1.0) -> torch.Tensor:
-    """G [..., m, n] -> approximately U V^T of each matrix times `scale`, same shape, in `dtype`.
+                            dtype: torch.dtype = torch.float32, native: bool | None = None) -> torch.Tensor:
+    """G [..., m, n] -> approximately U V^T of each matrix, same shape, in `dtype`.
 
     Each step is three (batched) GEMMs, A = X X^T, B = c A A + b A, X <- B X + a X (the last two with
-    their sums fused, `baddbmm`), then the result times `scale` in place: the operations of the last green
-    CI, bit for bit. (The CI run with `scale` folded into the last step's sum saw the pipelined and one-process
-    runs of tests/test_trainer.py 2.6e-5 apart in grad norm, past the test's 1e-5.) bf16 without bf16
-    hardware (`native_bf16_matmul`; `native` overrides): the same bf16 numerics from fp32 GEMMs -- the
-    operands are bf16 values (exact in fp32), the products accumulate in fp32 and each result is rounded to
-    bf16, as a bf16 GEMM with fp32 accumulation stores it -- at fp32 GEMM speed."""
-    X, transposed = _prepare(G, eps, dtype)
+    their sums fused, `baddbmm`, as torch.optim.Muon's `addmm`). A tall matrix is not transposed: its steps
+    are the same products from the other side, A = X^T X and X <- X B + a X (the same sums, so the same
+    roundings; no transposed copy in and out). bf16 without bf16 hardware (`native_bf16_matmul`; `native`
+    overrides): the same bf16 numerics from fp32 GEMMs -- the operands are bf16 values (exact in fp32), the
+    products accumulate in fp32 and each result is rounded to bf16, as a bf16 GEMM with fp32 accumulation
+    stores it -- at fp32 GEMM speed."""
+    X, tall = _prepare(G, eps, dtype, transpose=False)
     if native is None:
         native = dtype != torch.bfloat16 or native_bf16_matmul(X.device)
     shape = X.shape
@@ -71,16 +73,13 @@ def newton_schulz_reference(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: 
         X = X.float()
     A = B = spare = None  # the step's products, written into the previous step's tensors
     for a, b, c in coefficients:
-        A = torch.bmm(X, X.mT, out=A)
+        A = torch.bmm(X.mT, X, out=A) if tall else torch.bmm(X, X.mT, out=A)
         A = A if native else _round_bf16(A)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
         B = B if native else _round_bf16(B)
-        Y = torch.baddbmm(X, B, X, beta=a, out=spare)
+        Y = torch.baddbmm(X, X, B, beta=a, out=spare) if tall else torch.baddbmm(X, B, X, beta=a, out=spare)
         X, spare = (Y if native else _round_bf16(Y)), X
-    X = X.to(dtype).reshape(shape)
-    if scale != 1.0:
-        X = X.mul_(scale)
-    return X.mT if transposed else X
+    return X.to(dtype).reshape(shape)
 
 
 if HAS_TRITON:
@@ -164,26 +163,24 @@ def syrk(X: torch.Tensor, alpha: float = 1.0, S: torch.Tensor | None = None, bet
 
 
 def newton_schulz_triton(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: float = 1e-7,
-                         dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
     shape = G.shape
-    X, transposed = _prepare(G.reshape(-1, *shape[-2:]), eps, dtype)
+    X, transposed = _prepare(G.reshape(-1, *shape[-2:]), eps, dtype)  # a tall matrix transposed
     for a, b, c in coefficients:
         A = syrk(X)
         Bm = syrk(A, alpha=c, S=A, beta=b)
         X = torch.baddbmm(X, Bm, X, beta=a, alpha=1.0)
-    if scale != 1.0:
-        X = X.mul_(scale)
     X = X.mT if transposed else X
     return X.reshape(shape)
 
 
 def newton_schulz(G: torch.Tensor, coefficients=V41_NS_SCHEDULE, eps: float = 1e-7,
                   dtype: torch.dtype | None = None, triton: bool | None = None,
-                  native: bool | None = None, scale: float = 1.0) -> torch.Tensor:
+                  native: bool | None = None) -> torch.Tensor:
     """Dispatch: Triton on CUDA (bf16 there unless `dtype` says otherwise), reference on CPU (fp32; bf16 from
-    fp32 GEMMs where the CPU has no bf16 GEMM, `newton_schulz_reference`). The result is times `scale`."""
+    fp32 GEMMs where the CPU has no bf16 GEMM, `newton_schulz_reference`)."""
     if dtype is None:
         dtype = torch.bfloat16 if G.is_cuda else torch.float32
     if use_triton(G, triton):
-        return newton_schulz_triton(G, coefficients, eps, dtype, scale)
-    return newton_schulz_reference(G, coefficients, eps, dtype, native, scale)
+        return newton_schulz_triton(G, coefficients, eps, dtype)
+    return newton_schulz_reference(G, coefficients, eps, dtype, native)
