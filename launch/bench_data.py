@@ -44,19 +44,30 @@ def main(argv: list[str]) -> int:
         tokens += b["tokens"].numel()
         per_source = [n + int(v) for n, v in zip(per_source, b["stream_tokens"].sum(0))]
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    c = loader.counters()
+    line, res = summary(batches, dcfg.batch_size, dcfg.seq_len, tokens, dt, cpu, t_build, sources, per_source,
+                        loader.counters())
+    print(line)
+    print(json.dumps(res))
+    return 0
+
+
+def summary(batches: int, batch_size: int, seq_len: int, tokens: int, dt: float, cpu: float, t_build: float,
+            sources, per_source: list[int], counters: dict) -> tuple[str, dict]:
+    """The printed line and the JSON record: tokens/s by wall-clock (`dt`) and by this process's CPU time (`cpu`);
+    each source with shards: its tokens, its share of all the sources' tokens and its weight's share of the
+    weights (`per_source` in the order of `sources`); the padding fraction (the loader's pad tokens / tokens)."""
     weights = sum(s.weight for s in sources if s.shards)
     shares = {s.name: {"tokens": n, "share": n / max(sum(per_source), 1), "weight_share": s.weight / weights}
               for s, n in zip(sources, per_source) if s.shards}
-    res = {"batches": batches, "batch_size": dcfg.batch_size, "seq_len": dcfg.seq_len, "tokens_per_s": tokens / dt,
+    res = {"batches": batches, "batch_size": batch_size, "seq_len": seq_len, "tokens_per_s": tokens / dt,
            "tokens_per_cpu_s": tokens / cpu, "corpus_ready_s": t_build, "sources": shares,
-           "padding_fraction": c["pad_tokens"] / c["tokens"], "counters": c}
-    print(f"{tokens / dt:,.0f} tokens/s ({tokens / cpu:,.0f} per CPU second of this process; {batches} batches of "
-          f"{dcfg.batch_size} x {dcfg.seq_len}); shares "
-          + ", ".join(f"{k} {100 * v['share']:.1f}% (weight {100 * v['weight_share']:.1f}%)" for k, v in shares.items())
-          + f", padding {100 * res['padding_fraction']:.3f}%, corpus ready in {t_build:.1f} s")
-    print(json.dumps(res))
-    return 0
+           "padding_fraction": counters["pad_tokens"] / counters["tokens"], "counters": counters}
+    line = (f"{tokens / dt:,.0f} tokens/s ({tokens / cpu:,.0f} per CPU second of this process; {batches} batches of "
+            f"{batch_size} x {seq_len}); shares "
+            + ", ".join(f"{k} {100 * v['share']:.1f}% (weight {100 * v['weight_share']:.1f}%)"
+                        for k, v in shares.items())
+            + f", padding {100 * res['padding_fraction']:.3f}%, corpus ready in {t_build:.1f} s")
+    return line, res
 
 
 if __name__ == "__main__":

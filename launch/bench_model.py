@@ -218,55 +218,65 @@ def main(argv: list[str]) -> int:
         first_compiled_s = time.perf_counter() - t0
     times = alternate(runs, rounds, warmup=1)
 
-    n_tokens = batch * seq
-    out_variants = {}
-    for name in variants:
-        t = statistics.median(times[name])
-        tps = n_tokens / t
-        mfu = tps * acc["flops_per_token"] / peak if peak else None
-        out_variants[name] = {"fwd_bwd_s": t, "fwd_bwd_times_s": times[name], "fwd_bwd_tokens_per_s": tps,
-                              "mfu": mfu}
-        print(f"{name:<10} forward+backward {t:8.3f} s (median; rounds {', '.join(f'{x:.3f}' for x in times[name])})"
-              f"  {tps:>12,.1f} tokens/s  MFU " + (f"{100 * mfu:.2f}%" if mfu is not None else "n/a"))
-    speedup = default_speedup = None
-    if "kernels" in variants and "reference" in variants:
-        speedup = ratio_summary(times["reference"], times["kernels"])
-        print(f"kernels vs reference speed-up (per round: reference time / kernels time): {format_ratio(speedup)}")
-    if "default" in variants and "reference" in variants:
-        default_speedup = ratio_summary(times["reference"], times["default"])
-        print(f"CPU default (grouped experts) vs reference speed-up (reference time / default time): "
-              f"{format_ratio(default_speedup)}")
-    compiled_speedup = compile_s = None
-    if with_compile:
-        compiled_speedup = ratio_summary(times[eager_default], times["compiled"])
-        compile_s = first_compiled_s - statistics.median(times["compiled"])
-        print(f"compiled vs eager ({eager_default}) speed-up (per round: eager time / compiled time): "
-              f"{format_ratio(compiled_speedup)}; compile time {compile_s:.1f} s (first compiled forward+backward "
-              f"{first_compiled_s:.1f} s minus its median round)")
-    optim_s = statistics.median(times["optimizer"]) if with_optim else None
-    if with_optim:
-        print(f"optimizer step {optim_s:.3f} s (median; lr 0 on the reference model's gradients)")
-
-    default = eager_default  # the trainer's default variant here (of those run)
-    fwd_bwd_s = out_variants[default]["fwd_bwd_s"]
+    lines, timing = figures(times, list(variants), batch * seq, acc["flops_per_token"], peak, eager_default,
+                            with_optim, first_compiled_s)
+    print("\n".join(lines))
     res = {
-        "exp": overrides, "params": acc["params_total"], "batch": batch, "seq": seq,
-        # the trainer's default variant here (see the module docstring); tokens_per_s includes the optimizer
-        "fwd_bwd_s": fwd_bwd_s, "optim_s": optim_s,
-        "tokens_per_s": n_tokens / (fwd_bwd_s + (optim_s or 0.0)),
-        "default_variant": default,
+        "exp": overrides, "params": acc["params_total"], "batch": batch, "seq": seq, **timing,
         "device": device_name, "dtype": "bf16 autocast" if cuda else "fp32", "recompute": recompute,
         "rounds": rounds, "warmup_rounds": 1,
         "peak_flops": peak, "peak_source": peak_source if peak else None,
         "flops_per_token": acc["flops_per_token"], "flops_breakdown": acc["flops_breakdown"],
-        "matmul_params_per_token": acc["matmul_params_per_token"],
-        "variants": out_variants, "kernels_skipped": kernels_skipped,
-        "kernels_vs_reference_speedup": speedup, "default_vs_reference_speedup": default_speedup,
-        "compiled_vs_eager_speedup": compiled_speedup, "compile_s": compile_s,
+        "matmul_params_per_token": acc["matmul_params_per_token"], "kernels_skipped": kernels_skipped,
         "compiled_eager_variant": eager_default if with_compile else None,
     }
     print(json.dumps(res))
     return 0
+
+
+def figures(times: dict[str, list[float]], variants: list[str], n_tokens: int, flops_per_token: float,
+            peak: float | None, eager_default: str, with_optim: bool, first_compiled_s: float | None = None):
+    """The printed lines and the JSON's timing fields from each run's round times (`alternate`'s): per variant
+    its median forward+backward time, tokens/s = n_tokens / that time and MFU = tokens/s x flops_per_token /
+    peak (None without a peak); the speed-ups as per-round ratios (reference / kernels, reference / default,
+    eager / compiled); the compile time (the first compiled forward+backward minus its median round); the
+    optimizer step's median; and for the trainer's default variant here (`eager_default`) `fwd_bwd_s`,
+    `optim_s` and `tokens_per_s` = n_tokens / (fwd_bwd_s + optim_s), the optimizer included."""
+    lines, out_variants = [], {}
+    for name in variants:
+        t = statistics.median(times[name])
+        tps = n_tokens / t
+        mfu = tps * flops_per_token / peak if peak else None
+        out_variants[name] = {"fwd_bwd_s": t, "fwd_bwd_times_s": times[name], "fwd_bwd_tokens_per_s": tps,
+                              "mfu": mfu}
+        lines.append(f"{name:<10} forward+backward {t:8.3f} s (median; rounds "
+                     f"{', '.join(f'{x:.3f}' for x in times[name])})  {tps:>12,.1f} tokens/s  MFU "
+                     + (f"{100 * mfu:.2f}%" if mfu is not None else "n/a"))
+    speedup = default_speedup = compiled_speedup = compile_s = None
+    if "kernels" in variants and "reference" in variants:
+        speedup = ratio_summary(times["reference"], times["kernels"])
+        lines.append(f"kernels vs reference speed-up (per round: reference time / kernels time): "
+                     f"{format_ratio(speedup)}")
+    if "default" in variants and "reference" in variants:
+        default_speedup = ratio_summary(times["reference"], times["default"])
+        lines.append(f"CPU default (grouped experts) vs reference speed-up (reference time / default time): "
+                     f"{format_ratio(default_speedup)}")
+    if "compiled" in variants:
+        compiled_speedup = ratio_summary(times[eager_default], times["compiled"])
+        compile_s = first_compiled_s - statistics.median(times["compiled"])
+        lines.append(f"compiled vs eager ({eager_default}) speed-up (per round: eager time / compiled time): "
+                     f"{format_ratio(compiled_speedup)}; compile time {compile_s:.1f} s (first compiled "
+                     f"forward+backward {first_compiled_s:.1f} s minus its median round)")
+    optim_s = statistics.median(times["optimizer"]) if with_optim else None
+    if with_optim:
+        lines.append(f"optimizer step {optim_s:.3f} s (median; lr 0 on the reference model's gradients)")
+    fwd_bwd_s = out_variants[eager_default]["fwd_bwd_s"]
+    return lines, {
+        # the trainer's default variant here (see the module docstring); tokens_per_s includes the optimizer
+        "fwd_bwd_s": fwd_bwd_s, "optim_s": optim_s, "tokens_per_s": n_tokens / (fwd_bwd_s + (optim_s or 0.0)),
+        "default_variant": eager_default, "variants": out_variants,
+        "kernels_vs_reference_speedup": speedup, "default_vs_reference_speedup": default_speedup,
+        "compiled_vs_eager_speedup": compiled_speedup, "compile_s": compile_s}
 
 
 if __name__ == "__main__":

@@ -123,19 +123,24 @@ def distributed_muon(overrides: list[str], rounds: int) -> int:
     times = alternate({name: opt.step for name, opt in opts.items()}, rounds, warmup=1, sync=dist.barrier)
     t = torch.tensor([times["one_rank"], times["split"]], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round ends when the slowest rank is done
-    one, split = t[0].tolist(), t[1].tolist()
-    speedup = ratio_summary(one, split)  # per round: one-rank time / split time
     if dist.get_rank() == 0:
-        world = dist.get_world_size()
-        t_one, t_split = statistics.median(one), statistics.median(split)
-        print(f"Muon step on {world} ranks, flash_small: every rank does all NS {t_one:.3f} s, NS split over "
-              f"{world} ranks {t_split:.3f} s (medians of {rounds} alternated rounds), "
-              f"speed-up {format_ratio(speedup)}")
-        print(json.dumps({"exp": overrides, "ranks": world, "muon_step_one_rank_s": t_one,
-                          "muon_step_distributed_s": t_split, "speedup": speedup["median"],
-                          "rounds": rounds, "warmup_rounds": 1, "speedup_spread": speedup}))
+        line, record = distributed_report(overrides, world, rounds, t[0].tolist(), t[1].tolist())
+        print(line)
+        print(json.dumps(record))
     dist.destroy_process_group()
     return 0
+
+
+def distributed_report(overrides: list[str], world: int, rounds: int, one: list[float], split: list[float]):
+    """The distributed comparison's line and JSON record from each round's slowest-rank times: every rank doing
+    all the Newton-Schulz work (`one`) and the ZeRO-1 split (`split`); the speed-up is one-rank time / split
+    time per round (above 1: the split is faster)."""
+    speedup = ratio_summary(one, split)
+    t_one, t_split = statistics.median(one), statistics.median(split)
+    line = (f"Muon step on {world} ranks, {' '.join(overrides)}: every rank does all NS {t_one:.3f} s, NS split over "
+            f"{world} ranks {t_split:.3f} s (medians of {rounds} alternated rounds), speed-up {format_ratio(speedup)}")
+    return line, {"exp": overrides, "ranks": world, "muon_step_one_rank_s": t_one, "muon_step_distributed_s": t_split,
+                  "speedup": speedup["median"], "rounds": rounds, "warmup_rounds": 1, "speedup_spread": speedup}
 
 
 def main(argv: list[str]) -> int:

@@ -38,6 +38,8 @@ class Mutant:
         return "tests/test_trainer.py" in self.tests
 
 
+BENCH_REPORT = ['tests/test_bench_report.py']  # the numbers the benchmarks print
+
 MUTANTS = [
     Mutant('tiled loss averages per tile', 'train/loss.py',
            'return _TILE["sum"](head, x, y) * factor',
@@ -2044,6 +2046,49 @@ MUTANTS = [
            'dims = ParallelDims(world, layout.pp, world // (layout.pp * layout.cp), layout.ep, cp=layout.cp)',
            'dims = ParallelDims(world, layout.pp, world // (layout.pp * layout.cp), layout.ep)',
            ['tests/test_layouts.py']),
+    # the numbers the benchmarks print; blind: planted from launch/bench_*.py alone
+    Mutant('bench quartiles by the exclusive method (blind, issue 50)', 'launch/bench_util.py',
+           'q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")',
+           'q1, _, q3 = statistics.quantiles(xs, n=4, method="exclusive")',
+           BENCH_REPORT),
+    Mutant("bench baseline's median time from the first side (blind, issue 50)", 'launch/bench_util.py',
+           '"b_median_s": statistics.median(b_times)}', '"b_median_s": statistics.median(a_times)}',
+           BENCH_REPORT),
+    Mutant('bench load line ends with the 5-minute average (blind, issue 50)', 'launch/bench_util.py',
+           "f\"{load['loadavg_end'][0]:.2f}\")", "f\"{load['loadavg_end'][1]:.2f}\")",
+           BENCH_REPORT),
+    Mutant('bench running tasks read from procs_blocked (blind, issue 50)', 'launch/bench_util.py',
+           'line.startswith("procs_running")', 'line.startswith("procs_blocked")',
+           BENCH_REPORT),
+    Mutant('bench state bytes ratio inverted (blind, issue 50)', 'launch/bench_optim.py',
+           '"state_bytes_ratio": _state_bytes(sk) / _state_bytes(aw)',
+           '"state_bytes_ratio": _state_bytes(aw) / _state_bytes(sk)',
+           BENCH_REPORT),
+    Mutant('bench distributed speed-up inverted (blind, issue 50)', 'launch/bench_optim.py',
+           'speedup = ratio_summary(one, split)', 'speedup = ratio_summary(split, one)',
+           BENCH_REPORT),
+    Mutant('bench Muon matrices counted as parameter groups (blind, issue 50)', 'launch/bench_optim.py',
+           '"muon_matrices": len(flat)', '"muon_matrices": len(muon_groups)',
+           BENCH_REPORT),
+    Mutant('bench memory beyond the momentum at 2 bytes a value (blind, issue 50)', 'launch/bench_optim.py',
+           'mem["sinkhorn"] - m * n * 4', 'mem["sinkhorn"] - m * n * 2',
+           BENCH_REPORT),
+    Mutant('bench_model compile time less the eager median (blind, issue 50)', 'launch/bench_model.py',
+           'compile_s = first_compiled_s - statistics.median(times["compiled"])',
+           'compile_s = first_compiled_s - statistics.median(times[eager_default])', BENCH_REPORT),
+    Mutant("bench_model tokens/s without the optimizer's time (blind, issue 50)", 'launch/bench_model.py',
+           '"tokens_per_s": n_tokens / (fwd_bwd_s + (optim_s or 0.0)),', '"tokens_per_s": n_tokens / fwd_bwd_s,',
+           BENCH_REPORT),
+    Mutant('bench_model compiled speed-up inverted (blind, issue 50)', 'launch/bench_model.py',
+           'compiled_speedup = ratio_summary(times[eager_default], times["compiled"])',
+           'compiled_speedup = ratio_summary(times["compiled"], times[eager_default])', BENCH_REPORT),
+    Mutant('bench_data tokens per CPU second by wall-clock (blind, issue 50)', 'launch/bench_data.py',
+           '"tokens_per_cpu_s": tokens / cpu,', '"tokens_per_cpu_s": tokens / dt,', BENCH_REPORT),
+    Mutant("bench_data shares of all tokens, padding included (blind, issue 50)", 'launch/bench_data.py',
+           '"share": n / max(sum(per_source), 1),', '"share": n / max(tokens, 1),', BENCH_REPORT),
+    Mutant('bench_model MFU without the peak (issue 50)', 'launch/bench_model.py',
+           'mfu = tps * flops_per_token / peak if peak else None', 'mfu = tps * flops_per_token if peak else None',
+           BENCH_REPORT),
 ]
 
 
