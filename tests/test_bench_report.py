@@ -150,16 +150,21 @@ def test_bench_optim_table_prints_each_figure_of_the_result():
                                                                    "materialised):", "512.0", "MB"]
 
 
+def _run_tiny(section: str, rounds: int = 1) -> dict:
+    """bench_optim's `run` on flash_tiny, one section at one thread (the caller's thread count restored)."""
+    threads = torch.get_num_threads()
+    try:
+        return bench_optim.run(["+exp=flash_tiny"], rounds=rounds, threads=1, device="cpu", sections=(section,))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bench_optim_memory_section_subtracts_the_momentum_of_the_16384_x_2048_table(monkeypatch):
     """The memory section's "beyond the momentum" figure: Sinkhorn's peak less the fp32 momentum of the
     16384 x 2048 table (16384 x 2048 x 4 = 128 MiB); peaks given by hand (200, 400, 300 MiB)."""
     peaks = {"sinkhorn": 200 * 2 ** 20, "adamw": 400 * 2 ** 20, "literal": 300 * 2 ** 20}
     monkeypatch.setattr(bench_optim, "peak_step_bytes", lambda which, m, n, device="cpu": peaks[which])
-    threads = torch.get_num_threads()
-    try:
-        r = bench_optim.run(["+exp=flash_tiny"], rounds=1, threads=1, device="cpu", sections=("memory",))
-    finally:
-        torch.set_num_threads(threads)
+    r = _run_tiny("memory", rounds=1)
     assert r["peak_step_tensor_bytes_16384x2048"] == peaks
     assert r["sinkhorn_workspace_beyond_momentum_bytes"] == 72 * 2 ** 20
 
@@ -190,11 +195,7 @@ def test_bench_optim_sinkhorn_state_is_half_of_adamws(monkeypatch):
     (8 bytes): ratio 0.5."""
     times = {"sinkhorn": [1.0], "sinkhorn_keep_grad": [1.0], "adamw": [1.0]}
     monkeypatch.setattr(bench_optim, "alternate", _fake_alternate(times, times))
-    threads = torch.get_num_threads()
-    try:
-        r = bench_optim.run(["+exp=flash_tiny"], rounds=1, threads=1, device="cpu", sections=("sinkhorn",))
-    finally:
-        torch.set_num_threads(threads)
+    r = _run_tiny("sinkhorn", rounds=1)
     n = r["sinkhorn_params"]
     assert (r["sinkhorn_state_bytes"], r["adamw_state_bytes"], r["state_bytes_ratio"]) == (4 * n, 8 * n, 0.5)
 
@@ -214,11 +215,7 @@ def test_bench_optim_muon_section_counts_the_matrices_torch_is_given(monkeypatch
     monkeypatch.setattr(bench_optim.torch.optim, "Muon", Recorded)
     wall = {"ours": [2.0, 4.0, 3.0], "ours_bf16": [0.5] * 3, "torch": [1.0] * 3}
     monkeypatch.setattr(bench_optim, "alternate", _fake_alternate(wall, wall))
-    threads = torch.get_num_threads()
-    try:
-        r = bench_optim.run(["+exp=flash_tiny"], rounds=3, threads=1, device="cpu", sections=("muon",))
-    finally:
-        torch.set_num_threads(threads)
+    r = _run_tiny("muon", rounds=3)
     assert given and all(p.dim() == 2 for p in given)
     assert r["muon_matrices"] == len(given) and r["muon_params"] == sum(p.numel() for p in given)
     assert r["ns_steps"] == 10
