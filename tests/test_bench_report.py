@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,8 +76,9 @@ def test_machine_load_summary_averages_the_samples(monkeypatch):
     # the sampling thread: a machine with 5 tasks running, sampled every 10 ms while the block runs
     monkeypatch.setattr(bench_util, "_running", lambda: 5)
     with bench_util.MachineLoad(every_s=0.01) as live:
-        import time
-        time.sleep(0.1)
+        deadline = time.monotonic() + 30  # a busy machine may keep the sampler waiting: until its first sample
+        while not live.samples and time.monotonic() < deadline:
+            time.sleep(0.01)
     s = live.summary()
     assert s["running_mean"] == 5 and s["running_max"] == 5 and s["running_samples"] >= 1
     assert len(s["loadavg_start"]) == len(s["loadavg_end"]) == 3
