@@ -219,7 +219,7 @@ def main(argv: list[str]) -> int:
     times = alternate(runs, rounds, warmup=1)
 
     lines, timing = figures(times, list(variants), batch * seq, acc["flops_per_token"], peak, eager_default,
-                            with_optim, first_compiled_s)
+                            first_compiled_s)
     print("\n".join(lines))
     res = {
         "exp": overrides, "params": acc["params_total"], "batch": batch, "seq": seq, **timing,
@@ -235,13 +235,14 @@ def main(argv: list[str]) -> int:
 
 
 def figures(times: dict[str, list[float]], variants: list[str], n_tokens: int, flops_per_token: float,
-            peak: float | None, eager_default: str, with_optim: bool, first_compiled_s: float | None = None):
+            peak: float | None, eager_default: str, first_compiled_s: float | None = None):
     """The printed lines and the JSON's timing fields from each run's round times (`alternate`'s): per variant
     its median forward+backward time, tokens/s = n_tokens / that time and MFU = tokens/s x flops_per_token /
     peak (None without a peak); the speed-ups as per-round ratios (reference / kernels, reference / default,
     eager / compiled); the compile time (the first compiled forward+backward minus its median round); the
-    optimizer step's median; and for the trainer's default variant here (`eager_default`) `fwd_bwd_s`,
-    `optim_s` and `tokens_per_s` = n_tokens / (fwd_bwd_s + optim_s), the optimizer included."""
+    optimizer step's median (when `times` has an "optimizer" run); and for the trainer's default variant here
+    (`eager_default`) `fwd_bwd_s`, `optim_s` and `tokens_per_s` = n_tokens / (fwd_bwd_s + optim_s), the optimizer
+    included."""
     lines, out_variants = [], {}
     for name in variants:
         t = statistics.median(times[name])
@@ -267,8 +268,8 @@ def figures(times: dict[str, list[float]], variants: list[str], n_tokens: int, f
         lines.append(f"compiled vs eager ({eager_default}) speed-up (per round: eager time / compiled time): "
                      f"{format_ratio(compiled_speedup)}; compile time {compile_s:.1f} s (first compiled "
                      f"forward+backward {first_compiled_s:.1f} s minus its median round)")
-    optim_s = statistics.median(times["optimizer"]) if with_optim else None
-    if with_optim:
+    optim_s = statistics.median(times["optimizer"]) if "optimizer" in times else None
+    if optim_s is not None:
         lines.append(f"optimizer step {optim_s:.3f} s (median; lr 0 on the reference model's gradients)")
     fwd_bwd_s = out_variants[eager_default]["fwd_bwd_s"]
     return lines, {

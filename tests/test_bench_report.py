@@ -234,7 +234,7 @@ def test_bench_model_tokens_per_s_mfu_and_speed_ups_by_hand():
     times = {"reference": [2.0, 4.0, 3.0], "default": [1.0, 2.0, 1.5], "compiled": [0.75, 1.0, 0.5],
              "optimizer": [0.5, 0.5, 1.0]}
     lines, r = bench_model.figures(times, ["reference", "default", "compiled"], 512, 1e9, 1e12, "default",
-                                   with_optim=True, first_compiled_s=10.75)
+                                   first_compiled_s=10.75)
     assert lines[0] == ("reference  forward+backward    3.000 s (median; rounds 2.000, 4.000, 3.000)         170.7 "
                         "tokens/s  MFU 17.07%")
     assert lines[1].endswith("341.3 tokens/s  MFU 34.13%")
@@ -250,7 +250,7 @@ def test_bench_model_tokens_per_s_mfu_and_speed_ups_by_hand():
     assert r["default_vs_reference_speedup"]["ratios"] == [2.0, 2.0, 2.0] and r["kernels_vs_reference_speedup"] is None
     # without a peak no MFU; without the optimizer the tokens/s are forward+backward's alone; kernels / reference
     lines, r = bench_model.figures({"reference": [3.0], "kernels": [1.0]}, ["reference", "kernels"], 300, 1e9, None,
-                                   "kernels", with_optim=False)
+                                   "kernels")
     assert lines[0].endswith("100.0 tokens/s  MFU n/a") and r["variants"]["reference"]["mfu"] is None
     assert lines[2] == ("kernels vs reference speed-up (per round: reference time / kernels time): 3.00 (min 3.00, "
                         "max 3.00, IQR 3.00-3.00; 1 round)")
