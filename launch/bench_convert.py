@@ -23,6 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 PEAK = re.compile(r"peak RSS ([0-9.]+) GiB")
+HEADER = (f"{'shard GiB':>10} {'export peak':>12} {'- baseline':>11} {'import peak':>12} {'- baseline':>11} "
+          f"{'shards':>7}")
 
 
 def _baseline(overrides: list[str]) -> float:
@@ -81,15 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     total = _write_checkpoint(overrides, work / "ckpt")
     base = _baseline(overrides)
     print(f"{' '.join(overrides)}: checkpoint {total / 2**30:.3f} GiB (fp32); baseline process {base:.2f} GiB")
-    print(f"{'shard GiB':>10} {'export peak':>12} {'- baseline':>11} {'import peak':>12} {'- baseline':>11} "
-          f"{'shards':>7}")
+    print(HEADER)
     for s in args.shard_gb:
         out, back = work / f"off_{s}", work / f"imp_{s}"
         e = _run("export_official.py", str(work / "ckpt"), str(out), "--shard-gb", str(s))
         i = _run("import_official.py", str(out), str(back), *overrides, "--part-gb", str(s))
-        shards = len(list(out.glob("*.safetensors")))
-        print(f"{s:>10.3f} {e:>11.2f}G {e - base:>10.2f}G {i:>11.2f}G {i - base:>10.2f}G {shards:>7}")
+        print(row(s, e, i, base, len(list(out.glob("*.safetensors")))))
     return 0
+
+
+def row(shard_gb: float, export_gib: float, import_gib: float, base_gib: float, shards: int) -> str:
+    """One line of the table: the export's and the import's peak RSS (GiB), each also less the baseline
+    process's (the part that should follow the shard size), and the shards the export wrote."""
+    return (f"{shard_gb:>10.3f} {export_gib:>11.2f}G {export_gib - base_gib:>10.2f}G {import_gib:>11.2f}G "
+            f"{import_gib - base_gib:>10.2f}G {shards:>7}")
 
 
 if __name__ == "__main__":

@@ -94,20 +94,29 @@ def main() -> int:
                "last_record": {k: recs[-1][k] for k in ("step", "loss", "draft_loss", "acceptance_length",
                                                          "confidence_ece")}}
     (out / "bench_dspark.json").write_text(json.dumps(summary, indent=2) + "\n")
-    trained, base = result["mean_accepted_length"], result["baselines"]
-    print(f"\nmean accepted length per verification step ({result['prompts']} held-out prompts x "
-          f"{result['new_tokens']} tokens, block {result['block_size']}):")
-    print(f"  trained drafter ({args.steps} stage steps): {trained:.3f}")
-    print(f"  untrained drafter:                  {base['untrained']['mean_accepted_length']:.3f}  "
-          f"(trained / untrained = {trained / base['untrained']['mean_accepted_length']:.2f})")
-    print(f"  block of 1 (trained drafter):       {base['block_1']['mean_accepted_length']:.3f}")
-    print("  acceptance per position: " + ", ".join("-" if a is None else f"{a:.3f}"
-                                                    for a in result["acceptance_per_position"]))
-    print(f"  confidence ECE: {result['confidence_ece']}; verified output equals greedy decoding: "
-          f"{result.get('equals_greedy')}")
-    print(f"  stage records: step 1 {summary['first_record']}, step {args.steps} {summary['last_record']}")
-    print(f"  times: {times}")
+    print("\n" + "\n".join(report(summary)))
     return 0
+
+
+def report(summary: dict) -> list[str]:
+    """The printed lines from the summary written to bench_dspark.json: the trained drafter's mean accepted length
+    per verification step, the untrained drafter's and the quotient trained / untrained (above 1: the stage
+    helped), a block of 1's, the acceptance per position ("-" where no draft reached it), the stage's first and
+    last records and the times."""
+    result, steps = summary["eval"], summary["stage_steps"]
+    trained, base = result["mean_accepted_length"], result["baselines"]
+    untrained = base["untrained"]["mean_accepted_length"]
+    return [f"mean accepted length per verification step ({result['prompts']} held-out prompts x "
+            f"{result['new_tokens']} tokens, block {result['block_size']}):",
+            f"  trained drafter ({steps} stage steps): {trained:.3f}",
+            f"  untrained drafter:                  {untrained:.3f}  (trained / untrained = {trained / untrained:.2f})",
+            f"  block of 1 (trained drafter):       {base['block_1']['mean_accepted_length']:.3f}",
+            "  acceptance per position: " + ", ".join("-" if a is None else f"{a:.3f}"
+                                                      for a in result["acceptance_per_position"]),
+            f"  confidence ECE: {result['confidence_ece']}; verified output equals greedy decoding: "
+            f"{result.get('equals_greedy')}",
+            f"  stage records: step 1 {summary['first_record']}, step {steps} {summary['last_record']}",
+            f"  times: {summary['times']}"]
 
 
 if __name__ == "__main__":

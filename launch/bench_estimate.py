@@ -79,9 +79,15 @@ def main(argv: list[str]) -> None:
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     if est.returncode != 0:
         raise SystemExit(f"error: the estimate failed:\n{est.stderr[-3000:]}")
-    estimate = json.loads(est.stdout.strip().splitlines()[-1])["ranks"][0]
-    print(json.dumps({"overrides": argv, "real": real, "estimate": estimate,
-                      "peak_ratio": estimate["peak_bytes"] / real["peak_bytes"]}))
+    print(json.dumps(report(argv, real, est.stdout)))
+
+
+def report(argv: list[str], real: dict, estimate_stdout: str) -> dict:
+    """The printed record: the real step's figures, rank 0's estimate (the last line of `launch/estimate.py
+    --json`) and `peak_ratio`, the estimated peak over the real one (above 1: the estimator over-estimates)."""
+    estimate = json.loads(estimate_stdout.strip().splitlines()[-1])["ranks"][0]
+    return {"overrides": argv, "real": real, "estimate": estimate,
+            "peak_ratio": estimate["peak_bytes"] / real["peak_bytes"]}
 
 
 if __name__ == "__main__":

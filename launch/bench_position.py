@@ -16,6 +16,8 @@ import argparse
 import io
 import time
 
+CAPACITY = 65537  # positions per packed row (a 64K sequence + 1), in the states and the re-split
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="launch/bench_position.py", description=__doc__,
@@ -24,7 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--readers", type=int, default=32, help="reader groups that saved the position (default 32)")
     ap.add_argument("--to", type=int, nargs="+", default=[1, 256], help="groups to re-split over (default 1 256)")
     args = ap.parse_args(argv)
-    import numpy as np
     import torch
 
     from flashtrain.data.loader import Counters, ShardStream, relayout
@@ -38,24 +39,39 @@ def main(argv: list[str] | None = None) -> int:
     per_batch = (time.perf_counter() - t) / 20
     buf = io.BytesIO()
     torch.save(state, buf)
-    print(f"{args.shards:,} shards over {args.readers} reader group(s): one group's state() {per_batch * 1e3:.3f} ms "
-          f"(every batch), {buf.tell() / 1e6:.2f} MB per group, {buf.tell() * args.readers / 1e6:.1f} MB in a "
-          f"checkpoint")
+    print(state_line(args.shards, args.readers, per_batch, buf.tell()))
+    states = saved_states(args.shards, args.readers)
+    sources = default_sources(names, [], [1, 0])[:1]
+    for to in args.to:
+        t = time.perf_counter()
+        relayout(states, sources, to, CAPACITY, 0)
+        print(f"re-split over {to} group(s): {time.perf_counter() - t:.2f} s (once, at a resume in another layout)")
+    return 0
+
+
+def state_line(shards: int, readers: int, per_batch_s: float, group_bytes: int) -> str:
+    """The printed line: one group's `state()` time (ms), its saved bytes (MB) and a checkpoint's, which holds the
+    state of every one of the `readers` groups."""
+    return (f"{shards:,} shards over {readers} reader group(s): one group's state() {per_batch_s * 1e3:.3f} ms "
+            f"(every batch), {group_bytes / 1e6:.2f} MB per group, {group_bytes * readers / 1e6:.1f} MB in a "
+            f"checkpoint")
+
+
+def saved_states(shards: int, readers: int) -> list[dict]:
+    """The loader states a checkpoint of `readers` groups holds for one text source of `shards` shards: group g
+    owns shards g, g + readers, ... (a cursor each, all at the start), one worker per group."""
+    import numpy as np
+
+    from flashtrain.data.loader import Counters
 
     def group(g: int) -> dict:
-        n = len(range(g, args.shards, args.readers))
+        n = len(range(g, shards, readers))
         return {"weights": {"text": 1}, "counters": Counters().as_dict(), "corrupt_shards_found": [],
                 "sources": {"text": {"tag": 0, "shards_sha": None, "mix_tokens": 0, "pending": [], "buffer": [],
                                      "cursors": {"epoch": np.zeros(n, np.int32), "skip": np.zeros(n, np.int32)}}}}
 
-    states = [{"version": 3, "rank": r, "world": args.readers, "num_workers": 1, "capacity": 65537, "next_worker": 0,
-               "worker_states": {0: group(r)}} for r in range(args.readers)]
-    sources = default_sources(names, [], [1, 0])[:1]
-    for to in args.to:
-        t = time.perf_counter()
-        relayout(states, sources, to, 65537, 0)
-        print(f"re-split over {to} group(s): {time.perf_counter() - t:.2f} s (once, at a resume in another layout)")
-    return 0
+    return [{"version": 3, "rank": r, "world": readers, "num_workers": 1, "capacity": CAPACITY, "next_worker": 0,
+             "worker_states": {0: group(r)}} for r in range(readers)]
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""The numbers the benchmarks print (launch/bench_util.py, launch/bench_optim.py `table`), each checked against a
-hand-computed value: the per-round ratio summary and its quartiles, the printed ratio and load lines, the
-machine-load sampling, the optimizer-state bytes and the figures of bench_optim's table."""
+"""The numbers the benchmarks print (launch/bench_*.py), each checked against a hand-computed value: the per-round
+ratio summary and its quartiles, the printed ratio and load lines, the machine-load sampling, the optimizer-state
+bytes and the figures of bench_optim's table; bench_model's and bench_data's rates; bench_position's state sizes,
+bench_convert's peaks less the baseline, bench_estimate's peak ratio and bench_dspark's acceptance lines."""
 
 from __future__ import annotations
 
 import io
+import json
 import sys
 import time
 from pathlib import Path
@@ -13,12 +15,17 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launch"))
+import bench_convert  # noqa: E402
 import bench_data  # noqa: E402
+import bench_dspark  # noqa: E402
+import bench_estimate  # noqa: E402
 import bench_model  # noqa: E402
 import bench_optim  # noqa: E402
+import bench_position  # noqa: E402
 import bench_util  # noqa: E402
 
-from flashtrain.data.sources import Source  # noqa: E402
+from flashtrain.data.loader import relayout  # noqa: E402
+from flashtrain.data.sources import Source, default_sources  # noqa: E402
 from flashtrain.train.optim import SinkhornBalanced  # noqa: E402
 
 
@@ -273,3 +280,55 @@ def test_bench_data_rates_shares_and_padding_by_hand():
                             "mm": {"tokens": 1100, "share": 0.2, "weight_share": 0.25}}
     assert (r["tokens_per_s"], r["tokens_per_cpu_s"]) == (3000.0, 2000.0)
     assert r["padding_fraction"] == pytest.approx(500 / 6000)
+
+
+def test_bench_position_line_and_the_saved_states_by_hand():
+    """1,000,000 shards over 32 groups, state() 0.0123 s, 2,500,000 bytes a group: "12.300 ms", "2.50 MB per
+    group", 32 x 2.5 = "80.0 MB in a checkpoint". The saved states of 10 shards over 4 groups own 3, 3, 2, 2 shards
+    (0 4 8 / 1 5 9 / 2 6 / 3 7); re-split over 1 group, that one group holds all 10 cursors."""
+    assert bench_position.state_line(1_000_000, 32, 0.0123, 2_500_000) == (
+        "1,000,000 shards over 32 reader group(s): one group's state() 12.300 ms (every batch), 2.50 MB per group, "
+        "80.0 MB in a checkpoint")
+    states = bench_position.saved_states(10, 4)
+    owned = [len(st["worker_states"][0]["sources"]["text"]["cursors"]["epoch"]) for st in states]
+    assert owned == [3, 3, 2, 2] and [st["rank"] for st in states] == [0, 1, 2, 3]
+    assert {st["world"] for st in states} == {4}
+    names = [f"web-{i}.tar" for i in range(10)]
+    one = relayout(states, default_sources(names, [], [1, 0])[:1], 1, bench_position.CAPACITY, 0)
+    assert len(one[0]["sources"]["text"]["cursors"]["epoch"]) == 10
+
+
+def test_bench_convert_row_subtracts_the_baseline_by_hand():
+    """Shard 0.05 GiB, export peak 1.75 GiB, import peak 2.5 GiB, baseline 1.25 GiB, 7 shards: 0.50 G and 1.25 G
+    above the baseline, in the header's columns."""
+    line = bench_convert.row(0.05, 1.75, 2.5, 1.25, 7)
+    assert line == "     0.050        1.75G       0.50G        2.50G       1.25G       7"
+    assert len(line) == len(bench_convert.HEADER)
+
+
+def test_bench_estimate_ratio_is_the_estimate_over_the_real_peak():
+    """Estimated peak 3 GB against a real 2 GB: ratio 1.5; the estimate is rank 0 of launch/estimate.py's last
+    line, whatever it printed before."""
+    out = "a progress line\n" + json.dumps({"ranks": [{"rank": 0, "peak_bytes": 3e9}, {"rank": 1, "peak_bytes": 1}]})
+    r = bench_estimate.report(["+exp=flash_small"], {"peak_bytes": 2e9, "base_bytes": 1e9}, out)
+    assert r["peak_ratio"] == 1.5 and r["estimate"] == {"rank": 0, "peak_bytes": 3e9}
+    assert r["overrides"] == ["+exp=flash_small"] and r["real"]["peak_bytes"] == 2e9
+
+
+def test_bench_dspark_report_by_hand():
+    """Trained drafter 2.5 tokens a verification step, untrained 1.25 (quotient 2.00), a block of 1 1.5;
+    acceptance 0.75, 0.5 and none at the third position ("-")."""
+    result = {"mean_accepted_length": 2.5, "prompts": 8, "new_tokens": 48, "block_size": 3,
+              "baselines": {"untrained": {"mean_accepted_length": 1.25}, "block_1": {"mean_accepted_length": 1.5}},
+              "acceptance_per_position": [0.75, 0.5, None], "confidence_ece": 0.125, "equals_greedy": True}
+    summary = {"eval": result, "stage_steps": 300, "times": {"eval_s": 4.0},
+               "first_record": {"step": 1}, "last_record": {"step": 300}}
+    assert bench_dspark.report(summary) == [
+        "mean accepted length per verification step (8 held-out prompts x 48 tokens, block 3):",
+        "  trained drafter (300 stage steps): 2.500",
+        "  untrained drafter:                  1.250  (trained / untrained = 2.00)",
+        "  block of 1 (trained drafter):       1.500",
+        "  acceptance per position: 0.750, 0.500, -",
+        "  confidence ECE: 0.125; verified output equals greedy decoding: True",
+        "  stage records: step 1 {'step': 1}, step 300 {'step': 300}",
+        "  times: {'eval_s': 4.0}"]
