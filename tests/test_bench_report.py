@@ -317,10 +317,10 @@ def test_bench_estimate_ratio_is_the_estimate_over_the_real_peak():
 
 def test_bench_dspark_report_by_hand():
     """Trained drafter 2.5 tokens a verification step, untrained 1.25 (quotient 2.00), a block of 1 1.5;
-    acceptance 0.75, 0.5 and none at the third position ("-")."""
+    acceptance 0.75, 0 (printed: no draft accepted there) and none at the third position ("-": none reached it)."""
     result = {"mean_accepted_length": 2.5, "prompts": 8, "new_tokens": 48, "block_size": 3,
               "baselines": {"untrained": {"mean_accepted_length": 1.25}, "block_1": {"mean_accepted_length": 1.5}},
-              "acceptance_per_position": [0.75, 0.5, None], "confidence_ece": 0.125, "equals_greedy": True}
+              "acceptance_per_position": [0.75, 0.0, None], "confidence_ece": 0.125, "equals_greedy": True}
     summary = {"eval": result, "stage_steps": 300, "times": {"eval_s": 4.0},
                "first_record": {"step": 1}, "last_record": {"step": 300}}
     assert bench_dspark.report(summary) == [
@@ -328,7 +328,7 @@ def test_bench_dspark_report_by_hand():
         "  trained drafter (300 stage steps): 2.500",
         "  untrained drafter:                  1.250  (trained / untrained = 2.00)",
         "  block of 1 (trained drafter):       1.500",
-        "  acceptance per position: 0.750, 0.500, -",
+        "  acceptance per position: 0.750, 0.000, -",
         "  confidence ECE: 0.125; verified output equals greedy decoding: True",
         "  stage records: step 1 {'step': 1}, step 300 {'step': 300}",
         "  times: {'eval_s': 4.0}"]
