@@ -17,10 +17,12 @@ from flashtrain.config.errors import ConfigError
 from flashtrain.model.config import ModelConfig
 from flashtrain.parallel.dims import ParallelDims
 from flashtrain.parallel.step_time import Hardware, bubble_microbatches, step_time
+from flashtrain.train.plan.layouts import Layout
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launch"))
 sys.path.insert(0, str(ROOT / "tests"))
+import estimate as estimate_tool  # noqa: E402  (launch/estimate.py)
 import plan as plan_tool  # noqa: E402  (launch/plan.py)
 from layer_plans import FOUR_LAYERS  # noqa: E402
 
@@ -321,3 +323,58 @@ def test_the_smallest_memory_fits_after_the_budget_is_rounded_down():
     result = SearchResult(2, 80, 0, 512, 2, fitting=[SimpleNamespace(peak_bytes=60_001_000_000)])
     assert budget_bytes(74.1, plan) == 60.0e9
     assert result.smallest_memory_gb(plan) == 74.2 and budget_bytes(74.2, plan) == 60.1e9
+
+
+def test_a_layouts_worst_position_rank_and_imbalance_by_hand():
+    """rank_bytes 5, 9, 9, 2 GB over pp=4: the worst position is 1 (the first of the two largest), its first
+    global rank on 16 GPUs (pp-major mesh, 4 ranks a position) is 4, the peak 9; compute 1, 2, 3, 2 -> slowest /
+    mean = 3 / 2 = 1.5. Without a partition: position 0, rank 0, imbalance 1."""
+    x = Layout(pp=4, cp=1, ep=1, dp=4, schedule="1f1b", recompute="none", microbatches=8,
+               rank_bytes=[5, 9, 9, 2], rank_flops=[1.0, 2.0, 3.0, 2.0])
+    assert (x.worst_position, x.worst_rank(16), x.peak_bytes, x.imbalance) == (1, 4, 9, 1.5)
+    assert x.worst_rank(4) == 1
+    empty = Layout(pp=2, cp=1, ep=1, dp=1, schedule="1f1b", recompute="none", microbatches=2)
+    assert (empty.worst_position, empty.worst_rank(2), empty.peak_bytes, empty.imbalance) == (0, 0, 0, 1.0)
+
+
+def test_a_reasons_example_is_the_layout_nearest_to_fitting():
+    """Of three layouts ruled out for one reason, peaks 10, 7 (positions 4 and 7) and unmeasured: the example is
+    the one of peak 7; with none measured, the first."""
+    def layout(pp, rank_bytes):
+        return Layout(pp=pp, cp=1, ep=1, dp=1, schedule="1f1b", recompute="none", microbatches=2,
+                      rank_bytes=rank_bytes)
+
+    far, near, unmeasured = layout(1, [10]), layout(2, [4, 7]), layout(4, [])
+    assert plan_tool._closest([far, near, unmeasured]) is near
+    assert plan_tool._closest([unmeasured, layout(8, [])]) is unmeasured
+
+
+def test_interleaved_ranks_sum_their_stages_and_the_imbalance_is_over_ranks():
+    """Interleaved 1F1B at pp=2 runs 4 stages, rank 0 holding stages 0 and 2 and rank 1 stages 1 and 3: each
+    rank's compute is the sum of its two stages', and each imbalance is the largest rank's over the mean of the
+    2 ranks (not of the 4 stages), as `format_report` prints it."""
+    r = plan_tool.build_report(["+exp=flash_tiny", "parallel.pp=2", "parallel.pipeline_schedule=interleaved_1f1b"],
+                               device="cpu", world=2)
+    p = r["pipeline"]
+    assert p["stages_of_rank"] == [[0, 2], [1, 3]] and len(p["stages"]) == 4
+    flops = [p["stages"][0]["flops_per_token"] + p["stages"][2]["flops_per_token"],
+             p["stages"][1]["flops_per_token"] + p["stages"][3]["flops_per_token"]]
+    assert [x["flops_per_token"] for x in p["ranks"]] == flops
+    assert p["rank_imbalance_compute"] == pytest.approx(max(flops) / ((flops[0] + flops[1]) / 2), rel=1e-12)
+    b = [x["bytes"] for x in p["ranks"]]
+    assert p["rank_imbalance_bytes"] == pytest.approx(max(b) / ((b[0] + b[1]) / 2), rel=1e-12)
+    assert 1 < p["rank_imbalance_compute"] < 2 and 1 < p["rank_imbalance_bytes"] < 2
+    assert (f"per rank: imbalance bytes {p['rank_imbalance_bytes']:.3f}, compute {p['rank_imbalance_compute']:.3f}"
+            in plan_tool.format_report(r))
+
+
+def test_the_estimators_table_in_gib_by_hand():
+    """launch/estimate.py's table: rank 1 (stages 1, 3) of peak 3 GiB = 1 GiB parameters + 0.5 grads + 0.25
+    optimizer + 1 activations + 0.25 temporaries; the max-peak line in GiB (2^30 bytes), like the table."""
+    G = 1 << 30
+    rank = {"rank": 1, "stages": [1, 3], "peak_bytes": 3 * G, "params_bytes": G, "grads_bytes": G // 2,
+            "optimizer_bytes": G // 4, "activations_bytes": G, "temporaries_bytes": G // 4}
+    lines = estimate_tool.human({"world": 2, "ranks": [rank], "max_peak_bytes": 3 * G}).splitlines()
+    assert lines[0] == "simulated step, world 2: peak of live tensor bytes per rank (GiB)"
+    assert lines[2] == "     1      1,3     3.00     1.00     0.50     0.25     1.00     0.25"
+    assert lines[3].startswith("max peak: 3.00 GiB (")
