@@ -2046,6 +2046,24 @@ MUTANTS = [
            'dims = ParallelDims(world, layout.pp, world // (layout.pp * layout.cp), layout.ep, cp=layout.cp)',
            'dims = ParallelDims(world, layout.pp, world // (layout.pp * layout.cp), layout.ep)',
            ['tests/test_layouts.py']),
+    # the training record's numbers; blind: planted from train/metrics.py and what it reads (all caught; kept)
+    Mutant("expert-load cv by the sample std (blind)", 'train/metrics.py',
+           'x.std(-1, unbiased=False) / mean', 'x.std(-1) / mean',
+           ['tests/test_trainer.py', '-k', 'expert_load_statistics']),
+    Mutant("expert-load max/mean logged as the cv (blind)", 'train/metrics.py',
+           'out[name]["max_over_mean"].append(stats[1][i][m] if ok else math.nan)',
+           'out[name]["max_over_mean"].append(stats[2][i][m] if ok else math.nan)',
+           ['tests/test_trainer.py', '-k', 'expert_load_statistics']),
+    Mutant("MFU multiplied by the world instead of divided (blind)", 'train/flops.py',
+           'return flops_per_token * tokens_per_s / (peak_flops * world)',
+           'return flops_per_token * tokens_per_s / peak_flops * world',
+           ['tests/test_profile.py', '-k', 'not records']),
+    Mutant("the record's lr is the next step's (blind)", 'train/trainer.py',
+           '"lr": lr, "tokens_seen": self.tokens_seen,', '"lr": self.schedule.lr(self.step + 1), '
+           '"tokens_seen": self.tokens_seen,', ['tests/test_recipe.py']),
+    Mutant("a source's loss per position, not per scored label (blind)", 'train/step_values.py',
+           '"loss": ce / targets if targets else None}', '"loss": ce / tokens if targets else None}',
+           ['tests/test_step_record.py']),
     # the planner's and the estimator's reported numbers; blind: planted from launch/plan.py, estimate.py and
     # train/plan/ alone (issue 50)
     Mutant("the planner's usable memory in GiB, not GB (blind, issue 50)", 'train/plan/layouts.py',
