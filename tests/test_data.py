@@ -14,7 +14,15 @@ from PIL import Image
 
 from flashtrain.data.config import DataConfig, TokenSpec
 from flashtrain.data.images import ImageProcessorConfig
-from flashtrain.data.loader import Counters, PackedLoader, ShardStream, data_sources, heldout_shards, split_shards
+from flashtrain.data.loader import (
+    Counters,
+    PackedLoader,
+    ShardStream,
+    data_sources,
+    document_pieces,
+    heldout_shards,
+    split_shards,
+)
 from flashtrain.data.shards import Document, ReadStats, read_shard, write_shards
 from flashtrain.data.sources import default_sources
 from flashtrain.data.tokenizer import IMAGE_TOKEN, train_tokenizer
@@ -331,8 +339,32 @@ def test_bad_input_is_skipped_and_counted(tmp_path):
     c = loader.counters()
     assert c["corrupt_shards"] >= 1 and c["bad_samples"] >= 1
     assert c["skipped_bad_image"] >= 1 and c["skipped_empty"] >= 1
+    # a resume carries every counter, the bad samples and the corrupt shards too: a batch later, the resumed loader
+    # counts what the uninterrupted one does
+    resumed = PackedLoader(cfg, SPEC, default_sources(text, mm), state=loader.state_dict())
+    assert resumed.counters() == c
+    next(loader), next(resumed)
+    assert resumed.counters() == loader.counters()
     with pytest.raises(FileNotFoundError, match="matches no shard"):
         data_sources(DataConfig(text_shards=[str(tmp_path / "nope-*.tar")]), SPEC)
+
+
+def test_each_document_is_counted_once_as_read_or_under_its_skip():
+    """Five documents cut for rows of 9 positions: two of text (read: documents 2), an empty one (skipped_empty),
+    one whose image cannot be decoded (skipped_bad_image) and one whose image span -- 10 positions for the 60 x 30
+    PNG, 2 x 3 tokens and their markers -- exceeds the row (skipped_oversized_image): each counted once, under its
+    one key. With rows of 16 the same image fits and its document is read."""
+    text = Document([("text", np.arange(3, 8, dtype=np.int32))])
+    empty = Document([("text", np.zeros(0, dtype=np.int32))])
+    bad_image = Document([("image", b"not an image at all", "png"), ("text", np.array([5, 6], dtype=np.int32))])
+    big_image = Document([("image", _png(), "png"), ("text", np.array([7, 8], dtype=np.int32))])
+    c = Counters()
+    pieces = [document_pieces(d, SPEC, 9, 0, c) for d in (text, empty, bad_image, big_image, text)]
+    assert [len(p) > 0 for p in pieces] == [True, False, False, False, True]
+    assert c.as_dict() == {"documents": 2, "skipped_empty": 1, "skipped_bad_image": 1, "skipped_oversized_image": 1,
+                           "rows": 0, "pad_tokens": 0, "tokens": 0, "corrupt_shards": 0, "bad_samples": 0}
+    assert document_pieces(big_image, SPEC, 16, 0, c)
+    assert (c.documents, c.skipped_oversized_image) == (3, 1)
 
 
 def test_one_rank_two_workers_reads_what_two_ranks_one_worker_read(tmp_path):

@@ -125,6 +125,25 @@ def test_relayout_by_hand():
     assert [out[g]["corrupt_shards_found"] for g in range(3)] == [[], ["s1.tar", "s4.tar"], []]
 
 
+def test_relayout_gives_a_corrupt_shard_to_its_owner_within_its_source():
+    """Sources text (a0 a1 a2) and mm (b0 b1), one group re-split over two: each source's shards are dealt on their
+    own (text a0 a2 | a1, mm b0 | b1), so the corrupt a2 goes to group 0 and b1 to group 1 -- not by their places
+    in one list of all five shards (b1 the fifth: group 0) -- and each group counts the one it was given."""
+    sources = default_sources(["a0.tar", "a1.tar", "a2.tar"], ["b0.tar", "b1.tar"], [1, 1])
+
+    def source(tag, n):
+        return {"tag": tag, "cursors": {"epoch": np.zeros(n, np.int32), "skip": np.zeros(n, np.int32)},
+                "shards_sha": None, "mix_tokens": 0, "buffer": [], "pending": []}
+
+    group = {"weights": {"text": 1, "mm": 1}, "counters": {**Counters().as_dict(), "corrupt_shards": 2},
+             "corrupt_shards_found": ["a2.tar", "b1.tar"], "sources": {"text": source(0, 3), "mm": source(1, 2)}}
+    state = {"version": 3, "rank": 0, "world": 1, "num_workers": 1, "capacity": 9, "next_worker": 0,
+             "worker_states": {0: group}}
+    out = relayout([state], sources, 2, 9, seed=0)
+    assert [out[g]["corrupt_shards_found"] for g in range(2)] == [["a2.tar"], ["b1.tar"]]
+    assert [out[g]["counters"]["corrupt_shards"] for g in range(2)] == [1, 1]
+
+
 def test_resplit_cuts_text_anywhere_and_keeps_image_spans_whole():
     """A piece of 2 text, a 6-position image span, 5 text (origin from position 7 of its document), cut for
     rows of 7: [2 text] [image, 1 text] [4 text] -- the span moves whole to the next piece, text fills what
