@@ -174,6 +174,30 @@ def test_a_failed_save_keeps_the_previous_checkpoints_and_says_so(tmp_path, monk
 
 
 @pytest.mark.slow
+def test_a_restart_continues_its_own_checkpoints_past_imported_weights(tmp_path):
+    """train.resume_from names weights-only imported weights (as launch/import_official.py writes them): a fresh
+    run starts from them; once the run directory holds its own checkpoints (steps 1 and 2), a restart continues
+    from its newest, step 2, not from the weights at step 0. A resume_from that is a full checkpoint (another
+    run's, with optimizer and data state) is loaded as named, even beside the run's own."""
+    from flashtrain.train.official.dcp_parts import PartsWriter
+    from flashtrain.train.resume import resume_path
+
+    imported = tmp_path / "imported"
+    writer = PartsWriter(imported)
+    writer.add({"model": nn.Linear(64, 32).state_dict()})
+    writer.add({"meta": ck._blob({"step": 0, "tokens_seen": 0, "weights_only": True})})
+    writer.close()
+    assert ck.weights_only(imported)
+    run = tmp_path / "run"
+    assert resume_path(str(imported), run, is_main=True) == str(imported)
+    _save(run, [1, 2])
+    assert Path(resume_path(str(imported), run, is_main=True)).name == "step_00000002"
+    other = tmp_path / "other"
+    _save(other, [5])
+    full = other / "checkpoints" / "step_00000005"
+    assert not ck.weights_only(full) and resume_path(str(full), run, is_main=True) == str(full)
+
+
 def test_a_run_resumes_from_the_previous_checkpoint_when_the_newest_is_damaged(tmp_path):
     run = tmp_path / "run"
     base = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "+exp=flash_tiny", *FOUR_LAYERS,
