@@ -2046,6 +2046,9 @@ MUTANTS = [
            'dims = ParallelDims(world, layout.pp, world // (layout.pp * layout.cp), layout.ep, cp=layout.cp)',
            'dims = ParallelDims(world, layout.pp, world // (layout.pp * layout.cp), layout.ep)',
            ['tests/test_layouts.py']),
+    Mutant("a modality's bpb over every present source's bytes (blind)", 'train/evaluation/heldout.py',
+           'heldout.targets[mine].sum(), heldout.bytes[mine].sum())',
+           'heldout.targets[mine].sum(), heldout.bytes[present].sum())', ['tests/test_eval.py', '-k', 'by_hand']),
     # checkpoints and resuming; blind: planted from train/checkpoint.py and train/resume.py alone
     Mutant("a damaged checkpoint's size report swaps the two sizes (blind)", 'train/checkpoint.py',
            'problems.append(f"{name} has {f.stat().st_size} bytes, {listed[name][\'size\']} were written")',
