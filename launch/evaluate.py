@@ -52,11 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(record))
         return 0
-    print(f"{args.checkpoint} ({checkpoint_label(meta)}): loss {record['loss']:.4f}, bpb {_f(record['bpb'])}, "
-          f"{record['tokens']} tokens")
-    for name, s in record["per_source"].items():
-        print(f"  {name:>8}: loss {s['loss']:.4f}, bpb {_f(s['bpb'])}, {s['tokens']} tokens")
+    print("\n".join(summary(args.checkpoint, checkpoint_label(meta), record)))
     return 0
+
+
+def summary(checkpoint: str, label: str, record: dict) -> list[str]:
+    """The printed lines: the whole held-out set's loss, bits per byte and scored tokens, then each source's."""
+    return [f"{checkpoint} ({label}): loss {record['loss']:.4f}, bpb {_f(record['bpb'])}, {record['tokens']} tokens",
+            *[f"  {name:>8}: loss {s['loss']:.4f}, bpb {_f(s['bpb'])}, {s['tokens']} tokens"
+              for name, s in record["per_source"].items()]]
 
 
 def _f(value) -> str:

@@ -244,3 +244,48 @@ def test_a_checkpoint_is_scored_in_the_launchs_layout_and_named_for_what_it_is()
     assert checkpoint_label({"step": 40, "tokens_seen": 5120}) == "step 40"
     assert checkpoint_label({"step": 0, "weights_only": True, "imported_from": "/rel/V4.1-Flash"}) == \
         "imported weights, from /rel/V4.1-Flash"
+
+
+def test_harness_scores_sum_the_continuation_over_the_last_window_of_context():
+    """The lm-eval adapter's `loglikelihood` on a bigram model (the logits of the next token are a row of a fixed
+    table, looked up by the current token; window 4, one request a batch, BOS = 0): "3 4" + " 5 6" scores the row
+    [BOS 3 4 5] as log P(5 | 4) + log P(6 | 5), the sum, not the mean; a context of 7 tokens keeps the last window of
+    inputs, [5 6 7 8] for " 8 9" -- the row is the window's 4 inputs, its last target the 5th token."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import CacheHook
+
+    from flashtrain.data.config import TokenSpec
+    from flashtrain.train.evaluation.harness import FlashtrainLM
+
+    table = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+    rows = []
+    lm = object.__new__(FlashtrainLM)  # the scoring alone: no checkpoint
+    lm.window, lm.batch_size, lm.spec, lm.cache_hook = 4, 1, TokenSpec(vocab_size=16), CacheHook(None)
+    lm.encode = lambda text: [int(t) for t in text.split()]
+    lm.logits = lambda batch: (rows.extend(batch), table[torch.tensor(batch)])[1]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, ("3 4", " 5 6"), 0),
+                            Instance("loglikelihood", {}, ("1 2 3 4 5 6 7", " 8 9"), 1)])
+    lp = torch.log_softmax(table.double(), -1)
+    assert rows == [[0, 3, 4, 5], [5, 6, 7, 8]]
+    assert [g[0] for g in got] == pytest.approx([(lp[4, 5] + lp[5, 6]).item(), (lp[7, 8] + lp[8, 9]).item()],
+                                                rel=1e-6)
+
+
+def test_evaluate_prints_the_set_and_each_source_by_hand():
+    """launch/evaluate.py's lines for a hand-set record: the whole set (loss 2.1333, bpb 0.9618, 150 tokens), then
+    each source with its own figures, "-" for a source without bytes."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "evaluate_tool", Path(__file__).resolve().parent.parent / "launch" / "evaluate.py")
+    evaluate_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate_tool)
+
+    record = {"loss": 320 / 150, "bpb": 0.96176, "tokens": 150,
+              "per_source": {"text": {"loss": 2.3, "bpb": 1.25, "tokens": 100},
+                             "mm": {"loss": 1.8, "bpb": None, "tokens": 50}}}
+    assert evaluate_tool.summary("ckpt/step_00000004", "step 4", record) == [
+        "ckpt/step_00000004 (step 4): loss 2.1333, bpb 0.9618, 150 tokens",
+        "      text: loss 2.3000, bpb 1.2500, 100 tokens",
+        "        mm: loss 1.8000, bpb -, 50 tokens"]
