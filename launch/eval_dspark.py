@@ -41,15 +41,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{args.checkpoint}: mean accepted length {result['mean_accepted_length']:.3f} tokens per step "
-          f"({result['prompts']} prompts x {result['new_tokens']} tokens), confidence ECE "
-          f"{_f(result['confidence_ece'])}")
-    print("  acceptance per position: " + ", ".join(_f(a) for a in result["acceptance_per_position"]))
-    for name, r in result["baselines"].items():
-        print(f"  baseline {name}: mean accepted length {r['mean_accepted_length']:.3f}")
-    if "equals_greedy" in result:
-        print(f"  verified output equals greedy decoding: {result['equals_greedy']}")
+    print("\n".join(summary(args.checkpoint, result)))
     return 0
+
+
+def summary(checkpoint: str, result: dict) -> list[str]:
+    """The printed lines of `evaluate_dspark`'s result: the trained drafter's mean accepted length, ECE and
+    per-position acceptance ("-" where a position was never reached), each baseline's mean accepted length,
+    and the greedy check when it ran."""
+    lines = [f"{checkpoint}: mean accepted length {result['mean_accepted_length']:.3f} tokens per step "
+             f"({result['prompts']} prompts x {result['new_tokens']} tokens), confidence ECE "
+             f"{_f(result['confidence_ece'])}",
+             "  acceptance per position: " + ", ".join(_f(a) for a in result["acceptance_per_position"])]
+    for name, r in result["baselines"].items():
+        lines.append(f"  baseline {name}: mean accepted length {r['mean_accepted_length']:.3f}")
+    if "equals_greedy" in result:
+        lines.append(f"  verified output equals greedy decoding: {result['equals_greedy']}")
+    return lines
 
 
 def _f(value) -> str:

@@ -174,3 +174,58 @@ def test_only_the_matching_prefix_of_the_drafts_is_accepted():
     # reached: draft 1 (0.9 -> bin 9, accepted) and draft 2 (0.3 -> bin 3, rejected), 8 times each:
     # (|8 x 0.9 - 8| + |8 x 0.3 - 0|) / 16
     assert s["confidence_ece"] == pytest.approx((0.8 + 2.4) / 16)
+
+
+def all_right_then_right_wrong(features, g, n):
+    """Row 0: all four drafts right (five tokens a step); every other row: [right, wrong, right, right] (two tokens a
+    step); predicted acceptance 0.9, 0.3, 0.8, 0.7 on every row."""
+    good = [next_token(g)]
+    for _ in range(3):
+        good.append(next_token(good[-1]))
+    mixed, conf = right_wrong_right_right(features, g, n)
+    drafts = torch.where((torch.arange(g.shape[0]) == 0).unsqueeze(1), torch.stack(good, 1), mixed)
+    return drafts, conf
+
+
+def test_a_finished_row_is_no_longer_counted():
+    """Rows that finish at different steps: row 0 commits 5 tokens a step and has its 7 new tokens after 2 steps,
+    row 1 commits 2 a step and needs 4 (7 -> 8). The decoding goes on for row 1, but the counts hold each row's own
+    steps only: 2 + 4 steps, 10 + 8 tokens; position 0 reached 6 times, accepted 6; position 1 reached 6 times,
+    accepted 2 (row 0's); positions 2 and 3 reached and accepted twice (row 0's)."""
+    prompts = torch.tensor([[5, 17, 60, 2, 91], [40, 40, 8, 33, 70]])
+    stats = Acceptance(4)
+    out = speculative_decode(NextTokenBackbone(), [], all_right_then_right_wrong, prompts, 7, 4, 0, stats)
+    want = [row.tolist() for row in prompts]
+    for row in want:
+        for _ in range(7):
+            row.append(next_token(torch.tensor(row[-1])).item())
+    assert out.tolist() == want
+    assert (stats.steps, stats.tokens) == (6, 18)
+    assert stats.reached == [6, 6, 2, 2] and stats.accepted == [6, 2, 2, 2]
+    s = stats.summary()
+    assert s["mean_accepted_length"] == 3.0 and s["acceptance_per_position"] == [1.0, 2 / 6, 1.0, 1.0]
+    # bins: 0.9 x 6 (all accepted), 0.3 x 6 (2 accepted), 0.8 x 2 and 0.7 x 2 (accepted): 16 reached positions
+    assert s["confidence_ece"] == pytest.approx((abs(5.4 - 6) + abs(1.8 - 2) + abs(1.6 - 2) + abs(1.4 - 2)) / 16)
+
+
+def test_eval_dspark_prints_the_drafter_and_each_baseline_by_hand():
+    """launch/eval_dspark.py's printed lines from a hand-built result: each baseline line shows that baseline's own
+    mean accepted length, a position never reached is "-", an ECE of 0 is 0.000."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launch"))
+    import eval_dspark
+
+    result = {"mean_accepted_length": 2.5, "prompts": 3, "new_tokens": 16, "confidence_ece": 0.0,
+              "acceptance_per_position": [0.75, 0.5, None],
+              "baselines": {"untrained": {"mean_accepted_length": 1.125}, "block_1": {"mean_accepted_length": 1.75}},
+              "equals_greedy": True}
+    assert eval_dspark.summary("ck/step_00000003", result) == [
+        "ck/step_00000003: mean accepted length 2.500 tokens per step (3 prompts x 16 tokens), confidence ECE 0.000",
+        "  acceptance per position: 0.750, 0.500, -",
+        "  baseline untrained: mean accepted length 1.125",
+        "  baseline block_1: mean accepted length 1.750",
+        "  verified output equals greedy decoding: True"]
+    del result["equals_greedy"]
+    assert eval_dspark.summary("x", result)[-1] == "  baseline block_1: mean accepted length 1.750"
