@@ -326,19 +326,20 @@ def main(argv: list[str]) -> int:
 
     def mm_documents():
         for where, raw in mm_raw:
-            doc = Document()
+            doc, positions = Document(), 0
             for kind, value in raw:
                 if kind == "text":
                     doc.segments.append(("text", ids(value)))
                     continue
                 if (read := read_image(value, where, mm_stats)) is None:
-                    break
+                    break  # the document is skipped whole: none of its images' positions count
                 data, img = read
                 n_h, n_w, _, _ = plan_image_size(img.width, img.height, spec.image)
-                image_positions[0] += num_image_positions(n_h, n_w)
+                positions += num_image_positions(n_h, n_w)
                 doc.segments.append(("image", data, Path(value).suffix.lstrip(".").lower() or "png"))
             else:
                 mm_stats.documents += 1
+                image_positions[0] += positions
                 yield doc
 
     text_docs = (Document([("text", ids(t))]) for t in iter_texts(files, args.lines, text_stats))

@@ -342,3 +342,99 @@ def test_a_palette_image_with_transparency_decodes_to_its_colours_without_a_warn
     assert rgb.mode == "RGB" and np.asarray(rgb).tolist() == [
         [[200, 10, 30], [5, 250, 60], [90, 80, 220], [200, 10, 30]],
         [[90, 80, 220], [5, 250, 60], [200, 10, 30], [5, 250, 60]]]
+
+
+def shard_counts(paths) -> tuple[int, int, int]:
+    """(documents, text tokens, images) read back from written shards: their samples, tokens.npy lengths and
+    image members -- independent of the counts prepare_data.py keeps as it writes."""
+    import tarfile
+
+    docs, tokens, images = 0, 0, 0
+    for path in paths:
+        with tarfile.open(path) as tar:
+            for member in tar.getmembers():
+                if member.name.endswith(".tokens.npy"):
+                    docs += 1
+                    tokens += len(np.load(io.BytesIO(tar.extractfile(member).read())))
+                elif member.name.rsplit(".", 1)[-1] in ("png", "jpg"):
+                    images += 1
+    return docs, tokens, images
+
+
+def test_the_totals_count_every_token_image_and_position_of_the_written_documents(tmp_path, capsys):
+    """manifest.json's totals, the closing table's rows and the JSON line against the shards read back; the image
+    positions by hand (flash_tiny: a 60 x 30 image is scaled up to the 7056-pixel minimum, 126 x 70, a 3 x 2 grid of
+    image tokens: 2 x (3 + 1) + 2 = 10 positions; 300 x 120 -> 308 x 126, 8 x 3: 3 x 9 + 2 = 29); a document
+    skipped for its second image counts none of its first image's positions."""
+    (tmp_path / "small.png").write_bytes(png(60, 30))
+    (tmp_path / "wide.png").write_bytes(png(300, 120, seed=1))
+    text = tmp_path / "t.txt"
+    text.write_text("the first text document here\nanother one, a little longer than the first\nthird\n")
+    inter = tmp_path / "inter.jsonl"
+    inter.write_text("\n".join(json.dumps({"segments": s}) for s in (
+        [{"text": "a small picture"}, {"image": "small.png"}],
+        [{"text": "two pictures, one missing"}, {"image": "wide.png"}, {"image": "missing.png"}],
+        [{"image": "wide.png"}, {"text": "a wide picture and its words"}])) + "\n")
+    out = tmp_path / "out"
+    assert run_prepare(str(out), "+exp=flash_tiny", "--text", str(text), "--lines", "--interleaved", str(inter)) == 0
+    printed = capsys.readouterr().out.splitlines()
+    manifest = json.loads((out / "manifest.json").read_text())
+    t_docs, t_tokens, _ = shard_counts(sorted(out.glob("text-*.tar")))
+    m_docs, m_tokens, m_images = shard_counts(sorted(out.glob("mm-*.tar")))
+    assert (t_docs, m_docs, m_images) == (3, 2, 2) and t_tokens > 3 and m_tokens > 2
+    totals = {"text": {"documents": 3, "text_tokens": t_tokens, "images": 0},
+              "mm": {"documents": 2, "text_tokens": m_tokens, "images": 2, "image_positions": 10 + 29}}
+    assert manifest["totals"] == totals
+    assert manifest["skipped_documents"] == 1 and manifest["skipped"]["mm"] == {"image file unreadable": 1}
+    last = json.loads(printed[-1])
+    assert {k: last[k] for k in ("text", "mm", "skipped_documents")} == {**totals, "skipped_documents": 1}
+    rows = {line.split()[0]: line.split()[1:5] for line in printed if line.split()[:1] in (["text"], ["mm"])}
+    assert rows == {"text": ["3", f"{t_tokens:,}", "0", "0"], "mm": ["2", f"{m_tokens:,}", "2", "1"]}
+
+
+def test_a_named_source_counts_its_text_and_its_multimodal_documents_apart(tmp_path, capsys):
+    """--name SOURCE: one set of shards for both; the table's two rows each count their own documents' tokens
+    (the text documents' against the multimodal ones'), the totals all of them; the image positions by hand (10,
+    as above)."""
+    (tmp_path / "small.png").write_bytes(png(60, 30))
+    text = tmp_path / "t.txt"
+    text.write_text("one text document\n")
+    inter = tmp_path / "inter.jsonl"
+    inter.write_text(json.dumps({"segments": [{"text": "a small picture with many more words in its caption "
+                                                       "than the text document has"}, {"image": "small.png"}]}) + "\n")
+    out = tmp_path / "out"
+    assert run_prepare(str(out), "+exp=flash_tiny", "--name", "web", "--text", str(text), "--lines",
+                       "--interleaved", str(inter)) == 0
+    printed = capsys.readouterr().out.splitlines()
+    entry = json.loads((out / "manifest.json").read_text())["sources"]["web"]
+    docs, tokens, images = shard_counts(sorted(out.glob("web-*.tar")))
+    assert entry["totals"] == {"documents": 2, "text_tokens": tokens, "images": 1, "image_positions": 10}
+    tok = __import__("tokenizers").Tokenizer.from_file(str(out / "tokenizer.json"))
+    t_tokens = len(tok.encode("one text document", add_special_tokens=False).ids)
+    m_tokens = tokens - t_tokens
+    assert (docs, images) == (2, 1) and 0 < t_tokens < m_tokens
+    rows = {line.split("  ")[0].strip(): line.split()[-4:] for line in printed if line.startswith("web (")}
+    assert rows == {"web (text)": ["1", f"{t_tokens:,}", "0", "0"],
+                    "web (with images)": ["1", f"{m_tokens:,}", "1", "0"]}
+
+
+def test_the_table_names_the_first_skipped_inputs_and_counts_the_rest():
+    """summary_table: SHOWN (5) names per reason, then "and N more" with N the reason's count less the names
+    shown: 7 skipped, 7 named -> and 2 more; 150 skipped, 100 named (manifest.json keeps 100) -> and 145 more;
+    3 skipped, 3 named -> no "more"."""
+    sys.path.insert(0, "launch")
+    import prepare_data
+
+    row = {"documents": 1, "text_tokens": 1234, "images": 0}
+    skipped = {"text": {"empty document": 7, "not JSON": 150}, "mm": {"image undecodable": 3}}
+    where = {"text": {"empty document": [f"a.txt:{i}" for i in range(1, 8)],
+                      "not JSON": [f"b.jsonl:{i}" for i in range(1, 101)]},
+             "mm": {"image undecodable": ["x.png", "y.png", "z.png"]}}
+    lines = prepare_data.summary_table({"text": row, "mm": {**row, "images": 2}}, skipped, where).splitlines()
+    # columns as wide as their headers (source 6, documents 9, tokens 6, images 6), two spaces apart
+    assert lines[:3] == ["source  documents  tokens  images  skipped",
+                         "text            1   1,234       0  157 (7 empty document, 150 not JSON)",
+                         "mm              1   1,234       2  3 (3 image undecodable)"]
+    assert lines[4:] == ["  text, empty document: a.txt:1, a.txt:2, a.txt:3, a.txt:4, a.txt:5 and 2 more",
+                         "  text, not JSON: b.jsonl:1, b.jsonl:2, b.jsonl:3, b.jsonl:4, b.jsonl:5 and 145 more",
+                         "  mm, image undecodable: x.png, y.png, z.png"]
