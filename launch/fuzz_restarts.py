@@ -303,9 +303,13 @@ def compare_final(a: Path, b: Path, scratch: Path) -> tuple[int, list[str], list
     state = []
     for k in sorted((set(sa) | set(sb)) - {"model", "optim", "meta"}):
         state += _diff(_unblob(sa[k]), _unblob(sb[k]), k) if k in sa and k in sb else [k]
-    ma, mb = _unblob(sa["meta"]), _unblob(sb["meta"])
-    state += [f"meta.{k} ({ma.get(k)} vs {mb.get(k)})" for k in ("step", "tokens_seen") if ma.get(k) != mb.get(k)]
-    return n, params, state
+    return n, params, state + meta_differences(_unblob(sa["meta"]), _unblob(sb["meta"]))
+
+
+def meta_differences(ma: dict, mb: dict) -> list[str]:
+    """`meta.KEY (A vs B)` for the step and tokens seen where two checkpoints' meta differ (train/trainer.py
+    stores them as `step` and `tokens_seen`; the rest of meta, the config, may differ: async_save)."""
+    return [f"meta.{k} ({ma.get(k)} vs {mb.get(k)})" for k in ("step", "tokens_seen") if ma.get(k) != mb.get(k)]
 
 
 # -------------------------------------------------------------------------------- the data, per document
@@ -393,6 +397,36 @@ def read_records(path: Path, before: list[bytes] | None = None) -> tuple[list[di
         if isinstance(r, dict) and "step" in r and "loss" in r and "event" not in r:
             records.append(r)
     return records, bad
+
+
+def metrics_verdict(ref: list[dict], got: list[dict], steps: int) -> tuple[list[str], list[str]]:
+    """(failures, notes) of the fuzzed run's metrics.jsonl step records `got` against the uninterrupted run's
+    `ref`, for a run of `steps` steps: the reference logs steps 1..steps; every fuzzed record's loss equals the
+    reference's at its step; no step is missing (named); and no step is logged twice (the records counted)."""
+    failures, notes = [], []
+    loss = {r["step"]: r["loss"] for r in ref}
+    if sorted(loss) != list(range(1, steps + 1)):
+        failures.append(f"the uninterrupted run logged steps {sorted(loss)}")
+    wrong = [(r["step"], r["loss"], loss.get(r["step"])) for r in got if r["loss"] != loss.get(r["step"])]
+    missing = sorted(set(range(1, steps + 1)) - {r["step"] for r in got})
+    if wrong or missing:
+        failures.append(f"metrics.jsonl losses differ from the uninterrupted run at (step, fuzzed, uninterrupted) "
+                        f"{wrong[:10]}; steps never logged {missing}")
+    elif len(got) != steps:
+        failures.append(f"metrics.jsonl holds {len(got)} step records for {steps} steps: a step is logged twice (a "
+                        f"resume must remove the records of the steps it re-runs)")
+    else:
+        notes.append(f"metrics.jsonl: {len(got)} step records (each step once, the re-runs' after kills), every loss "
+                     f"equal to the uninterrupted run's at its step")
+    return failures, notes
+
+
+def kill_line(killed: "Start", restart: "Start", kills: int, t0: float) -> str:
+    """A kill's line: its number (from 1) of `kills`, its kind, when it landed (seconds since the fuzzer
+    started at `t0`, and since its start's launch), what it hit, and what the restart resumed from."""
+    return (f"kill {killed.index + 1:2d}/{kills} {killed.kind:16s} at {killed.t_kill - t0:6.1f}s "
+            f"({killed.t_kill - killed.t_launch:.1f}s after launch): {killed.kill_note}; restart: "
+            f"{restart.resumed_note}")
 
 
 class Launchers:
@@ -840,10 +874,7 @@ class Fuzzer:
                 self.readers_changed = True
 
     def report(self, killed: Start, restart: Start) -> None:
-        n = killed.index + 1
-        print(f"kill {n:2d}/{self.args.kills} {killed.kind:16s} at {killed.t_kill - self.t0:6.1f}s "
-              f"({killed.t_kill - killed.t_launch:.1f}s after launch): {killed.kill_note}; restart: "
-              f"{restart.resumed_note}", flush=True)
+        print(kill_line(killed, restart, self.args.kills, self.t0), flush=True)
 
     def complete(self, launcher: Launchers, start: Start) -> None:
         try:
@@ -882,20 +913,10 @@ class Fuzzer:
             self.say("every rank's data-loader and RNG state equal the uninterrupted run's too")
         ref, bad_ref = read_records(self.ref_dir / "metrics.jsonl")
         got, bad = read_records(self.run_dir / "metrics.jsonl")
-        loss = {r["step"]: r["loss"] for r in ref}
-        if sorted(loss) != list(range(1, steps + 1)):
-            self.failures.append(f"the uninterrupted run logged steps {sorted(loss)}")
-        wrong = [(r["step"], r["loss"], loss.get(r["step"])) for r in got if r["loss"] != loss.get(r["step"])]
-        missing = sorted(set(range(1, steps + 1)) - {r["step"] for r in got})
-        if wrong or missing:
-            self.failures.append(f"metrics.jsonl losses differ from the uninterrupted run at (step, fuzzed, "
-                                 f"uninterrupted) {wrong[:10]}; steps never logged {missing}")
-        else:
-            if len(got) != steps:
-                self.failures.append(f"metrics.jsonl holds {len(got)} step records for {steps} steps: a step is logged "
-                                     f"twice (a resume must remove the records of the steps it re-runs)")
-            self.say(f"metrics.jsonl: {len(got)} step records (each step once, the re-runs' after kills), every loss "
-                     f"equal to the uninterrupted run's at its step")
+        failures, notes = metrics_verdict(ref, got, steps)
+        self.failures += failures
+        for line in notes:
+            self.say(line)
         if bad or bad_ref:
             self.say(f"note: {len(bad) + len(bad_ref)} unreadable metrics.jsonl line(s) (cut by a kill): {bad[:3]}")
 

@@ -38,6 +38,52 @@ def _load_fuzz():
 fuzz = _load_fuzz()
 
 
+# --- the fuzzer's reported figures, by hand -------------------------------------------------------------
+def test_a_kill_line_numbers_kills_from_one_and_times_the_kill():
+    """`kill N/K`: N from 1; `at T s`: when the kill landed since the fuzzer started, then the time since its start's
+    launch."""
+    killed = fuzz.Start(index=2, kind="worker", async_save=False, expected_resume=4, t_launch=110.0, t_kill=112.5,
+                        kill_note="rank 1 (pid 77)")
+    restart = fuzz.Start(index=3, kind="job", async_save=True, expected_resume=6, resumed_note="step_00000006")
+    assert fuzz.kill_line(killed, restart, 6, t0=100.0) == (
+        "kill  3/6 worker           at   12.5s (2.5s after launch): rank 1 (pid 77); restart: step_00000006")
+
+
+def records(*step_loss):
+    return [{"step": s, "loss": v} for s, v in step_loss]
+
+
+def test_the_metrics_verdict_names_each_wrong_missing_or_twice_logged_step():
+    """metrics.jsonl against the uninterrupted run's, 4 steps: each step once with its loss passes (with the
+    count); a loss that differs is named (step, fuzzed, uninterrupted); a missing step, the last one included, is
+    named; a step logged twice fails on the count."""
+    ref = records((1, 5.0), (2, 4.5), (3, 4.25), (4, 4.0))
+    assert fuzz.metrics_verdict(ref, ref, 4) == ([], [
+        "metrics.jsonl: 4 step records (each step once, the re-runs' after kills), every loss equal to the "
+        "uninterrupted run's at its step"])
+    got = records((1, 5.0), (2, 4.5), (3, 4.3), (4, 4.0))
+    assert fuzz.metrics_verdict(ref, got, 4) == ([
+        "metrics.jsonl losses differ from the uninterrupted run at (step, fuzzed, uninterrupted) [(3, 4.3, 4.25)]; "
+        "steps never logged []"], [])
+    assert fuzz.metrics_verdict(ref, ref[:3], 4)[0] == [
+        "metrics.jsonl losses differ from the uninterrupted run at (step, fuzzed, uninterrupted) []; steps never "
+        "logged [4]"]
+    twice = records((1, 5.0), (2, 4.5), (2, 4.5), (3, 4.25), (4, 4.0))
+    assert fuzz.metrics_verdict(ref, twice, 4) == ([
+        "metrics.jsonl holds 5 step records for 4 steps: a step is logged twice (a resume must remove the records "
+        "of the steps it re-runs)"], [])
+    assert fuzz.metrics_verdict(ref[:3], ref[:3], 3)[0] == []
+    assert fuzz.metrics_verdict(ref[:3], ref[:3], 4)[0][0] == "the uninterrupted run logged steps [1, 2, 3]"
+
+
+def test_the_final_meta_comparison_reads_step_and_tokens_seen():
+    """The checkpoint meta's `step` and `tokens_seen` (train/trainer.py's keys) are compared; the config is not."""
+    a = {"step": 8, "tokens_seen": 2048, "config": {"async_save": True}}
+    assert fuzz.meta_differences(a, {**a, "config": {"async_save": False}}) == []
+    assert fuzz.meta_differences(a, {**a, "tokens_seen": 1792}) == ["meta.tokens_seen (2048 vs 1792)"]
+    assert fuzz.meta_differences(a, {**a, "step": 7}) == ["meta.step (8 vs 7)"]
+
+
 # --- FLASHTRAIN_FAULT specs -------------------------------------------------------------------------
 @pytest.mark.parametrize("spec, problem", [
     ("kill:rank=1", "step= is missing"),
