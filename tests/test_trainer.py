@@ -92,6 +92,15 @@ def assert_params_close(got, ref_run, ref_records, step, rel=0.1):
                                                    f"by {moved:.3g}")
 
 
+def assert_grad_norms_close(x, y, rel=1e-5):
+    """Two layouts' grad norms at one step (records x, y): to `rel` at step 1, where both start from the same
+    weights; from step 2 on to 1e-3, because by then the ROUNDING_DRIVEN mHC bases and scales may have parted by
+    lr-sized AdamW steps (`assert_params_close`) and the gradients follow them: 9e-5 apart at step 3 of the
+    pipeline test on a Xeon with AMX (2026-12-07), where the summation order of one process and of a pipeline
+    rounded those tensors' gradients to opposite signs."""
+    assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=rel if x["step"] == 1 else max(rel, 1e-3))
+
+
 def assert_records_match(ref, got):
     """Two runs of the same 4 steps in other layouts (equal up to summation order): losses, aux values and
     grad norms to rounding, expert loads and padding exactly."""
@@ -100,7 +109,7 @@ def assert_records_match(ref, got):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
         assert y["balance_loss"] == pytest.approx(x["balance_loss"], rel=1e-5)
         assert y["indexer_loss"] == pytest.approx(x["indexer_loss"], rel=1e-4, abs=1e-7)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+        assert_grad_norms_close(x, y)
         assert y["expert_load"] == x["expert_load"]
         assert y["padding_fraction"] == x["padding_fraction"]
         assert y["per_source"].keys() == x["per_source"].keys() == {"text", "mm"}
@@ -206,7 +215,7 @@ def test_data_parallel_parity(tmp_path, corpus_args, two_reader_reference):
     assert_clipped(a)
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6)
-        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)
+        assert_grad_norms_close(x, y, rel=1e-4)
         assert x["tokens_seen"] == y["tokens_seen"]
         assert x["expert_load"] == y["expert_load"]
     assert (tmp_path / "dp2" / "checkpoints" / "step_00000003" / ".metadata").is_file()
@@ -533,7 +542,7 @@ def test_data_parallel_with_expert_replicas_and_pipeline_with_experts_four_proce
         assert_clipped(got)
         for x, y in zip(ref[:2], got, strict=True):
             assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
-            assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+            assert_grad_norms_close(x, y)
             assert y["expert_load"] == x["expert_load"]
     mb, _ = final_model(tmp_path / "dp4_ep2", 2)
     ma, _ = final_model(ref_run, 2)
@@ -562,7 +571,7 @@ def test_expert_parallel_trains_like_one_process_and_resumes_across_ep(tmp_path,
     ma, oa = final_model(ref_run, 4)
     for x, y in zip(ref, records(run), strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+        assert_grad_norms_close(x, y)
         assert y["expert_load"] == x["expert_load"]
     assert_evals_match(ref_run, run, [2, 4])  # dp=2 x ep=2 at steps 2 and 4
     mb, ob = final_model(run, 4)
