@@ -2252,6 +2252,16 @@ MUTANTS = [
            'for k in ("step", "tokens_seen") if ma.get(k) != mb.get(k)]',
            'for k in ("step", "tokens") if ma.get(k) != mb.get(k)]',
            ['tests/test_reliability.py', '-k', 'meta_comparison']),
+    Mutant('heatmap title sums routed assignments over layers (blind)', 'train/metrics.py',
+           'max((int(loads[l][m].sum()) for l in loads), default=0)',
+           'sum((int(loads[l][m].sum()) for l in loads), start=0)',
+           ['tests/test_trainer.py::test_expert_load_statistics_by_hand']),
+    Mutant('measured CPU peak without the 2 FLOPs a multiply-add (blind)', 'train/flops.py',
+           'return 2 * n ** 3 / best', 'return n ** 3 / best',
+           ['tests/test_profile.py', '-k', 'measured_cpu_peak']),
+    Mutant('spike history unbounded after a resume (blind)', 'train/stability/spike.py',
+           'self.losses = deque(state["losses"], maxlen=self.cfg.window)', 'self.losses = deque(state["losses"])',
+           ['tests/test_spike.py', '-k', 'round_trip']),
 ]
 
 

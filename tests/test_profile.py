@@ -94,6 +94,24 @@ def test_mfu_and_peaks():
         typed_config(PeakTflops, {"tpu": 1}, "train.peak_tflops")
 
 
+def test_the_measured_cpu_peak_counts_two_flops_a_multiply_add(monkeypatch):
+    """measured_cpu_peak: 2 n^3 FLOPs (a multiply and an add per term) over the best of its timed matmuls, on a
+    clock that advances by hand: every timed matmul takes 0.25 s except the second, 0.125 s -> 2 x 4^3 / 0.125 =
+    1024 FLOP/s; with a budget of 0.3 s it stops after the first timed run: 2 x 4^3 / 0.25 = 512."""
+    from flashtrain.train import flops
+
+    def clock(ticks):
+        it = iter(ticks)
+        return lambda: next(it)
+
+    # start, (t0, end) per run: 0 | 1, 1.25 | 2, 2.125 | 3, 3.25
+    monkeypatch.setattr(flops.time, "perf_counter", clock([0.0, 1.0, 1.25, 2.0, 2.125, 3.0, 3.25]))
+    assert flops.measured_cpu_peak(n=4, reps=3) == 1024.0
+    # start, t0, end, then the budget check of run 2 (0.5 s after the start, over 0.3): one timed run
+    monkeypatch.setattr(flops.time, "perf_counter", clock([0.0, 0.125, 0.375, 0.5]))
+    assert flops.measured_cpu_peak(n=4, reps=3, budget_s=0.3) == 512.0
+
+
 def test_profile_config():
     from flashtrain.train.config import TrainConfig
 

@@ -64,6 +64,11 @@ def test_state_round_trip_keeps_the_window():
     e = detector(window=3, min_history=1)
     e.load_state_dict(d.state_dict())
     assert list(e.losses) == [2.0, 3.0, 4.0] and e.reason(100.0, 1.0) == d.reason(100.0, 1.0)
+    for v in (5.0, 6.0):  # after the resume the window still slides: the last 3 steps, as without the resume
+        d.accept(v, v)
+        e.accept(v, v)
+    assert e.state_dict() == d.state_dict() == {"losses": [4.0, 5.0, 6.0], "grad_norms": [4.0, 5.0, 6.0]}
+    assert "of the last 3 steps" in e.reason(100.0, 1.0)
 
 
 @pytest.mark.parametrize("field,value", [("action", "explode"), ("window", 0), ("min_history", 200),

@@ -354,6 +354,11 @@ def test_expert_load_statistics_by_hand():
     assert s["text"]["cv"][1] == pytest.approx(math.sqrt(3))  # values 4,0,0,0: mean 1, std sqrt(3)
     assert math.isnan(s["image"]["max_over_mean"][0]) and s["image"]["max_over_mean"][1] == 3.0
     assert finite_or_none(s)["image"]["max_over_mean"] == [None, 3.0]  # metrics.jsonl writes an absent modality as null
+    # the heatmap title's routed assignments: the largest layer's count per modality (every layer routes the same
+    # tokens), not the sum over layers: text max(8, 4) = 8, image max(0, 4) = 4
+    from flashtrain.train.metrics import routed_counts
+
+    assert routed_counts(loads) == {"text": 8, "image": 4} and routed_counts({}) == {"text": 0, "image": 0}
 
 
 @pytest.mark.slow
