@@ -8,6 +8,7 @@ import json
 import runpy
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -409,7 +410,9 @@ def test_a_named_source_counts_its_text_and_its_multimodal_documents_apart(tmp_p
     entry = json.loads((out / "manifest.json").read_text())["sources"]["web"]
     docs, tokens, images = shard_counts(sorted(out.glob("web-*.tar")))
     assert entry["totals"] == {"documents": 2, "text_tokens": tokens, "images": 1, "image_positions": 10}
-    tok = __import__("tokenizers").Tokenizer.from_file(str(out / "tokenizer.json"))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     t_tokens = len(tok.encode("one text document", add_special_tokens=False).ids)
     m_tokens = tokens - t_tokens
     assert (docs, images) == (2, 1) and 0 < t_tokens < m_tokens
@@ -422,7 +425,7 @@ def test_the_table_names_the_first_skipped_inputs_and_counts_the_rest():
     """summary_table: SHOWN (5) names per reason, then "and N more" with N the reason's count less the names
     shown: 7 skipped, 7 named -> and 2 more; 150 skipped, 100 named (manifest.json keeps 100) -> and 145 more;
     3 skipped, 3 named -> no "more"."""
-    sys.path.insert(0, "launch")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launch"))
     import prepare_data
 
     row = {"documents": 1, "text_tokens": 1234, "images": 0}
