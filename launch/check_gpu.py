@@ -188,19 +188,27 @@ def train(plan: dict, budget: Budget, out_dir: Path) -> dict:
            str(ROOT / "launch" / "pretrain.py"), *plan["train"], f"hydra.run.dir={run}"]
     _run(cmd, budget, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4"), **plan["env"]})
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in records if "loss" in r and "step" in r and r.get("event") is None]
     log = (run / "pretrain.log").read_text() if (run / "pretrain.log").exists() else ""
-    backend = next((line.split("process group ")[-1].strip() for line in log.splitlines() if "process group " in line),
-                   None)
     snapshots = sorted(str(p.relative_to(out_dir)) for p in (run / "profile").glob("memory_snapshot*.pickle")) \
         if (run / "profile").exists() else []
+    return train_result(records, log, snapshots, plan["train"])
+
+
+def train_result(records: list[dict], log: str, snapshots: list[str], overrides: list[str]) -> dict:
+    """Section 3's record from the run's metrics.jsonl records and pretrain.log: the step records (not the events)
+    and their losses; tokens/s and MFU as medians over the steps after the first two (compilation and warm-up;
+    over all steps when there are no more); the largest allocation peak of step 3 on (by then the optimizer
+    state exists); the process group the log names."""
+    steps = [r for r in records if "loss" in r and "step" in r and r.get("event") is None]
+    backend = next((line.split("process group ")[-1].strip() for line in log.splitlines() if "process group " in line),
+                   None)
     peaks = [r["memory_peak_bytes"] for r in steps[2:] if r.get("memory_peak_bytes") is not None]
     later = steps[2:] or steps
     return {"steps": len(steps), "loss": [r["loss"] for r in steps], "process_group": backend,
             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in later),
             "mfu_median": statistics.median(r["mfu"] for r in later) if all(r.get("mfu") for r in later) else None,
             "memory_peak_bytes": max(peaks) if peaks else None, "memory_snapshots": snapshots,
-            "overrides": plan["train"]}
+            "overrides": overrides}
 
 
 def bench(args: list[str], budget: Budget, env: dict) -> dict:

@@ -7,8 +7,11 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("bench_learning", ROOT / "launch" / "bench_learning.py")
@@ -73,6 +76,50 @@ def test_variant_deltas_and_tables_by_hand():
     assert "| unigram entropy of the eval tokens | | 5.000 | 2.500 | +1.000 | +0.500 |" in lines
     assert "| no Engram | 5.500 (+0.500) | 4.250 (+0.250) |" in lines
     assert "| flashtrain (lr 0.01) | 5.000 | 4.000 |" in lines
+
+
+def test_unigram_reference_by_hand():
+    """Two held-out rows (seq_len 6, vocab 6; token 5 is an image token): the scored targets are 1, 1, 2 of the
+    first row and 1 of the second (an image target and the padding are IGNORE), so p = (3/4, 1/4) over n = 4:
+    H = -(3/4 ln 3/4 + 1/4 ln 1/4) nats; with 1 byte for token 1 and 2 for token 2 the targets stand for
+    3 + 2 = 5 bytes, so bpb = 4 H / (5 ln 2)."""
+    from flashtrain.data.loader import Piece
+
+    def piece(tokens, types):
+        return Piece(np.array(tokens, np.int64), np.array(types, np.int64), [], 0)
+
+    rows = [[piece([0, 1, 1], [-1] * 3), piece([2], [-1])], [piece([3, 5, 1], [-1, 0, -1])]]
+    heldout = SimpleNamespace(batches=[(None, rows)], spec=None, seq_len=6)
+    got = bench.unigram(heldout, np.array([0, 1, 2, 3, 4, 0]), 6)
+    h = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    assert got["tokens"] == 4
+    assert got["loss"] == pytest.approx(h, rel=1e-12) and got["bpb"] == pytest.approx(4 * h / (5 * math.log(2)))
+
+
+def test_dense_eval_scores_like_the_heldout_accounting_by_hand():
+    """Stand-in logits, vocab 4, token bytes (0, 2, 3, 1). Batch 1: uniform logits, targets 1, IGNORE, 0, 2 ->
+    3 scored positions of CE ln 4, two of them (targets 1, 2) standing for 2 + 3 bytes. Batch 2: logit ln 3 on
+    token 1, targets 1, 1 -> p = 3/6, CE ln 2 each, 2 + 2 bytes. Loss (3 ln 4 + 2 ln 2) / 5 = 8 ln 2 / 5 over
+    5 tokens; bpb (2 ln 4 + 2 ln 2) / (9 ln 2) = 2/3 (token 0 has no bytes: neither its CE nor its 0 bytes)."""
+    from flashtrain.data.loader import IGNORE
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(1, 4)
+
+        def forward(self, tokens):
+            out = torch.zeros(*tokens.shape, 4)
+            out[..., 1] = tokens.float() * math.log(3)  # the stand-in's "token" 1 asks for a logit ln 3 on 1
+            return out
+
+    batches = [{"tokens": torch.zeros(1, 4, dtype=torch.long), "labels": torch.tensor([[1, IGNORE, 0, 2]])},
+               {"tokens": torch.ones(1, 2, dtype=torch.long), "labels": torch.tensor([[1, 1]])}]
+    heldout = SimpleNamespace(batches=batches, batch=lambda i: batches[i])
+    model = Logits()
+    got = bench.dense_eval(model, heldout, np.array([0, 2, 3, 1]))
+    assert got["tokens"] == 5 and model.training
+    assert got["loss"] == pytest.approx(8 * math.log(2) / 5, rel=1e-6) and got["bpb"] == pytest.approx(2 / 3)
 
 
 def test_run_all_times_a_run_and_reuses_it(tmp_path, monkeypatch):

@@ -175,3 +175,90 @@ def test_bench_node_falls_back_to_fewer_experts(monkeypatch):
     monkeypatch.setattr(check_gpu, "bench", lambda *a: (_ for _ in ()).throw(RuntimeError("CUDA out of memory")))
     with pytest.raises(RuntimeError, match="32 experts.*16 experts"):
         check_gpu.bench_node(plan, check_gpu.Budget(100.0))
+
+
+def test_the_training_sections_figures_by_hand():
+    """Five step records among an eval event and a record without a loss: 5 steps and their losses; tokens/s and
+    MFU the medians of steps 3-5 (300, 500, 400 -> 400; 0.3, 0.5, 0.4 -> 0.4); the peak the largest of steps 3-5
+    (4, 6 and none -> 6, not step 2's 7); the process group from the start-up line. Two steps: medians of both,
+    no peak, and no MFU when a step has none."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import check_gpu
+
+    def step(i, loss, tps, mfu, peak):
+        return {"step": i, "loss": loss, "tokens_per_s": tps, "mfu": mfu, "memory_peak_bytes": peak}
+
+    records = [step(1, 9.0, 100.0, 0.1, 5), {"event": "eval", "step": 1, "loss": 8.9, "tokens": 512},
+               step(2, 8.5, 200.0, 0.2, 7), {"step": 2, "checkpoint": "step_00000002"}, step(3, 8.2, 300.0, 0.3, 4),
+               step(4, 8.0, 500.0, 0.5, 6), step(5, 7.9, 400.0, 0.4, None)]
+    log = "run directory r: 1 process(es) on cuda, pp=1 dp=1 ep=1 cp=1, 5 steps, process group nccl\nstep 1\n"
+    got = check_gpu.train_result(records, log, ["train/profile/memory_snapshot_5.pickle"], ["x=1"])
+    assert got == {"steps": 5, "loss": [9.0, 8.5, 8.2, 8.0, 7.9], "process_group": "nccl",
+                   "tokens_per_s_median": 400.0, "mfu_median": 0.4, "memory_peak_bytes": 6,
+                   "memory_snapshots": ["train/profile/memory_snapshot_5.pickle"], "overrides": ["x=1"]}
+    two = check_gpu.train_result([step(1, 9.0, 100.0, 0.1, None), step(2, 8.5, 200.0, None, None)], "", [], [])
+    assert (two["steps"], two["tokens_per_s_median"], two["mfu_median"], two["memory_peak_bytes"],
+            two["process_group"]) == (2, 150.0, None, None, None)
+
+
+def test_the_summary_lines_by_hand():
+    """Every kind of line summary.txt prints, from a hand-built report: the header; a kernel run's largest
+    relative difference (a count of differing entries left out) and a skipped one; the training line (peak in
+    GiB); a benchmark without and with compilation; the optimizer ratios; the estimate against the real peak
+    (GiB, ratio) and without one; a failed section."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import check_gpu
+
+    kernels = {"flash_tiny/float32": {"status": "ok", "report": {
+        "a": {"differences": {"out0": 1e-5, "grad0": 3e-4, "differing blocks": 5}},
+        "b": {"differences": {"out0": 2e-6}}}}, "flash/bfloat16": {"status": "skipped", "reason": "out of time"}}
+    report = {"device": "cpu", "seconds": 123.4, "budget_s": 1800.0, "sections": {
+        "kernels": {"status": "ok", "seconds": 10.0, "result": kernels},
+        "train": {"status": "ok", "seconds": 20.5, "result": {
+            "steps": 2, "loss": [9.5, 9.25], "tokens_per_s_median": 1234.4, "process_group": "gloo",
+            "memory_peak_bytes": 3 * 2**30, "memory_snapshots": ["a", "b"]}},
+        "bench_small": {"status": "ok", "seconds": 5.0, "result": {"variants": {
+            "reference": {"fwd_bwd_tokens_per_s": 1000.0}, "default": {"fwd_bwd_tokens_per_s": 2500.4, "mfu": 0.123}},
+            "compile_s": None}},
+        "bench_optim": {"status": "ok", "seconds": 7.0, "result": {
+            "muon_bf16_time_ratio": 0.404, "sinkhorn_time_ratio": 0.957, "device": "cpu"}},
+        "bench_node": {"status": "ok", "seconds": 100.0, "result": {
+            "variants": {"kernels": {"fwd_bwd_tokens_per_s": 9876.0, "mfu": 0.4}}, "compile_s": 42.4}},
+        "estimator": {"status": "ok", "seconds": 0.5, "result": {
+            "estimate_peak_bytes": 1.5 * 2**30, "real_peak_bytes": 2**31, "estimate_over_real": 0.75}}}}
+    assert check_gpu.summary(report).splitlines() == [
+        "check_gpu on cpu (123 s of a 1800 s budget)",
+        "kernels      ok         10.0 s  flash_tiny/float32: largest relative difference 3.00e-04",
+        "kernels      ok         10.0 s  flash/bfloat16: skipped out of time",
+        "train        ok         20.5 s  2 steps, loss 9.500 -> 9.250, 1,234 tokens/s, process group gloo, "
+        "peak 3.00 GiB, 2 snapshot(s)",
+        "bench_small  ok          5.0 s  reference: 1,000 tokens/s; default: 2,500 tokens/s (MFU 12.3%)",
+        "bench_optim  ok          7.0 s  Muon 0.40x torch.optim.Muon (NS in bf16), Sinkhorn-balanced 0.96x AdamW (cpu)",
+        "bench_node   ok        100.0 s  kernels: 9,876 tokens/s (MFU 40.0%); compile 42 s",
+        "estimator    ok          0.5 s  estimate 1.50 GiB vs real 2.00 GiB (0.750x)"]
+    report["sections"] = {
+        "train": {"status": "error", "seconds": 1.0, "error": "RuntimeError: boom"},
+        "bench_node": {"status": "skipped", "reason": "not in --only"},
+        "estimator": {"status": "ok", "seconds": 0.5, "result": {
+            "estimate_peak_bytes": 2**29, "real_peak_bytes": None, "estimate_over_real": None, "note": "no peak"}}}
+    assert check_gpu.summary(report).splitlines()[1:] == [
+        "train        error       1.0 s  RuntimeError: boom",
+        "bench_node   skipped     0.0 s  not in --only",
+        "estimator    ok          0.5 s  estimate 0.50 GiB (no peak)"]
+
+
+def test_kernel_differences_are_relative_to_the_reference_by_hand():
+    """check_kernels.rel is max |a - b| / max |b|: 2x against x -> 1, 0 against x -> 1, equal empties -> 0.
+    compare: a kernel side adding 0.25 to x = (1, -2, 4) differs by 0.25 / 4 in its output and not at all in
+    its input gradient; a kernel side scaling by 1.5 by 0.5 in both."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import check_kernels
+    import torch
+
+    x = torch.tensor([1.0, -2.0, 4.0])
+    assert check_kernels.rel(2 * x, x) == 1.0 and check_kernels.rel(torch.zeros(3), x) == 1.0
+    assert check_kernels.rel(x, 0.5 * x) == 1.0 and check_kernels.rel(torch.zeros(0), torch.zeros(0)) == 0.0
+    diffs, seconds = check_kernels.compare(lambda kernel, v: (v + 0.25 if kernel else v * 1.0,), [x], 1, warmup=0)
+    assert diffs == {"out0": 0.0625, "grad0": 0.0} and set(seconds) == {"kernel", "reference"}
+    diffs, _ = check_kernels.compare(lambda kernel, v: (v * 1.5 if kernel else v * 1.0,), [x], 1, warmup=0)
+    assert diffs == {"out0": 0.5, "grad0": 0.5}

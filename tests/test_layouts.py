@@ -370,10 +370,12 @@ def test_interleaved_ranks_sum_their_stages_and_the_imbalance_is_over_ranks():
 
 def test_the_estimators_table_in_gib_by_hand():
     """launch/estimate.py's table: rank 1 (stages 1, 3) of peak 3 GiB = 1 GiB parameters + 0.5 grads + 0.25
-    optimizer + 1 activations + 0.25 temporaries; the max-peak line in GiB (2^30 bytes), like the table."""
+    optimizer + 1 activations + 0.25 temporaries (its 0.125 GiB of buffers are no column); the max-peak line in
+    GiB (2^30 bytes), like the table."""
     G = 1 << 30
     rank = {"rank": 1, "stages": [1, 3], "peak_bytes": 3 * G, "params_bytes": G, "grads_bytes": G // 2,
-            "optimizer_bytes": G // 4, "activations_bytes": G, "temporaries_bytes": G // 4}
+            "optimizer_bytes": G // 4, "activations_bytes": G, "temporaries_bytes": G // 4,
+            "buffers_bytes": G // 8}  # a report's other parts: not columns of the table
     lines = estimate_tool.human({"world": 2, "ranks": [rank], "max_peak_bytes": 3 * G}).splitlines()
     assert lines[0] == "simulated step, world 2: peak of live tensor bytes per rank (GiB)"
     assert lines[2] == "     1      1,3     3.00     1.00     0.50     0.25     1.00     0.25"
