@@ -2290,6 +2290,10 @@ MUTANTS = [
            "{r['temporaries_bytes'] / GiB:8.2f}\")",
            "{r['buffers_bytes'] / GiB:8.2f}\")",
            ['tests/test_layouts.py']),
+    Mutant('held-out rows packed to seq_len positions (blind)', 'data/heldout.py',
+           '    capacity = cfg.seq_len + 1\n',
+           '    capacity = cfg.seq_len\n',
+           ['tests/test_eval.py']),
 ]
 
 

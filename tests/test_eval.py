@@ -88,7 +88,9 @@ def test_heldout_set_is_fixed_follows_the_mix_and_counts_from_the_labels(val_sha
     first_text = next(d for d in docs if len(d.segments) == 1).segments[0][1]
     row0 = np.concatenate([p.tokens for p in a.batches[0][1][0]])
     assert row0[0] == SPEC.bos_id and list(row0[1:1 + min(len(first_text), 32)]) == list(first_text[:32])
-    assert all(len(row) == 0 or sum(len(p) for p in row) <= 33 for _, rows in a.batches for row in rows)
+    # rows of seq_len + 1 = 33 positions, as in training: the third document ([BOS] + 3 x 13 tokens + [EOS], 41
+    # positions) is split into a first piece of exactly 33, which fills a row of its own
+    assert max(sum(len(p) for p in row) for _, rows in a.batches for row in rows) == 33
     b = heldout_set(cfg, SPEC, shards, 512, nbytes)
     assert [[[p.tokens.tolist() for p in row] for row in rows] for _, rows in a.batches] == \
         [[[p.tokens.tolist() for p in row] for row in rows] for _, rows in b.batches]
