@@ -119,7 +119,7 @@ def test_the_shortened_step_has_the_peak_of_the_whole_accumulation(monkeypatch, 
     here without a pipeline) are bookkeeping that the shortened step does not repeat; one micro-batch too
     few would leave out the gradients or a micro-batch's activations (> 10% here). `whole`: one micro-batch
     more than the shortened step keeps (DualPipeV and interleaved 1F1B: a whole round of 6), so that the
-    simulation of the whole accumulation stays short (each micro-batch ~5 s of the suite's time)."""
+    simulation of the whole accumulation stays short (each micro-batch ~3 s of the suite's time)."""
     import flashtrain.train.plan.estimate as estimate
     from flashtrain.train.config import compose
 

@@ -134,10 +134,10 @@ def test_why_a_split_backward_refuses_selective_recomputation(monkeypatch):
     from flashtrain.train.config import compose
     from flashtrain.train.plan.estimate import estimate_rank
 
-    def cfg(schedule):
-        return compose(["+exp=flash_tiny", *FOUR_LAYERS, "parallel.pp=2", "data.seq_len=64",  # the limit is
-                        "train.global_batch_tokens=256", "data.batch_size=1",  # torch's at any length: a short one
-                        f"parallel.pipeline_schedule={schedule}", "train.recompute=selective"])
+    def cfg(schedule):  # torch's limit holds at any length: 64-token micro-batches keep the simulations short
+        return compose(["+exp=flash_tiny", *FOUR_LAYERS, "parallel.pp=2", "data.seq_len=64",
+                        "train.global_batch_tokens=256", "data.batch_size=1", f"parallel.pipeline_schedule={schedule}",
+                        "train.recompute=selective"])
 
     with pytest.raises(ConfigError, match="selective"):
         estimate_rank(cfg("zbv"), 2, 0, "cpu")
