@@ -31,13 +31,8 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib as mpl
 import numpy as np
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.cm import ScalarMappable
-from matplotlib.colors import TwoSlopeNorm
-from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from flashtrain.config.errors import ConfigError
@@ -126,6 +121,8 @@ def load_norm(max_load: float):
     """The heatmaps' colour scale: load / balanced load from 0 (starved, blue) through 1 (balanced, white)
     to `max_load` (`logging.heatmap_max_load`, red), fixed for the run so that one colour means one load in
     every picture; a load above `max_load` maps past the top (the colour map's over colour)."""
+    from matplotlib.colors import TwoSlopeNorm  # matplotlib only where a heatmap is drawn: not on every rank's start
+
     return TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max_load)
 
 
@@ -139,6 +136,11 @@ def expert_load_figure(loads: dict[int, torch.Tensor], step: int,
     the step and the routed assignments per modality. A modality without any token gets a "no <modality>
     tokens in this step" note instead of a picture. Built without pyplot (no global figure state, nothing
     to close; rendering uses the Agg canvas)."""
+    import matplotlib as mpl
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.figure import Figure
+
     layers, rel = relative_loads(loads)
     counts = routed_counts(loads)
     norm = load_norm(max_load)  # one scale for both panels and every step
