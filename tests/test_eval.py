@@ -252,7 +252,9 @@ def test_harness_scores_sum_the_continuation_over_the_last_window_of_context():
     """The lm-eval adapter's `loglikelihood` on a bigram model (the logits of the next token are a row of a fixed
     table, looked up by the current token; window 4, one request a batch, BOS = 0): "3 4" + " 5 6" scores the row
     [BOS 3 4 5] as log P(5 | 4) + log P(6 | 5), the sum, not the mean; a context of 7 tokens keeps the last window of
-    inputs, [5 6 7 8] for " 8 9" -- the row is the window's 4 inputs, its last target the 5th token."""
+    inputs, [5 6 7 8] for " 8 9" -- the row is the window's 4 inputs, its last target the 5th token. The greedy flag
+    (what `acc` of a task like lambada reads) holds only when every continuation token is its row's argmax: 5 is
+    after 4 and 6 is not after 5 (False), 8 after 7 and 9 after 8 (True)."""
     from lm_eval.api.instance import Instance
     from lm_eval.api.model import CacheHook
 
@@ -260,6 +262,8 @@ def test_harness_scores_sum_the_continuation_over_the_last_window_of_context():
     from flashtrain.train.evaluation.harness import FlashtrainLM
 
     table = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+    table[4, 5] = table[7, 8] = table[8, 9] = 10.0  # the argmax of their rows
+    table[5, 6] = -10.0  # not the argmax after 5
     rows = []
     lm = object.__new__(FlashtrainLM)  # the scoring alone: no checkpoint
     lm.window, lm.batch_size, lm.spec, lm.cache_hook = 4, 1, TokenSpec(vocab_size=16), CacheHook(None)
@@ -271,6 +275,7 @@ def test_harness_scores_sum_the_continuation_over_the_last_window_of_context():
     assert rows == [[0, 3, 4, 5], [5, 6, 7, 8]]
     assert [g[0] for g in got] == pytest.approx([(lp[4, 5] + lp[5, 6]).item(), (lp[7, 8] + lp[8, 9]).item()],
                                                 rel=1e-6)
+    assert [g[1] for g in got] == [False, True]
 
 
 def test_evaluate_prints_the_set_and_each_source_by_hand():

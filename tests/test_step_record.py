@@ -80,7 +80,8 @@ class NoReduction:
 def step_values(model):
     batches = [collate(rows, SPEC, S, n_sources=3) for rows in ROWS]
     runner = LocalRunner(model, NoReduction(), accumulation=len(batches), device=torch.device("cpu"),
-                         loss_tile_tokens=7, mixed_precision=False, counts_data=True, op=Operation())
+                         loss_tile_tokens=7, mixed_precision=False, counts_data=True, op=Operation(),
+                         micro_batches=len(batches))  # one rank: the global batch's micro-batches are its own
     sums, _ = runner.run(batches)
     return sums.read()
 
@@ -88,9 +89,10 @@ def step_values(model):
 def test_per_source_loss_is_the_mean_ce_of_its_scored_labels_only():
     model = StandIn()
     v = step_values(model)
-    ce, n = [0.0, 0.0], [0, 0]
+    ce, n, means = [0.0, 0.0], [0, 0], []
     with torch.no_grad():
         for rows in ROWS:
+            ce_before, n_before = sum(ce), sum(n)
             for row in rows:
                 tokens = [t for p in row for t in p.tokens.tolist()]
                 source = [p.stream for p in row for _ in p.tokens]
@@ -100,8 +102,12 @@ def test_per_source_loss_is_the_mean_ce_of_its_scored_labels_only():
                     if t + 1 < len(tokens) and tokens[t + 1] != I:  # a token follows, and it is not an image's
                         ce[source[t + 1]] -= logp[t, tokens[t + 1]].item()
                         n[source[t + 1]] += 1
+            means.append((sum(ce) - ce_before) / (sum(n) - n_before))  # this micro-batch's mean CE
     # by hand, the scored labels: web 4 + 3 + 12, caps 4 (BOS, 9, 10, 11) + 2 (12, 13) + 1 (28)
     assert n == [19, 7]
+    # the step's loss: the mean over its 2 micro-batches of each one's mean CE (each scaled by 1 / 2 for the
+    # backward, and back for the record)
+    assert v["loss"] == pytest.approx(sum(means) / 2, rel=1e-6)
     seen = {"web": 100}
     sources = [SimpleNamespace(name="web", shards=["w.tar"]), SimpleNamespace(name="caps", shards=["c.tar"]),
                SimpleNamespace(name="empty", shards=[])]
