@@ -380,3 +380,27 @@ def test_the_estimators_table_in_gib_by_hand():
     assert lines[0] == "simulated step, world 2: peak of live tensor bytes per rank (GiB)"
     assert lines[2] == "     1      1,3     3.00     1.00     0.50     0.25     1.00     0.25"
     assert lines[3].startswith("max peak: 3.00 GiB (")
+
+
+def test_the_proposal_table_by_hand():
+    """launch/plan.py's table for a hand-set report: layout 1 (step 2 s) then layout 2 (3 s) at rel. step 1.00 and
+    1.50, each row's worst pipeline position (the index of its largest cost-model rank: 1, then 0), GB per GPU of
+    that peak, imbalance and bubble as given; the config's own layout (4 s) at rel. step 2.00 of layout 1."""
+    def layout(pp, schedule, recompute, rank_gb, step_s, imbalance, bubble):
+        return {"pp": pp, "cp": 1, "ep": 8, "dp": 64 // pp, "pipeline_schedule": schedule, "recompute": recompute,
+                "rank_bytes": [g * 1e9 for g in rank_gb], "peak_bytes": max(rank_gb) * 1e9, "step_s": step_s,
+                "imbalance_compute": imbalance, "bubble_fraction": bubble, "fits": True,
+                "overrides": [f"parallel.pp={pp}", f"train.recompute={recompute}"]}
+
+    r = {"gpus": 64, "gpu_memory_gb": 80, "seq_len": 4096, "global_sequences": 512, "usable_gb": 72.0,
+         "headroom": 0.1, "budget_gb": 64.8, "cost_model_error": [-0.1, 0.05], "considered": 12, "show": 5,
+         "layouts": [layout(2, "1f1b", "none", [50.0, 61.34], 2.0, 1.0604, 0.1234),
+                     layout(4, "dualpipev", "selective", [40.0, 30.0, 30.0, 30.0], 3.0, 1.5, 0.0612)],
+         "own": {**layout(1, "1f1b", "full", [20.0], 4.0, 1.0, 0.0)}, "ruled_out": {}}
+    lines = plan_tool.format_proposals(r).splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("  #  pp"))
+    assert lines[head + 1:head + 3] == [
+        "  1   2    1    8    32  1f1b             none            61.3      1     1.060   12.3%      1.00",
+        "  2   4    1    8    16  dualpipev        selective       40.0      0     1.500    6.1%      1.50"]
+    assert lines[-1] == ("your config's layout (pp=1 cp=1 ep=8 1f1b, recompute=full): fits, 20.0 GB per GPU, "
+                         "imbalance 1.000, bubble 0.0%, rel. step 2.00")

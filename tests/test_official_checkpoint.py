@@ -163,10 +163,22 @@ def test_release_names_dtypes_and_config(exported):
     files = sorted(p.name for p in (d / "off_fp8").glob("*.safetensors"))
     assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     limit = int(0.001 * (1 << 30))
-    for p in (d / "off_fp8").glob("*.safetensors"):
-        with SafeFile(p) as f:
-            data = sum(f.get(n).numel() * f.get(n).element_size() for n in f.keys())
-        assert 0 < data <= limit, p.name
+    data, largest = [], []
+    for name in files:
+        with SafeFile(d / "off_fp8" / name) as f:
+            sizes = [f.get(n).numel() * f.get(n).element_size() for n in f.keys()]
+        data.append(sum(sizes))
+        largest.append(max(sizes))
+        assert 0 < data[-1] <= limit, name
+    # filled in order: a shard is written when the next tensor would not fit, so no shard could also have held the
+    # largest tensor of the next (a smaller limit, MiB for GiB, would leave them far emptier)
+    assert all(data[i] + largest[i + 1] > limit for i in range(len(files) - 1)), (data, largest)
+    # the summaries: the export's tensors, bytes and shards as written; the import's bytes as read (the weights and
+    # their scales, every stored tensor here), in GB with three decimals
+    total = sum(data)
+    assert (f"{len(stored)} tensors, {total / 1e9:.3f} GB in {len(files)} shard(s) in "
+            in runs["fp8"].stdout), runs["fp8"].stdout
+    assert f" tensors from {total / 1e9:.3f} GB in " in runs["import_fp8"].stdout, runs["import_fp8"].stdout
     config = json.loads((d / "off_fp8" / "config.json").read_text())
     assert config["dtype"] == "fp8" and config["expert_dtype"] == "fp4" and config["dim"] == dim
     assert config["candidate_source_layer"] == 20 and config["engram_compressed_vocab_size"] == 401
