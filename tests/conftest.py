@@ -33,6 +33,29 @@ class Allocations(TorchDispatchMode):
         return out
 
 
+def _remember_compositions():
+    """The suite composes the same overrides again and again (`compose(["+exp=flash_tiny"])` in many tests),
+    ~0.25 s of Hydra each: each pytest process composes a list of overrides once and hands out deep copies
+    (conf/ does not change during a session; a composition that fails is not kept and fails again)."""
+    import copy
+
+    from flashtrain.train import config as config_module
+
+    compose_once, kept = config_module._hydra_compose, {}
+
+    def remembered(overrides):
+        key = tuple(overrides)
+        if key not in kept:
+            kept[key] = compose_once(list(overrides))
+        cfg, run_dir = kept[key]
+        return copy.deepcopy(cfg), run_dir
+
+    config_module._hydra_compose = remembered
+
+
+_remember_compositions()
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     return model_config(compose(["+exp=flash_tiny"]))
