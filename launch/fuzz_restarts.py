@@ -11,7 +11,8 @@ the small embedded corpus (built once under the work directory); `--extra` adds 
 key the harness sets replaces it). About 6 s per kill on 2 CPU cores (start-up dominates): 20 kills take
 2-3 minutes, the uninterrupted reference run included.
 
-Kills (one kind per restart, in a seeded random order that visits every kind once per round of six):
+Kills (one kind per restart, in a seeded random order that visits every kind once per round of six;
+`--kinds` names the ones a round visits, e.g. `--kinds ckpt_write_sync,ckpt_write_async,ckpt_in_flight`):
 - `worker`: SIGKILL of one random worker (a child of the torchrun launcher); the launcher stops the rest;
 - `job`: SIGKILL of the launcher and every worker at once;
 - `launcher`: SIGKILL of the launcher alone; the workers must die by themselves (PR_SET_PDEATHSIG,
@@ -805,7 +806,8 @@ class Fuzzer:
     def plan(self) -> list[str]:
         kinds: list[str] = []
         while len(kinds) < self.args.kills:
-            round_ = [*KINDS, *([READERS] if self.args.reader_kills else []), *([NODE] if self.args.nodes > 1 else [])]
+            round_ = [*self.args.kinds, *([READERS] if self.args.reader_kills else []),
+                      *([NODE] if self.args.nodes > 1 else [])]
             self.rng.shuffle(round_)
             kinds += round_
         return kinds[:self.args.kills]
@@ -979,6 +981,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--startup-kills", type=float, default=0.25,
                    help="fraction of the worker / job / launcher kills that land during start-up (default 0.25)")
     p.add_argument("--seed", type=int, default=0, help="seeds the kinds, moments and ranks of the kills (default 0)")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"the kinds of kill a round visits, comma-separated (default all six: {','.join(KINDS)})")
     p.add_argument("--procs", type=int, default=2, help="torchrun --nproc_per_node (default 2)")
     p.add_argument("--keep-dir", default=None,
                    help="work directory to use and keep (default: a temporary one, removed after a pass)")
@@ -992,6 +996,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--strict-state", action="store_true",
                    help="fail when the final data-loader / RNG state differs (default: a note; parameters must match)")
     args = p.parse_args(argv)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds or len(set(kinds)) != len(kinds):
+        p.error(f"--kinds {args.kinds!r}: name each kind once, from {','.join(KINDS)}"
+                + (f" ({', '.join(unknown)} is not one)" if unknown else ""))
+    args.kinds = tuple(kinds)
     if args.steps is None:
         args.steps = 2 * args.kills + 10
     if args.kills < 0 or args.steps < 2 or args.interval < 1 or args.window < 0:
