@@ -217,6 +217,9 @@ def test_the_step_phase_by_phase_follows_the_1f1b_schedule():
     assert at["forward 2"]["end_bytes"] - at["forward 1"]["end_bytes"] == pytest.approx(
         at["forward 1"]["end_bytes"] - at["before the first forward"]["end_bytes"], rel=0.1)  # one micro-batch each
     assert r.peak_bytes == max(q["peak_bytes"] for q in r.phases) + 2 * 3 * 64 * 8
+    # the figures by kind are the peak's, and the unsimulated inputs count as activations: they add up to it exactly
+    assert sum(getattr(r, f"{k}_bytes") for k in ("params", "grads", "optimizer", "activations", "temporaries",
+                                                   "buffers")) == r.peak_bytes
     # each forward's record of the stage's one block (layer 0): the first micro-batch's block leaves what the
     # block alone keeps (`probe_block`: its kept bytes, autocast's weight copies included) plus its output
     # carry (layer 1's input carry); backward phases (recomputation included) have no block records
