@@ -22,6 +22,36 @@ def _pretrain(run_dir, *overrides, env=None):
                             cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
+def test_a_plain_start_answers_hydras_mode_probe_itself(monkeypatch, tmp_path):
+    """A plain start (overrides only) answers Hydra's mode probe itself -- a single run: None, which Hydra runs
+    as RUN, as its own probe finds with conf/'s unset hydra.mode -- instead of composing the whole config a
+    third time; with Hydra's flags (-m) or a hydra.mode override Hydra probes as usual."""
+    import importlib.util
+
+    from hydra._internal.hydra import Hydra
+
+    spec = importlib.util.spec_from_file_location("pretrain_entry", ROOT / "launch" / "pretrain.py")
+    pretrain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain)
+    probe = Hydra.get_mode
+    monkeypatch.setattr(pretrain, "hydra_main", lambda: None)
+    for argv, probed in ((["hydra.mode=RUN"], True), (["-m"], True), ([], False)):  # the plain start last
+        monkeypatch.setattr(Hydra, "get_mode", probe)
+        monkeypatch.setattr(sys, "argv", ["pretrain.py", "+exp=flash_tiny", f"hydra.run.dir={tmp_path}", *argv])
+        pretrain.main()
+        assert (Hydra.get_mode is probe) == probed, argv
+    assert Hydra.get_mode(None, "config", ["+exp=flash_tiny"]) is None  # the answer (after the plain start above)
+    # what Hydra's own probe reads: hydra.mode of the composed config, which conf/ leaves unset
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from flashtrain.config import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        assert hydra_compose(config_name="config", overrides=["+exp=flash_tiny"], return_hydra_config=True
+                             ).hydra.mode is None
+
+
 @pytest.mark.slow
 def test_an_input_error_is_one_line(tmp_path):
     out = _pretrain(tmp_path / "run", "data.text_shards=[/nonexistent/text-*.tar]")
