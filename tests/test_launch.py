@@ -35,7 +35,8 @@ def test_a_plain_start_answers_hydras_mode_probe_itself(monkeypatch, tmp_path):
     spec.loader.exec_module(pretrain)
     probe = Hydra.get_mode
     monkeypatch.setattr(pretrain, "hydra_main", lambda: None)
-    for argv, probed in ((["hydra.mode=RUN"], True), (["-m"], True), ([], False)):  # the plain start last
+    for argv, probed in ((["hydra.mode=RUN"], True), (["++hydra.mode=RUN"], True), (["-m"], True),
+                         ([], False)):  # the plain start last
         monkeypatch.setattr(Hydra, "get_mode", probe)
         monkeypatch.setattr(sys, "argv", ["pretrain.py", "+exp=flash_tiny", f"hydra.run.dir={tmp_path}", *argv])
         pretrain.main()
